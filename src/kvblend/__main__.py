@@ -1,0 +1,3 @@
+from kvblend.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""Errors a user can act on. Each message names what is wrong and what to do."""
+
+
+class KvblendError(Exception):
+    """Base class: the CLI and server print these as one clear line, never a traceback."""
+
+
+class ModelNotFoundError(KvblendError):
+    """A model name, folder or file that does not exist."""
+
+
+class UnsupportedModelError(KvblendError):
+    """An architecture, RoPE type or option kvblend does not implement."""
+
+
+class ContextLengthError(KvblendError):
+    """A prompt (plus requested new tokens) longer than the model's context."""
+
+
+class InvalidRequestError(KvblendError, ValueError):
+    """A request whose fields are out of range or inconsistent."""

@@ -1,0 +1,106 @@
+"""Text generation: chat rendering, streaming events with stop strings, completions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from kvblend.errors import ContextLengthError, InvalidRequestError
+from kvblend.generation.decode import decode_steps, prefill
+from kvblend.generation.sampling import SamplingParams
+from kvblend.generation.text import TextStream
+from kvblend.models.kv_cache import KVCache
+from kvblend.models.transformer import Transformer
+
+
+class StreamEvent(NamedTuple):
+    """One generated token and the text it made safe to show.
+
+    ``finish_reason`` is set on the last event: "stop" (EOS or a stop string) or
+    "length" (max_tokens or the context limit).
+    """
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+class Completion(NamedTuple):
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the model's chat template, ready for the reply."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model has no chat template: send a plain prompt instead")
+    for m in messages:
+        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"bad chat message {m!r}: needs role system/user/assistant and text content")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """A plain prompt with the tokenizer's usual special tokens (e.g. BOS)."""
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    return ids
+
+
+def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingParams:
+    """Fit max_tokens into the context left after ``used`` positions; error if none is left."""
+    room = context - used
+    if room < 1:
+        raise ContextLengthError(f"the prompt has {used} tokens; the model's context is {context} tokens")
+    return params if params.max_tokens <= room else replace(params, max_tokens=room)
+
+
+def stream_from(
+    model: Transformer,
+    tokenizer: Any,
+    cache: KVCache,
+    first_logits: torch.Tensor,
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+) -> Iterator[StreamEvent]:
+    """Stream text from a prefilled cache (ours or a fused one); the cache grows in place."""
+    params = cap_new_tokens(params, cache.length, model.cfg.context_length)
+    text = TextStream(tokenizer, params.stop)
+    eos = set() if params.ignore_eos else set(eos_ids)
+    count = 0
+    for step in decode_steps(model, cache, first_logits, params, eos_ids):
+        count += 1
+        delta = text.push(step.token_id) if step.token_id not in eos else ""
+        if step.token_id in eos or text.stopped:
+            yield StreamEvent(step.token_id, delta, "stop")
+            return
+        if count == params.max_tokens:
+            yield StreamEvent(step.token_id, delta + text.finish(), "length")
+            return
+        yield StreamEvent(step.token_id, delta)
+
+
+def stream(
+    model: Transformer, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams, eos_ids: Sequence[int]
+) -> Iterator[StreamEvent]:
+    """Full prefill of ``prompt_ids`` then streaming decode."""
+    cap_new_tokens(params, len(prompt_ids), model.cfg.context_length)
+    cache, logits = prefill(model, prompt_ids, params.max_tokens)
+    yield from stream_from(model, tokenizer, cache, logits, params, eos_ids)
+
+
+def collect(events: Iterator[StreamEvent], prompt_tokens: int) -> Completion:
+    """Drain a stream into a Completion."""
+    ids, parts, reason = [], [], "length"
+    for e in events:
+        ids.append(e.token_id)
+        parts.append(e.text)
+        reason = e.finish_reason or reason
+    return Completion("".join(parts), ids, reason, prompt_tokens)

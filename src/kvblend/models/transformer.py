@@ -1,0 +1,179 @@
+"""Our decoder-only transformer (Llama family, Qwen2), written as explicit per-layer steps.
+
+Each layer exposes the steps a caller needs to run it on any subset of tokens, at any
+positions, against any key/value set:
+
+    q, k, v = layer.project(h, cos, sin)       # norm + q/k/v projection + RoPE
+    a = attend(q, keys, values, mask)          # attention against explicit K/V
+    h = layer.finish(h, a)                     # output projection + residual + MLP
+
+The model never owns a request's KV cache: ``forward`` writes into a ``KVCache`` the
+caller passes in. Only the logits the caller asks for are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvblend import rope as rope_lib
+from kvblend.errors import ContextLengthError
+from kvblend.models.config import ModelConfig
+from kvblend.models.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q: (Hq, Tq, d); k, v: (Hkv, Tk, d); mask: (Tq, Tk) bool, True = may attend.
+    ``causal`` is the fast path for Tq == Tk with no mask. Returns (Tq, Hq * d).
+    """
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
+    )  # (1, Hq, Tq, d)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Exact mask over global positions: query at p sees keys at positions <= p.
+
+    With a sliding ``window``, also only keys with p - k < window. (Tq, Tk) bool.
+    """
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    return allowed & (diff < window) if window else allowed
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block. q/k/v and gate/up projections are fused into single matmuls."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(d, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.q_size, d, bias=cfg.o_bias)
+        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=cfg.mlp_bias)
+
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual stream h (T, D) -> post-RoPE q (Hq, T, d), k (Hkv, T, d), v (Hkv, T, d)."""
+        c = self.cfg
+        qkv = self.qkv(self.input_norm(h))  # (T, Hq*d + 2*Hkv*d)
+        q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)  # (Hq, T, d)
+        k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
+        v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1).contiguous()
+        inter = c.rope.interleaved
+        return rope_lib.apply_rope(q, cos, sin, inter), rope_lib.apply_rope(k, cos, sin, inter), v
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection and MLP, each with its residual. h, attn: (T, D), (T, Hq*d)."""
+        h = h + self.o(attn)
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)  # (T, I) each
+        return h + self.down(F.silu(gate).mul_(up))
+
+
+class Transformer(nn.Module):
+    """Weights and per-layer steps. Parameter layout: see ``kvblend.models.weights``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, D) residual stream."""
+        return self.embed_tokens(ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for these positions, computed once per forward and shared by all layers."""
+        return rope_lib.cos_sin(self.cfg.rope, positions, self.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(T, D) final-layer hidden states -> (T, V) logits (float32)."""
+        return self.lm_head(self.norm(h)).float()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, logits_for: str = "last") -> torch.Tensor:
+        """Append ``ids`` (T,) after the cache's current contents and run every layer.
+
+        Positions continue from ``cache.length``. The cache is extended in place.
+        ``logits_for``: "last" -> (1, V), "all" -> (T, V), "none" -> empty tensor.
+        """
+        start, n = cache.length, ids.shape[0]
+        self._check_context(start + n)
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.rope_tables(positions)
+        mask, causal = self._block_mask(positions, start)
+        h = self.embed(ids)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project(h, cos, sin)
+            keys, values = cache.write(i, start, k, v)
+            if i == last and logits_for == "last" and n > 1:
+                # Only the last token's output is read: its query sees every key.
+                q, h, mask, causal = q[:, -1:], h[-1:], None, False
+            h = layer.finish(h, attend(q, keys, values, mask, causal))
+        cache.length = start + n
+        return self._select_logits(h, logits_for)
+
+    def _block_mask(self, positions: torch.Tensor, start: int) -> tuple[torch.Tensor | None, bool]:
+        n, window = positions.shape[0], self.cfg.sliding_window
+        end = start + n
+        if window is None or end <= window:
+            if start == 0:
+                return None, n > 1
+            if n == 1:
+                return None, False
+        return causal_mask(positions, torch.arange(end, device=self.device), window), False
+
+    def _select_logits(self, h: torch.Tensor, which: str) -> torch.Tensor:
+        if which == "last":
+            return self.logits(h[-1:])
+        if which == "all":
+            return self.logits(h)
+        return h.new_empty(0)
+
+    def _check_context(self, length: int) -> None:
+        limit = self.cfg.context_length
+        if length > limit:
+            raise ContextLengthError(f"{length} tokens exceed the model's context of {limit} tokens")
