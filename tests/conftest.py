@@ -36,3 +36,51 @@ def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
 @pytest.fixture
 def hf_llama():
     return make_hf_model("llama")
+
+
+WORDS = (
+    "user assistant system the a of and to in is was for on with as by at from that this it be are city river "
+    "project led doctor budget approved company headquartered works novel published year "
+    "question answer passage who what where when which paris lisbon rome oslo madrid "
+    "alpha beta gamma delta blue green red north south east west one two three four five "
+    "six seven eight nine ten hello world model cache token layer blend reuse prefix"
+).split()
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    """A word-level tokenizer with ChatML specials, built in code (no files)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + [".", ",", "?", ":"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def make_loaded(arch: str = "llama", seed: int = 0, **overrides):
+    """A LoadedModel of a tiny random model with the tiny tokenizer."""
+    from pathlib import Path
+
+    from kvblend.models.config import ModelConfig
+    from kvblend.models.loader import LoadedModel, build_model
+
+    tok = make_tokenizer()
+    hf = make_hf_model(arch, seed=seed, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, **overrides)
+    cfg = ModelConfig.from_hf(hf.config)
+    model = build_model(cfg, {k: v.clone() for k, v in hf.state_dict().items()}, "cpu", torch.float32)
+    return LoadedModel(f"tiny-{arch}", Path("."), cfg, model, tok, f"tiny-{arch}-{seed}")
+
+
+@pytest.fixture
+def tiny():
+    return make_loaded()

@@ -1,0 +1,26 @@
+"""Computing a document's position-independent KV (its "chunk KV") alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvblend.models.transformer import Transformer
+from kvblend.store.chunk import ChunkKV
+
+
+@torch.inference_mode()
+def compute_chunk_kv(model: Transformer, chunk_prefix: Sequence[int], doc_ids: Sequence[int]) -> ChunkKV:
+    """Prefill ``chunk_prefix + doc_ids`` and keep the document's K/V for every layer.
+
+    The prefix (e.g. BOS) is what the model always sees first, so the document's first
+    token is not mistaken for an attention sink. Keys are post-RoPE at positions
+    ``len(chunk_prefix) ...``; ``ChunkKV.base_position`` records that.
+    """
+    p, n = len(chunk_prefix), len(doc_ids)
+    cache = model.new_cache(p + n)
+    model(torch.tensor([*chunk_prefix, *doc_ids], dtype=torch.long, device=model.device), cache, logits_for="none")
+    keys = tuple(k[:, p : p + n].clone() for k in cache.keys)
+    values = tuple(v[:, p : p + n].clone() for v in cache.values)
+    return ChunkKV(tuple(int(t) for t in doc_ids), p, keys, values)

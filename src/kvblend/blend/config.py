@@ -1,0 +1,55 @@
+"""How a request's prompt is built from cached pieces: the method and its knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvblend.errors import InvalidRequestError
+
+METHODS = ("full", "prefix", "reuse", "blend")
+SIGNALS = ("v", "k", "kv")
+CHUNK_PREFIXES = ("bos", "prompt")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Selective-recompute settings (CacheBlend).
+
+    ``check_layers`` are the layers where deviation is measured and the recompute set is
+    chosen; ``schedule`` gives the kept fraction of document tokens at each of them
+    (non-increasing: sets are nested). Without a schedule every check layer keeps
+    ``ratio``. ``signal`` picks what deviation compares: fresh vs cached V, K, or both.
+    ``chunk_prefix``: a document's KV is computed after the prompt's first token ("bos",
+    the attention sink) or after the request's whole prefix ("prompt").
+    """
+
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    schedule: tuple[float, ...] | None = None
+    signal: str = "v"
+    chunk_prefix: str = "bos"
+    recompute_misses: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check_layers", tuple(self.check_layers))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", tuple(self.schedule))
+        for r in self.ratios:
+            if not 0.0 <= r <= 1.0:
+                raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}")
+        if any(b > a for a, b in zip(self.ratios, self.ratios[1:])):
+            raise InvalidRequestError(f"schedule must be non-increasing (nested sets), got {self.ratios}")
+        if not self.check_layers or min(self.check_layers) < 1:
+            raise InvalidRequestError("check layers must be >= 1 (layer-0 V carries no context)")
+        if list(self.check_layers) != sorted(set(self.check_layers)):
+            raise InvalidRequestError(f"check layers must be strictly increasing, got {self.check_layers}")
+        if len(self.ratios) != len(self.check_layers):
+            raise InvalidRequestError("schedule needs one ratio per check layer")
+        if self.signal not in SIGNALS:
+            raise InvalidRequestError(f"signal must be one of {SIGNALS}, got {self.signal!r}")
+        if self.chunk_prefix not in CHUNK_PREFIXES:
+            raise InvalidRequestError(f"chunk_prefix must be one of {CHUNK_PREFIXES}, got {self.chunk_prefix!r}")
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return self.schedule if self.schedule is not None else (self.ratio,) * len(self.check_layers)

@@ -1,0 +1,148 @@
+"""Fusing cached document KV into one prompt cache, with selective recompute (CacheBlend).
+
+Layer by layer over the prompt positions not covered by the exact prefix cache:
+
+* every document's cached KV is re-rotated to its new position and written in;
+* before the first check layer every token runs (layer 0's K/V equal the cache's, but
+  its outputs are the real inputs of layer 1);
+* at each check layer, fresh K/V of the still-active document tokens are compared with
+  the cached ones and only the top fraction by deviation stays active (nested sets);
+* active tokens' fresh K/V replace the cached ones; only active tokens run attention
+  (exact causal mask over global positions) and the MLP;
+* forced tokens (no cached KV, the question/suffix) are active at every layer.
+
+Ratio 1 reproduces a full prefill; ratio 0 with no full layer is full KV reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvblend import rope as rope_lib
+from kvblend.blend.select import deviation, kept_count, select_tokens
+from kvblend.models.kv_cache import KVCache
+from kvblend.models.transformer import Transformer, attend, causal_mask
+from kvblend.store.chunk import ChunkKV
+
+
+@dataclass
+class PlacedChunk:
+    """A document's cached KV and where it sits in this prompt."""
+
+    start: int
+    chunk: ChunkKV
+
+
+@dataclass
+class FusionPlan:
+    """Everything one fusion needs; built per request, never shared."""
+
+    ids: torch.Tensor  # (N,) prompt token ids
+    placed: list[PlacedChunk]
+    prefix_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # exact KV of ids[:P0]
+    check_layers: tuple[int, ...] = (1,)
+    ratios: tuple[float, ...] = (0.15,)
+    signal: str = "v"
+    select_from_start: bool = False  # True: no full layer before the first check (full reuse)
+    extra_capacity: int = 0
+
+
+class FusionOutput(NamedTuple):
+    cache: KVCache
+    logits: torch.Tensor  # (V,) next-token logits after the prompt
+    recomputed: list[int]  # tokens computed at each layer
+    candidates: int  # document tokens that had cached KV
+
+
+def _prefix_len(plan: FusionPlan) -> int:
+    return 0 if plan.prefix_kv is None else plan.prefix_kv[0][0].shape[1]
+
+
+def _candidate_mask(plan: FusionPlan, n: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    for p in plan.placed:
+        mask[p.start : p.start + p.chunk.n_tokens] = True
+    mask[n - 1] = False  # the last prompt token is always computed: it yields the logits
+    return mask
+
+
+def _write_prefix(cache: KVCache, plan: FusionPlan) -> None:
+    if plan.prefix_kv is None:
+        return
+    for layer, (k, v) in enumerate(zip(*plan.prefix_kv)):
+        cache.write(layer, 0, k, v)
+
+
+def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int) -> None:
+    """Re-rotated cached K/V of every placed chunk into this layer's slots."""
+    dev, dt = model.device, model.dtype
+    for p in plan.placed:
+        k = p.chunk.keys[layer].to(dev, dt)
+        v = p.chunk.values[layer].to(dev, dt)
+        delta = p.start - p.chunk.base_position
+        cache.write(layer, p.start, rope_lib.rotate(k, delta, model.cfg.rope) if delta else k, v)
+
+
+def _select(
+    active: torch.Tensor, is_cand: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor],
+    cache: KVCache, layer: int, keep: int, signal: str,
+) -> torch.Tensor:
+    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates."""
+    k, v = fresh
+    cand_idx = is_cand.nonzero().squeeze(1)
+    pos = active[cand_idx]
+    cached_k, cached_v = cache.keys[layer][:, pos], cache.values[layer][:, pos]
+    dev = deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, signal)
+    chosen = cand_idx[select_tokens(dev, keep)]
+    return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values
+
+
+@torch.inference_mode()
+def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
+    """Build the prompt's KV cache from the plan; returns it with the next-token logits."""
+    n, dev = plan.ids.shape[0], model.device
+    p0 = _prefix_len(plan)
+    cache = model.new_cache(n + plan.extra_capacity)
+    _write_prefix(cache, plan)
+    is_cand_all = _candidate_mask(plan, n, dev)
+    n_cand = int(is_cand_all.sum())
+    cos, sin = model.rope_tables(torch.arange(n, device=dev))
+    active = torch.arange(p0, n, device=dev)
+    h = model.embed(plan.ids[p0:])  # (M, D)
+    if plan.select_from_start:
+        keep = (~is_cand_all[active]).nonzero().squeeze(1)
+        active, h = active[keep], h[keep]
+    checks = dict(zip(plan.check_layers, plan.ratios))
+    recomputed, last = [], len(model.layers) - 1
+    all_keys = torch.arange(n, device=dev)
+    for layer_idx, layer in enumerate(model.layers):
+        _write_cached_layer(model, cache, plan, layer_idx)
+        q, k, v = layer.project(h, cos[active], sin[active])
+        if layer_idx in checks and not plan.select_from_start:
+            keep = _select(active, is_cand_all[active], (k, v), cache, layer_idx,
+                           kept_count(checks[layer_idx], n_cand), plan.signal)
+            active, h, q, k, v = active[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
+        recomputed.append(int(active.shape[0]))
+        cache.keys[layer_idx][:, active] = k
+        cache.values[layer_idx][:, active] = v
+        keys, values = cache.view(layer_idx, n)
+        if layer_idx == last:  # only the final token's output is read
+            q, h, mask, causal = q[:, -1:], h[-1:], None, False
+        else:
+            mask, causal = _mask_for(active, all_keys, p0, model.cfg.sliding_window)
+        h = layer.finish(h, attend(q, keys, values, mask, causal))
+    cache.length = n
+    return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand)
+
+
+def _mask_for(
+    active: torch.Tensor, all_keys: torch.Tensor, p0: int, window: int | None
+) -> tuple[torch.Tensor | None, bool]:
+    """The causal fast path when queries are exactly positions 0..N-1; else an exact mask."""
+    n = all_keys.shape[0]
+    if p0 == 0 and active.shape[0] == n and (window is None or n <= window):
+        return None, True
+    return causal_mask(active, all_keys, window), False

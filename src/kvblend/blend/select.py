@@ -1,0 +1,34 @@
+"""Pure selection math: KV deviation and top-k token choice (CacheBlend's HKVD tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def deviation(
+    fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, signal: str
+) -> torch.Tensor:
+    """Per-token squared L2 distance between fresh and cached K/V, summed over heads and dims.
+
+    Inputs are (Hkv, T, d); returns (T,) float32. ``signal``: "v", "k" or "kv" (sum of both).
+    """
+    dev = torch.zeros(fresh_v.shape[1], dtype=torch.float32, device=fresh_v.device)
+    if signal in ("v", "kv"):
+        dev += (fresh_v - cached_v).float().pow(2).sum(dim=(0, 2))
+    if signal in ("k", "kv"):
+        dev += (fresh_k - cached_k).float().pow(2).sum(dim=(0, 2))
+    return dev
+
+
+def select_tokens(dev: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (sorted ascending) of the ``k`` largest deviations. Ties keep the earlier token."""
+    k = max(0, min(k, dev.shape[0]))
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=dev.device)
+    top = torch.topk(dev, k, sorted=False).indices
+    return top.sort().values
+
+
+def kept_count(ratio: float, n_candidates: int) -> int:
+    """How many of ``n_candidates`` document tokens a ratio keeps (rounded to nearest)."""
+    return int(round(ratio * n_candidates))

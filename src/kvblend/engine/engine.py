@@ -1,0 +1,233 @@
+"""The engine: one request from documents to streamed tokens, by any method.
+
+    layout  = render_layout(...)             # prefix | doc_1 ... doc_n | suffix ids
+    prefix  = prefix_cache.lookup(...)        # exact reuse of the longest known prefix
+    chunks  = store.get(key(doc)) per doc     # position-independent chunk KV
+    fused   = fuse(model, plan)               # re-rotate + selective recompute
+    tokens  = stream_from(model, fused.cache) # decode
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kvblend.blend.chunks import compute_chunk_kv
+from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
+from kvblend.blend.layout import PromptLayout, render_layout
+from kvblend.engine.prefix_cache import PrefixCache
+from kvblend.engine.request import DocStat, Request, RequestStats, Result
+from kvblend.errors import ContextLengthError
+from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
+from kvblend.models.kv_cache import KVCache
+from kvblend.models.loader import LoadedModel
+from kvblend.store.base import ChunkStore
+from kvblend.store.chunk import ChunkKV
+from kvblend.store.keys import ChunkKey, KeyContext, chunk_key
+
+
+class Prepared(NamedTuple):
+    """A prompt ready to decode: its cache, next-token logits, and how it was built."""
+
+    layout: PromptLayout
+    cache: KVCache
+    logits: torch.Tensor  # (V,)
+    stats: RequestStats
+
+
+@dataclass
+class _Timer:
+    """Per-request wall-clock breakdown."""
+
+    start: float = field(default_factory=time.perf_counter)
+    parts: dict[str, float] = field(default_factory=lambda: {"lookup": 0.0, "load": 0.0, "prefill": 0.0})
+
+    def add(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.parts[name] += now - since
+        return now
+
+
+@dataclass
+class _Chunks:
+    """Per-request result of looking up every document."""
+
+    placed: list[PlacedChunk] = field(default_factory=list)
+    stats: list[DocStat] = field(default_factory=list)
+    misses: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+
+
+class Engine:
+    """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
+    per-request state lives in request-scoped objects, shared state in the caches."""
+
+    def __init__(
+        self, loaded: LoadedModel, store: ChunkStore | None = None,
+        prefix_cache: PrefixCache | None = None, kv_dtype: str = "fp32",
+    ) -> None:
+        from kvblend.store.config import StoreConfig, build_store
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.store = store if store is not None else build_store(StoreConfig())
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.kv_dtype = kv_dtype
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-chunk")
+        self._pending: list[Future] = []
+
+    # ----- keys and chunks ---------------------------------------------------------
+    def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
+        return KeyContext(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint,
+                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant)
+
+    def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
+        return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
+
+    def warm(self, documents: list[str], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
+        """Precompute and store the chunk KV of documents (skipping those already stored)."""
+        from kvblend.blend.layout import tokenize_document
+
+        ctx, keys = self.key_context(chunk_prefix, tenant), []
+        for doc in documents:
+            ids = tokenize_document(self.tokenizer, doc)
+            key = chunk_key(ids, ctx)
+            if ids and not self.store.contains(key):
+                self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+            keys.append(key)
+        return keys
+
+    def _lookup(self, request: Request, layout: PromptLayout, timer: _Timer) -> _Chunks:
+        ctx = self.key_context(self.chunk_prefix(request, layout), request.tenant)
+        out, seen = _Chunks(), {}
+        t = time.perf_counter()
+        for i, (ids, start) in enumerate(zip(layout.docs, layout.doc_starts)):
+            if not ids:
+                out.stats.append(DocStat(i, 0, True, "request"))
+                continue
+            key = chunk_key(ids, ctx)
+            if key in seen:
+                chunk, source = seen[key], "request"
+            else:
+                chunk, source = self.store.get(key, ids), "store"
+                seen[key] = chunk
+            if chunk is None:
+                if not request.blend.recompute_misses:
+                    t = timer.add("lookup", t)
+                    chunk = seen[key] = compute_chunk_kv(self.model, ctx.chunk_prefix, ids)
+                    t = timer.add("prefill", t)
+                    self.store.put(key, chunk)
+                else:
+                    out.misses[key] = ids
+                    out.stats.append(DocStat(i, len(ids), False, "computed"))
+                    continue
+            out.placed.append(PlacedChunk(start, chunk))
+            out.stats.append(DocStat(i, len(ids), True, source))
+        timer.add("lookup", t)
+        return out
+
+    def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
+        for key, ids in misses.items():
+            fut = self._writer.submit(lambda k=key, d=ids: self.store.put(k, compute_chunk_kv(self.model, chunk_prefix, d)))
+            self._pending.append(fut)
+
+    def flush(self) -> None:
+        """Wait until background chunk computations and writes are done."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self.store.close()
+
+    # ----- prefill by method ------------------------------------------------------
+    def _check_length(self, n: int, extra: int) -> None:
+        limit = self.loaded.config.context_length
+        if n + 1 > limit:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens; the model's context is {limit} tokens (leave room for the answer)")
+
+    def _prefill_exact(self, ids: torch.Tensor, use_prefix: bool, extra: int, timer: _Timer) -> tuple[KVCache, torch.Tensor, int]:
+        hit = self.prefix_cache.lookup(ids, max_len=ids.shape[0] - 1) if use_prefix else None
+        cache = self.model.new_cache(ids.shape[0] + extra)
+        start = 0
+        if hit is not None:
+            t = time.perf_counter()
+            for layer, (k, v) in enumerate(zip(hit.keys, hit.values)):
+                cache.write(layer, 0, k.to(self.model.device), v.to(self.model.device))
+            cache.length = start = hit.length
+            timer.add("load", t)
+        t = time.perf_counter()
+        logits = self.model(ids[start:], cache)[0]
+        timer.add("prefill", t)
+        if use_prefix:
+            self.prefix_cache.insert(ids, cache, ids.shape[0])
+        return cache, logits, start
+
+    def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
+                       timer: _Timer) -> tuple[KVCache, torch.Tensor, int, _Chunks, list[int], int]:
+        prefix_ids = ids[: len(layout.prefix)]
+        hit = self.prefix_cache.lookup(prefix_ids, max_len=min(len(layout.prefix), ids.shape[0] - 1))
+        chunks = self._lookup(request, layout, timer)
+        cfg = request.blend
+        plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
+                          cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra)
+        t = time.perf_counter()
+        out = fuse(self.model, plan)
+        timer.add("prefill", t)
+        if len(layout.prefix) and (hit is None or hit.length < len(layout.prefix)):
+            self.prefix_cache.insert(prefix_ids, out.cache, len(layout.prefix))
+        self._write_back(chunks.misses, self.chunk_prefix(request, layout))
+        return out.cache, out.logits, hit.length if hit else 0, chunks, out.recomputed, out.candidates
+
+    def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
+        """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
+        timer = _Timer()
+        layout = render_layout(self.tokenizer, request.documents, request.question, request.messages,
+                               request.system, request.use_chat_template)
+        self._check_length(len(layout), extra_capacity)
+        ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
+        n_layers = self.loaded.config.num_layers
+        if request.method in ("full", "prefix"):
+            cache, logits, hit = self._prefill_exact(ids, request.method == "prefix", extra_capacity, timer)
+            docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
+            recomputed, cand = [len(layout) - hit] * n_layers, 0
+        else:
+            cache, logits, hit, chunks, recomputed, cand = self._prefill_fused(request, layout, ids, extra_capacity, timer)
+            docs = chunks.stats
+        elapsed = time.perf_counter() - timer.start
+        stats = RequestStats(request.method, len(layout), hit, docs, recomputed, cand, timer.parts["lookup"],
+                             timer.parts["load"], timer.parts["prefill"], elapsed)
+        return Prepared(layout, cache, logits, stats)
+
+    # ----- generation -------------------------------------------------------------
+    def stream(self, request: Request, sampling: SamplingParams) -> Iterator[StreamEvent | RequestStats]:
+        """Yield the request's stats (TTFT filled in) right after the first token's event,
+        then the remaining token events."""
+        start = time.perf_counter()
+        prepared = self.prepare(request, sampling.max_tokens)
+        events = stream_from(self.model, self.tokenizer, prepared.cache, prepared.logits, sampling,
+                             self.loaded.eos_token_ids)
+        for i, event in enumerate(events):
+            yield event
+            if i == 0:
+                yield prepared.stats._replace(ttft_s=time.perf_counter() - start)
+
+    def generate(self, request: Request, sampling: SamplingParams | None = None) -> Result:
+        """Run a request to completion."""
+        sampling = sampling or SamplingParams()
+        stats, events = None, []
+        for item in self.stream(request, sampling):
+            if isinstance(item, RequestStats):
+                stats = item
+            else:
+                events.append(item)
+        completion = collect(iter(events), stats.prompt_tokens)
+        return Result(completion.text, completion.token_ids, completion.finish_reason, stats)

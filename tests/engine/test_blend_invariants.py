@@ -1,0 +1,112 @@
+"""The exact invariants of fusion, on a tiny random model: ratio 1 == full prefill,
+ratio 0 == full reuse, a document at its computed position needs no correction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, PrefixCache, Request
+from kvblend.errors import ContextLengthError, InvalidRequestError
+from tests.conftest import make_loaded
+
+DOCS = [
+    "the city of paris is blue . the river was red and the project led to rome .",
+    "doctor alpha works in lisbon . the company headquartered in oslo was green .",
+    "the novel published in year one was about madrid and the north river .",
+]
+QUESTION = "which city is blue ?"
+
+
+def engine(**kw) -> Engine:
+    return Engine(make_loaded(**kw))
+
+
+def logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
+    req = Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
+                  blend=BlendConfig(**blend))
+    return eng.prepare(req).logits
+
+
+def warmed(eng: Engine, docs=DOCS, **blend) -> Engine:
+    logits(eng, "blend", docs, **blend)  # first call: misses are computed and written back
+    eng.flush()
+    return eng
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ratio_one_reproduces_full_prefill(arch: str) -> None:
+    eng = warmed(engine(arch=arch))
+    full = logits(eng, "full")
+    blended = logits(eng, "blend", ratio=1.0)
+    assert (blended - full).abs().max().item() <= 1e-3
+
+
+def test_ratio_zero_reproduces_full_reuse() -> None:
+    eng = warmed(engine())
+    reuse = logits(eng, "reuse")
+    blended = logits(eng, "blend", ratio=0.0)
+    assert (blended - reuse).abs().max().item() <= 1e-3
+    assert (reuse - logits(eng, "full")).abs().max().item() > 1e-3  # reuse really is approximate
+
+
+def test_progressive_schedule_at_ratio_one_is_still_exact() -> None:
+    eng = warmed(engine(num_hidden_layers=4))
+    full = logits(eng, "full")
+    blended = logits(eng, "blend", check_layers=(1, 2), schedule=(1.0, 1.0))
+    assert (blended - full).abs().max().item() <= 1e-3
+
+
+def test_single_document_at_its_computed_position_needs_no_recompute() -> None:
+    eng = warmed(engine(), docs=DOCS[:1], chunk_prefix="prompt")
+    full = logits(eng, "full", docs=DOCS[:1])
+    reused = logits(eng, "blend", docs=DOCS[:1], ratio=0.0, chunk_prefix="prompt")
+    assert (reused - full).abs().max().item() <= 1e-3
+
+
+def test_all_misses_are_computed_in_full() -> None:
+    eng = engine()
+    first = logits(eng, "blend", ratio=0.0)  # nothing cached: every document recomputed
+    assert (first - logits(eng, "full")).abs().max().item() <= 1e-3
+
+
+def test_no_documents_is_a_plain_prefill() -> None:
+    eng = engine()
+    assert (logits(eng, "blend", docs=[]) - logits(eng, "full", docs=[])).abs().max().item() <= 1e-3
+
+
+def test_prefix_method_reuses_an_exact_prefix_losslessly() -> None:
+    eng = engine()
+    logits(eng, "prefix")
+    req = Request(documents=DOCS, question="where is the river ?", system="answer the question .", method="prefix")
+    prepared = eng.prepare(req)
+    assert prepared.stats.prefix_hit_tokens > sum(len(d.split()) for d in DOCS)
+    full = eng.prepare(Request(documents=DOCS, question="where is the river ?", system="answer the question .",
+                               method="full")).logits
+    assert (prepared.logits - full).abs().max().item() <= 1e-3
+
+
+def test_selection_counts_follow_the_schedule() -> None:
+    eng = warmed(engine(num_hidden_layers=5), check_layers=(1, 3), schedule=(0.5, 0.2))
+    stats = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .",
+                                blend=BlendConfig(check_layers=(1, 3), schedule=(0.5, 0.2)))).stats
+    n_cand, forced = stats.candidates, stats.recomputed_per_layer[-1] - round(0.2 * stats.candidates)
+    assert stats.recomputed_per_layer[1] == forced + round(0.5 * n_cand)
+    assert stats.recomputed_per_layer[3] == forced + round(0.2 * n_cand)
+    assert stats.recomputed_per_layer[0] > stats.recomputed_per_layer[1] >= stats.recomputed_per_layer[2]
+    assert stats.recomputed_per_layer[2] > stats.recomputed_per_layer[3] == stats.recomputed_per_layer[4]
+
+
+def test_bad_ratio_and_overlong_prompt_are_clear_errors() -> None:
+    with pytest.raises(InvalidRequestError, match=r"\[0, 1\]"):
+        BlendConfig(ratio=1.5)
+    eng = engine(max_position_embeddings=40)
+    with pytest.raises(ContextLengthError, match="40"):
+        logits(eng, "blend")
+
+
+def test_prefix_cache_is_byte_capped() -> None:
+    eng = Engine(make_loaded(), prefix_cache=PrefixCache(max_bytes=1))
+    logits(eng, "prefix")
+    assert eng.prefix_cache.lookup(torch.tensor([1, 2, 3])) is None

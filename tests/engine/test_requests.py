@@ -1,0 +1,100 @@
+"""Request-level behaviour: hits and misses, repeats, ordering, stats, streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, Request, RequestStats
+from kvblend.errors import InvalidRequestError
+from kvblend.generation import SamplingParams, StreamEvent
+from tests.conftest import make_loaded
+from tests.engine.test_blend_invariants import DOCS, QUESTION
+
+
+@pytest.fixture
+def eng() -> Engine:
+    return Engine(make_loaded())
+
+
+def prepare(eng: Engine, docs, **kw):
+    return eng.prepare(Request(documents=docs, question=QUESTION, **kw))
+
+
+def test_first_request_misses_then_every_order_hits(eng: Engine) -> None:
+    first = prepare(eng, DOCS).stats
+    assert [d.hit for d in first.docs] == [False, False, False]
+    eng.flush()
+    for order in ([2, 0, 1], [1, 2, 0]):
+        stats = prepare(eng, [DOCS[i] for i in order]).stats
+        assert all(d.hit and d.source == "store" for d in stats.docs)
+    assert eng.store.stats().entries == 3  # one stored copy per document, whatever its position
+
+
+def test_same_document_twice_uses_one_entry(eng: Engine) -> None:
+    prepare(eng, [DOCS[0]])
+    eng.flush()
+    stats = prepare(eng, [DOCS[0], DOCS[1], DOCS[0]]).stats
+    assert [d.source for d in stats.docs] == ["store", "computed", "request"]
+    eng.flush()
+    assert eng.store.stats().entries == 2
+
+
+def test_empty_document_is_skipped(eng: Engine) -> None:
+    stats = prepare(eng, ["", DOCS[0]]).stats
+    assert stats.docs[0].tokens == 0 and stats.docs[1].tokens > 0
+    assert stats.prompt_tokens == prepare(eng, [DOCS[0]], method="full").stats.prompt_tokens
+
+
+def test_token_id_documents_are_placed_verbatim(eng: Engine) -> None:
+    ids = eng.tokenizer(DOCS[1], add_special_tokens=False)["input_ids"]
+    a = prepare(eng, [DOCS[0], ids], method="full")
+    b = prepare(eng, [DOCS[0], DOCS[1]], method="full")
+    assert a.layout.ids == b.layout.ids
+    assert a.layout.docs[1] == tuple(ids)
+
+
+def test_tenants_do_not_share_chunks(eng: Engine) -> None:
+    prepare(eng, DOCS, tenant="acme")
+    eng.flush()
+    assert not any(d.hit for d in prepare(eng, DOCS, tenant="globex").stats.docs)
+
+
+def test_generate_reports_text_tokens_and_stats(eng: Engine) -> None:
+    prepare(eng, DOCS)
+    eng.flush()
+    res = eng.generate(Request(documents=DOCS, question=QUESTION), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(res.token_ids) == 6 and res.finish_reason == "length"
+    s = res.stats
+    assert s.method == "blend" and s.ttft_s >= s.prefill_s > 0
+    assert len(s.recomputed_per_layer) == eng.loaded.config.num_layers
+    assert 0 < s.recompute_frac < 1
+    assert set(res.to_dict()["stats"]) >= {"docs", "recompute_frac", "lookup_s", "load_s", "ttft_s"}
+
+
+def test_stream_yields_events_and_stats_after_first_token(eng: Engine) -> None:
+    items = list(eng.stream(Request(documents=DOCS, question=QUESTION, method="full"),
+                            SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert isinstance(items[0], StreamEvent) and isinstance(items[1], RequestStats)
+    assert sum(isinstance(i, StreamEvent) for i in items) == 4
+
+
+def test_bad_requests_are_rejected_clearly() -> None:
+    with pytest.raises(InvalidRequestError, match="method"):
+        Request(documents=DOCS, question=QUESTION, method="magic")
+    with pytest.raises(InvalidRequestError, match="one string"):
+        Request(documents="just text", question=QUESTION)
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        Request(documents=DOCS)
+    with pytest.raises(InvalidRequestError, match="non-increasing"):
+        BlendConfig(check_layers=(1, 2), schedule=(0.1, 0.3))
+    with pytest.raises(InvalidRequestError, match="layer-0"):
+        BlendConfig(check_layers=(0,))
+
+
+def test_chat_messages_put_documents_in_the_last_user_turn(eng: Engine) -> None:
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": QUESTION}]
+    p = eng.prepare(Request(documents=DOCS[:1], messages=msgs, method="full"))
+    text = eng.tokenizer.decode(p.layout.prefix)
+    assert text.count("<|im_start|>") == 3 and text.rstrip().endswith("user")
