@@ -24,7 +24,8 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.select import deviation, kept_count, select_tokens
 from kvblend.models.kv_cache import KVCache
-from kvblend.models.transformer import Transformer, attend, causal_mask
+from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
+from kvblend.models.transformer import Transformer
 from kvblend.store.chunk import ChunkKV
 
 
@@ -117,7 +118,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         active, h = active[keep], h[keep]
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last = [], len(model.layers) - 1
-    all_keys = torch.arange(n, device=dev)
+    attn_plan: AttentionPlan | None = None
     for layer_idx, layer in enumerate(model.layers):
         _write_cached_layer(model, cache, plan, layer_idx)
         q, k, v = layer.project(h, cos[active], sin[active])
@@ -125,24 +126,19 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
             keep = _select(active, is_cand_all[active], (k, v), cache, layer_idx,
                            kept_count(checks[layer_idx], n_cand), plan.signal)
             active, h, q, k, v = active[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
+            attn_plan = None
         recomputed.append(int(active.shape[0]))
         cache.keys[layer_idx][:, active] = k
         cache.values[layer_idx][:, active] = v
         keys, values = cache.view(layer_idx, n)
-        if layer_idx == last:  # only the final token's output is read
-            q, h, mask, causal = q[:, -1:], h[-1:], None, False
-        else:
-            mask, causal = _mask_for(active, all_keys, p0, model.cfg.sliding_window)
-        h = layer.finish(h, attend(q, keys, values, mask, causal))
+        if layer_idx == last and _sees_all(model, n):  # only the final token's output is read
+            h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
+            continue
+        attn_plan = attn_plan or plan_attention(active, n, model.cfg.sliding_window, model.dtype)
+        h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand)
 
 
-def _mask_for(
-    active: torch.Tensor, all_keys: torch.Tensor, p0: int, window: int | None
-) -> tuple[torch.Tensor | None, bool]:
-    """The causal fast path when queries are exactly positions 0..N-1; else an exact mask."""
-    n = all_keys.shape[0]
-    if p0 == 0 and active.shape[0] == n and (window is None or n <= window):
-        return None, True
-    return causal_mask(active, all_keys, window), False
+def _sees_all(model: Transformer, n: int) -> bool:
+    return model.cfg.sliding_window is None or n <= model.cfg.sliding_window

@@ -89,7 +89,7 @@ class Engine:
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
 
-    def warm(self, documents: list[str], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
+    def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents (skipping those already stored)."""
         from kvblend.blend.layout import tokenize_document
 
@@ -187,11 +187,15 @@ class Engine:
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return out.cache, out.logits, hit.length if hit else 0, chunks, out.recomputed, out.candidates
 
+    def layout(self, request: Request) -> PromptLayout:
+        """The request's token ids and spans (no model work)."""
+        return render_layout(self.tokenizer, request.documents, request.question, request.messages,
+                             request.system, request.use_chat_template)
+
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
         timer = _Timer()
-        layout = render_layout(self.tokenizer, request.documents, request.question, request.messages,
-                               request.system, request.use_chat_template)
+        layout = self.layout(request)
         self._check_length(len(layout), extra_capacity)
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
         n_layers = self.loaded.config.num_layers

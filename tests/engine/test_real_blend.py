@@ -1,0 +1,64 @@
+"""Fusion invariants on the real default model, with short documents."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, Request
+
+DOCS = [
+    "Hannibal and Scipio is a tragedy by Thomas Nabbes, first performed in 1635 by Queen Henrietta's Men.",
+    "Thomas Nabbes was an English dramatist. He was educated at Exeter College, Oxford, and lived in London.",
+    "Queen Henrietta's Men was a playing company of the Caroline era, formed in 1625 at the Cockpit Theatre.",
+]
+QUESTION = "Where was the author of Hannibal and Scipio educated?"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    eng = Engine(smollm2)
+    for prefix_mode in ("bos", "prompt"):
+        eng.prepare(Request(documents=DOCS, question=QUESTION, blend=BlendConfig(chunk_prefix=prefix_mode)))
+    eng.flush()
+    return eng
+
+
+def logits(engine: Engine, method: str, docs=DOCS, **blend):
+    return engine.prepare(Request(documents=docs, question=QUESTION, method=method, blend=BlendConfig(**blend)))
+
+
+def test_ratio_one_is_full_prefill(engine: Engine) -> None:
+    full = logits(engine, "full").logits
+    blended = logits(engine, "blend", ratio=1.0)
+    assert all(d.hit for d in blended.stats.docs)
+    assert (blended.logits - full).abs().max().item() <= 1e-3
+
+
+def test_ratio_zero_is_full_reuse(engine: Engine) -> None:
+    reuse = logits(engine, "reuse").logits
+    assert (logits(engine, "blend", ratio=0.0).logits - reuse).abs().max().item() <= 1e-3
+
+
+def test_reordered_documents_all_hit(engine: Engine) -> None:
+    stats = logits(engine, "blend", docs=[DOCS[2], DOCS[0], DOCS[1]]).stats
+    assert [d.hit for d in stats.docs] == [True, True, True]
+
+
+def test_first_document_after_its_own_prefix_needs_no_correction(engine: Engine) -> None:
+    full = logits(engine, "full", docs=DOCS[:1]).logits
+    reused = logits(engine, "blend", docs=DOCS[:1], ratio=0.0, chunk_prefix="prompt")
+    assert reused.stats.docs[0].hit
+    assert (reused.logits - full).abs().max().item() <= 1e-3
+
+
+def test_blend_is_closer_to_full_than_reuse(engine: Engine) -> None:
+    import torch
+
+    full = torch.log_softmax(logits(engine, "full").logits, -1)
+
+    def kl(method: str, **kw) -> float:
+        other = torch.log_softmax(logits(engine, method, **kw).logits, -1)
+        return float((full.exp() * (full - other)).sum())
+
+    assert kl("blend", ratio=0.5) < kl("reuse")

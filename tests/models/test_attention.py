@@ -1,0 +1,33 @@
+"""Every attention plan equals attention with the exact causal mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblend.models.attention import attend, attend_planned, causal_mask, plan_attention
+
+N = 50
+
+
+def reference(q, k, v, pos, window=None):
+    return attend(q, k, v, causal_mask(pos, torch.arange(N), window))
+
+
+@pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "windowed"])
+def test_plan_matches_explicit_mask(case: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, N, 8, generator=g), torch.randn(2, N, 8, generator=g)
+    pos = {
+        "all": torch.arange(N),
+        "block-short-head": torch.arange(10, N),
+        "block-long-head": torch.arange(40, N),
+        "scattered": torch.randperm(N, generator=g)[:17].sort().values,
+        "windowed": torch.arange(5, N),
+    }[case]
+    window = 7 if case == "windowed" else None
+    q = torch.randn(4, pos.shape[0], 8, generator=g)
+    plan = plan_attention(pos, N, window, torch.float32, group_size=6)
+    expected_kind = {"all": "causal", "block-short-head": "padded"}.get(case, "groups")
+    assert plan.kind == expected_kind
+    assert torch.allclose(attend_planned(q, k, v, plan), reference(q, k, v, pos, window), atol=1e-5)
