@@ -84,3 +84,11 @@ def make_loaded(arch: str = "llama", seed: int = 0, **overrides):
 @pytest.fixture
 def tiny():
     return make_loaded()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (converted into the model cache on first use)."""
+    from kvblend.models import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL)

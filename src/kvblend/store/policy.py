@@ -1,0 +1,118 @@
+"""Eviction policies (small strategy objects) and admission after N sightings.
+
+A policy only orders keys; the tier that owns it decides how much to evict and holds the
+lock (policies are not thread-safe on their own). Eviction order is per tenant, because a
+tenant's put may only evict that tenant's entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict, defaultdict
+from typing import Iterator
+
+from kvblend.store.keys import ChunkKey
+
+
+class EvictionPolicy(ABC):
+    """Orders a tier's keys for eviction. Calls: ``insert`` once per new key, ``touch`` on
+    each hit, ``remove`` when a key leaves, ``order(tenant)`` to list victims, first first."""
+
+    @abstractmethod
+    def insert(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def touch(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        """``tenant``'s keys, the first to evict first. Do not mutate while iterating."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._lists: dict[str, OrderedDict[ChunkKey, None]] = defaultdict(OrderedDict)
+
+    def insert(self, key: ChunkKey) -> None:
+        self._lists[key.tenant][key] = None
+        self._lists[key.tenant].move_to_end(key)
+
+    def touch(self, key: ChunkKey) -> None:
+        lru = self._lists[key.tenant]
+        if key in lru:
+            lru.move_to_end(key)
+
+    def remove(self, key: ChunkKey) -> None:
+        self._lists[key.tenant].pop(key, None)
+
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        return iter(list(self._lists.get(tenant, ())))
+
+
+class LFUPolicy(EvictionPolicy):
+    """Fewest hits first; among equals, least recently used first."""
+
+    def __init__(self) -> None:
+        self._tick = itertools.count()
+        self._scores: dict[str, dict[ChunkKey, tuple[int, int]]] = defaultdict(dict)
+
+    def insert(self, key: ChunkKey) -> None:
+        self._scores[key.tenant][key] = (0, next(self._tick))
+
+    def touch(self, key: ChunkKey) -> None:
+        scores = self._scores[key.tenant]
+        if key in scores:
+            scores[key] = (scores[key][0] + 1, next(self._tick))
+
+    def remove(self, key: ChunkKey) -> None:
+        self._scores[key.tenant].pop(key, None)
+
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        scores = self._scores.get(tenant, {})
+        return iter(sorted(scores, key=scores.__getitem__))
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by name (``lru`` or ``lfu``)."""
+    if name not in POLICIES:
+        raise ValueError(f"eviction must be one of {sorted(POLICIES)}; got {name!r}")
+    return POLICIES[name]()
+
+
+class SightingsAdmission:
+    """Admit a chunk on its ``admit_after``-th sighting (a put attempt). Thread-safe.
+
+    Sightings are remembered for at most ``max_tracked`` keys (least recent forgotten),
+    so the tracker itself stays bounded. ``admit_after=1`` admits everything.
+    """
+
+    def __init__(self, admit_after: int = 1, max_tracked: int = 100_000) -> None:
+        if admit_after < 1 or max_tracked < 1:
+            raise ValueError("admit_after and max_tracked must be >= 1")
+        self.admit_after = admit_after
+        self._max = max_tracked
+        self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, key: ChunkKey) -> bool:
+        """Record a sighting of ``key``; True when it should be stored now."""
+        if self.admit_after == 1:
+            return True
+        with self._lock:
+            count = self._seen.pop(key, 0) + 1
+            if count >= self.admit_after:
+                return True
+            self._seen[key] = count
+            while len(self._seen) > self._max:
+                self._seen.popitem(last=False)
+        return False

@@ -1,0 +1,303 @@
+"""Remote tier on Redis/Valkey (single instance), shared by several serving machines.
+
+Each entry is a Redis hash: ``format``/``header``/``header_xxh3`` plus one field per
+tensor (``k.3``, ``v.3``, ...), so one layer is fetched alone with HMGET. Per tenant a
+sorted set orders entries by last use, a hash holds their sizes and a counter their
+bytes; a global counter holds all bytes. Puts, deletes and evictions run as Lua scripts,
+so caps and accounting stay exact with many clients. An optional TTL expires entries
+(their index rows are swept when room is short or when listing).
+
+Every Redis call has a timeout and no retries; a failure counts a warning, reads miss,
+writes return False, and the tier is skipped for ``retry_s`` before trying again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvblend.store.base import EntryInfo
+from kvblend.store.codec import checksum_bytes, tensor_bytes, tensor_from_bytes
+from kvblend.store.entry import CorruptEntry, Entry, EntryHeader, header_fields, parse_header_fields
+from kvblend.store.keys import ChunkKey, validate_tenant
+from kvblend.store.tier import LayerRead, Tier, TierUnavailable, WriteOutcome
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+HEADER_FIELDS = ("format", "header", "header_xxh3")
+
+_LUA_COMMON = """
+local prefix = ARGV[1]
+local function num(v) return tonumber(v) or 0 end
+local function drop(t, d)
+  local base = prefix .. ':' .. t
+  local n = num(redis.call('HGET', base .. ':size', d))
+  local existed = redis.call('HDEL', base .. ':size', d) + redis.call('DEL', base .. ':e:' .. d)
+  redis.call('ZREM', base .. ':lru', d)
+  redis.call('DECRBY', base .. ':bytes', n)
+  redis.call('DECRBY', prefix .. ':bytes', n)
+  return existed
+end
+"""
+
+# KEYS: entry, lru, tenant bytes, global bytes, tenants, sizes
+# ARGV: prefix, tenant, digest, nbytes, now, ttl_ms, cap, tenant_cap, field, value, ...
+_LUA_PUT = _LUA_COMMON + """
+local tenant, digest = ARGV[2], ARGV[3]
+local need, now, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local cap, tcap = tonumber(ARGV[7]), tonumber(ARGV[8])
+local function full()
+  return num(redis.call('GET', KEYS[4])) + need > cap or num(redis.call('GET', KEYS[3])) + need > tcap
+end
+local function sweep()
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+    for _, d in ipairs(redis.call('ZRANGE', prefix .. ':' .. t .. ':lru', 0, -1)) do
+      if redis.call('EXISTS', prefix .. ':' .. t .. ':e:' .. d) == 0 then drop(t, d) end
+    end
+  end
+end
+if need > tcap or need > cap then return {0, 0} end
+drop(tenant, digest)
+local evicted = 0
+while full() do
+  local victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if victim == nil then
+    sweep()
+    if full() then return {0, evicted} end
+  else
+    drop(tenant, victim)
+    evicted = evicted + 1
+  end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+redis.call('HSET', KEYS[6], digest, need)
+redis.call('ZADD', KEYS[2], now, digest)
+redis.call('INCRBY', KEYS[3], need)
+redis.call('INCRBY', KEYS[4], need)
+redis.call('SADD', KEYS[5], tenant)
+return {1, evicted}
+"""
+
+# ARGV: prefix, tenant, digest
+_LUA_DROP = _LUA_COMMON + "return drop(ARGV[2], ARGV[3])"
+
+# KEYS: lru, tenant bytes; ARGV: prefix, tenant, target_bytes
+_LUA_EVICT = _LUA_COMMON + """
+local evicted = 0
+while num(redis.call('GET', KEYS[2])) > tonumber(ARGV[3]) do
+  local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if victim == nil then break end
+  drop(ARGV[2], victim)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+
+class RedisStore(Tier):
+    """Chunk entries in Redis (see the module docstring). Thread-safe (connection pool);
+    any number of processes and machines may share one server and ``prefix``."""
+
+    name = "redis"
+
+    def __init__(self, url: str, max_bytes: int, *, ttl_s: float | None = None, timeout_s: float = 0.5,
+                 retry_s: float = 5.0, prefix: str = "kvblend", tenant_bytes: int | None = None,
+                 kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:
+        super().__init__(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
+        if max_bytes < 0 or timeout_s <= 0 or retry_s < 0 or (ttl_s is not None and ttl_s <= 0):
+            raise ValueError("max_bytes >= 0, timeout_s > 0, retry_s >= 0 and ttl_s > 0 (or None) required")
+        self.max_bytes = max_bytes
+        self.tenant_bytes = max_bytes if tenant_bytes is None else min(tenant_bytes, max_bytes)
+        self.ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.prefix = validate_tenant(prefix)
+        self.retry_s = retry_s
+        self._client = _connect(url, timeout_s)
+        self._put_script = self._client.register_script(_LUA_PUT)
+        self._drop_script = self._client.register_script(_LUA_DROP)
+        self._evict_script = self._client.register_script(_LUA_EVICT)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    # -- key names ---------------------------------------------------------------------
+
+    def _k(self, tenant: str, what: str) -> str:
+        return f"{self.prefix}:{tenant}:{what}"
+
+    def _entry_key(self, key: ChunkKey) -> str:
+        return self._k(key.tenant, f"e:{key.digest}")
+
+    # -- availability ------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one round trip; TierUnavailable on any Redis failure, and back off."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                raise TierUnavailable("redis tier backing off after a failure")
+        try:
+            return fn()
+        except (redis.RedisError, OSError) as exc:
+            self._mark_down(exc)
+            raise TierUnavailable(f"redis: {exc}") from exc
+
+    def _mark_down(self, exc: Exception) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_s
+        log.warning("redis tier unavailable (%s); skipping it for %.1f s", exc, self.retry_s)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def contains(self, key: ChunkKey) -> bool:
+        try:
+            return bool(self._call(lambda: self._client.exists(self._entry_key(key))))
+        except TierUnavailable:
+            self.counters.add(key.tenant, "warnings")
+            return False
+
+    def _read(self, key: ChunkKey) -> Entry | None:
+        def fetch() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hgetall(self._entry_key(key))
+            pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
+            return pipe.execute()
+
+        fields = {name.decode(errors="replace"): value for name, value in self._call(fetch)[0].items()}
+        if not fields:
+            return None
+        header = parse_header_fields(fields)
+        return Entry(header, {name: _tensor(header, name, fields.get(name)) for name in header.checksums}, owned=True)
+
+    def _read_layer(self, key: ChunkKey, layer: int) -> LayerRead | None:
+        names = (f"k.{layer}", f"v.{layer}", f"k.{layer}.scale", f"v.{layer}.scale")
+
+        def fetch() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hmget(self._entry_key(key), [*HEADER_FIELDS, *names])
+            pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
+            return pipe.execute()
+
+        values = self._call(fetch)[0]
+        fields = dict(zip((*HEADER_FIELDS, *names), values))
+        if all(v is None for v in values):
+            return None
+        header = parse_header_fields(fields)
+        if layer >= header.n_layers:
+            return None
+        tensors = {n: _tensor(header, n, fields.get(n)) for n in header.tensor_names(layer)}
+        return LayerRead(header, tensors, owned=True)
+
+    # -- writes ------------------------------------------------------------------------
+
+    def _write(self, entry: Entry) -> WriteOutcome:
+        h = entry.header
+        payload = _payload(entry)
+        nbytes = sum(len(v) for v in payload.values())
+        keys = [self._k(h.tenant, f"e:{h.digest}"), self._k(h.tenant, "lru"), self._k(h.tenant, "bytes"),
+                f"{self.prefix}:bytes", f"{self.prefix}:tenants", self._k(h.tenant, "size")]
+        args: list[Any] = [self.prefix, h.tenant, h.digest, nbytes, time.time(), self.ttl_ms,
+                           self.max_bytes, self.tenant_bytes]
+        for name, value in payload.items():
+            args += [name, value]
+        stored, evicted = self._call(lambda: self._put_script(keys=keys, args=args))
+        return WriteOutcome(bool(stored), int(evicted))
+
+    def _remove(self, key: ChunkKey) -> bool:
+        args = [self.prefix, key.tenant, key.digest]
+        return bool(self._call(lambda: self._drop_script(keys=[], args=args)))
+
+    def _evict(self, tenant: str, target_bytes: int) -> int:
+        keys = [self._k(tenant, "lru"), self._k(tenant, "bytes")]
+        return int(self._call(lambda: self._evict_script(keys=keys, args=[self.prefix, tenant, target_bytes])))
+
+    # -- accounting --------------------------------------------------------------------
+
+    def entries(self, tenant: str) -> list[EntryInfo]:
+        """Live entries of ``tenant`` (index rows of TTL-expired entries are dropped)."""
+        validate_tenant(tenant)
+        try:
+            rows, sizes, alive = self._call(lambda: self._listing(tenant))
+        except TierUnavailable:
+            self.counters.add(tenant, "warnings")
+            return []
+        infos = []
+        for (digest, used), size, live in zip(rows, sizes, alive):
+            key = ChunkKey(tenant, digest.decode())
+            if live:
+                infos.append(EntryInfo(key, int(size or 0), float(used)))
+            else:
+                self._discard(key)
+        return infos
+
+    def _listing(self, tenant: str) -> tuple[list[Any], list[Any], list[Any]]:
+        rows = self._client.zrange(self._k(tenant, "lru"), 0, -1, withscores=True)
+        digests = [d for d, _ in rows]
+        pipe = self._client.pipeline(transaction=False)
+        for d in digests:
+            pipe.exists(self._k(tenant, f"e:{d.decode()}"))
+        alive = pipe.execute() if digests else []
+        sizes = self._client.hmget(self._k(tenant, "size"), digests) if digests else []
+        return rows, sizes, alive
+
+    def _occupancy(self, tenant: str | None) -> tuple[int, int]:
+        if tenant is not None:
+            def one() -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.zcard(self._k(tenant, "lru"))
+                pipe.get(self._k(tenant, "bytes"))
+                return pipe.execute()
+
+            count, nbytes = self._call(one)
+            return int(count), int(nbytes or 0)
+        tenants = self._call(lambda: self._client.smembers(f"{self.prefix}:tenants"))
+        total = self._call(lambda: self._client.get(f"{self.prefix}:bytes"))
+        counts = [self._occupancy(t.decode())[0] for t in tenants]
+        return sum(counts), int(total or 0)
+
+    def ping(self) -> bool:
+        """Whether the server answers now (ignores the back-off)."""
+        try:
+            return bool(self._client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _connect(url: str, timeout_s: float) -> redis.Redis:
+    """A client with hard timeouts and no retries: a slow cache must not slow requests."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+    )
+
+
+def _payload(entry: Entry) -> dict[str, bytes | memoryview | str]:
+    payload: dict[str, bytes | memoryview | str] = dict(header_fields(entry.header))
+    for name, tensor in entry.tensors.items():
+        payload[name] = tensor_bytes(tensor)
+    return payload
+
+
+def _tensor(header: EntryHeader, name: str, data: bytes | None) -> torch.Tensor:
+    """A private tensor holding a reply field, after checking its checksum and size."""
+    if data is None:
+        raise CorruptEntry(f"{name}: missing field")
+    if checksum_bytes(data) != header.checksums.get(name):
+        raise CorruptEntry(f"{name}: checksum mismatch")
+    dtype, shape = header.tensor_spec(name)
+    try:
+        return tensor_from_bytes(data, dtype, shape)
+    except ValueError as exc:
+        raise CorruptEntry(f"{name}: {exc}") from exc

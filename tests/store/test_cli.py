@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvblend.store import DiskStore, RedisStore
+from kvblend.store.cli import add_store_commands, run_store_command
+from kvblend.store.localredis import LocalRedis
+
+from tests.store.helpers import keyed
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="kvblend")
+    add_store_commands(parser.add_subparsers(dest="command", required=True))
+    code = run_store_command(parser.parse_args(["store", *argv]))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.fixture
+def filled(tmp_path: Path, redis_server: LocalRedis, redis_prefix: str) -> list[str]:
+    disk = DiskStore(tmp_path, 1 << 30)
+    remote = RedisStore(redis_server.url, 1 << 30, prefix=redis_prefix)
+    for i in range(3):
+        for tier in (disk, remote):
+            tier.put(*keyed(i, tenant="alice"))
+    bob_key, bob_chunk = keyed(7, tenant="bob")
+    disk.put(bob_key, bob_chunk)
+    remote.close()
+    return ["--disk-dir", str(tmp_path), "--redis-url", redis_server.url, "--redis-prefix", redis_prefix]
+
+
+def test_plan_prints_smollm2_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "plan", "--budget", "10GiB", "--chunk-tokens", "512")
+    assert code == 0 and "KV per token: 46080 bytes" in out and "455 chunks" in out
+
+
+def test_stats_and_ls_are_tenant_scoped(capsys: pytest.CaptureFixture[str], filled: list[str]) -> None:
+    code, out = run(capsys, "stats", *filled, "--tenant", "alice")
+    assert code == 0 and "disk     entries        3" in out and "redis    entries        3" in out
+    code, out = run(capsys, "ls", *filled, "--tenant", "bob")
+    bob_digest = keyed(7, tenant="bob")[0].digest
+    assert code == 0 and out.count("\n") == 1 and bob_digest in out
+    assert keyed(0, tenant="alice")[0].digest not in out
+
+
+def test_evict_and_clear_touch_only_the_tenant(capsys: pytest.CaptureFixture[str], filled: list[str],
+                                               tmp_path: Path) -> None:
+    alice = [keyed(i, tenant="alice")[0] for i in range(3)]
+    code, out = run(capsys, "evict", *filled, "--tenant", "alice", "--key", alice[0].digest)
+    assert code == 0 and "evicted 1 entries" in out
+    code, out = run(capsys, "evict", *filled, "--tenant", "alice", "--to-bytes", "0")
+    assert code == 0 and "evicted 4 entries" in out  # two left in each of two tiers
+    code, out = run(capsys, "clear", *filled, "--tenant", "bob")
+    assert "cleared 1 entries of tenant bob" in out
+    assert DiskStore(tmp_path, 1 << 30).stats().entries == 0
+
+
+def test_bad_invocations_fail_cleanly(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert run(capsys, "stats")[0] == 2  # no location
+    assert run(capsys, "stats", "--disk-dir", str(tmp_path / "missing"))[0] == 2
+    assert not (tmp_path / "missing").exists()
+    assert run(capsys, "evict", "--disk-dir", str(tmp_path))[0] == 2  # nothing to evict given
+    assert run(capsys, "evict", "--disk-dir", str(tmp_path), "--key", "nothex")[0] == 2
+    with pytest.raises(SystemExit):
+        run(capsys, "ls", "--disk-dir", str(tmp_path), "--tenant", "../x")
+
+
+def test_unreachable_redis_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvblend.store.localredis import free_port
+
+    code, out = run(capsys, "stats", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert code == 0 and "(unavailable)" in out

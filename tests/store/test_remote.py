@@ -1,0 +1,197 @@
+"""Redis tier against a real redis-server: sharing, TTL, corruption, outages, slowness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import redis
+
+from kvblend.store import RedisStore
+from kvblend.store.localredis import LocalRedis
+
+from tests.store.helpers import assert_same_chunk, keyed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_two_machines_share_one_cache(make_redis: Callable[..., RedisStore]) -> None:
+    a, b = make_redis(), make_redis()
+    key, chunk = keyed(1)
+    assert a.put(key, chunk)
+    assert b.contains(key)
+    assert_same_chunk(b.get(key, chunk.token_ids), chunk)  # type: ignore[arg-type]
+    assert b.delete(key) and not a.contains(key)
+
+
+def test_each_layer_is_its_own_field(make_redis: Callable[..., RedisStore], redis_server: LocalRedis,
+                                     redis_prefix: str) -> None:
+    store = make_redis(kv_dtype="int8")
+    key, chunk = keyed(1, layers=3)
+    store.put(key, chunk)
+    client = redis.Redis.from_url(redis_server.url)
+    fields = {f.decode() for f in client.hkeys(f"{redis_prefix}:default:e:{key.digest}")}
+    assert {"k.2", "v.2", "k.2.scale", "v.2.scale", "header", "header_xxh3", "format"} <= fields
+    client.close()
+
+
+def test_ttl_expires_entries_and_their_accounting(make_redis: Callable[..., RedisStore]) -> None:
+    store = make_redis(ttl_s=0.2)
+    key, chunk = keyed(1)
+    store.put(key, chunk)
+    assert store.get(key) is not None
+    time.sleep(0.4)
+    assert store.get(key) is None and not store.contains(key)
+    assert store.keys("default") == [] and store.stats("default").entries == 0
+
+
+def test_expired_entries_make_room_for_new_ones(make_redis: Callable[..., RedisStore]) -> None:
+    probe = make_redis()
+    key, chunk = keyed(0)
+    probe.put(key, chunk)
+    unit = probe.stats("default").bytes
+    probe.delete(key)
+    store = make_redis(2 * unit + unit // 2, ttl_s=0.2)
+    store.put(*keyed(1, tenant="bob"))
+    store.put(*keyed(2, tenant="bob"))
+    assert not store.put(*keyed(3))  # full of bob's entries
+    time.sleep(0.4)
+    assert store.put(*keyed(3))  # bob's expired entries are swept, not evicted
+
+
+def test_corrupt_field_is_a_miss_and_is_removed(make_redis: Callable[..., RedisStore], redis_server: LocalRedis,
+                                               redis_prefix: str) -> None:
+    store = make_redis()
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"{redis_prefix}:default:e:{keyed(1)[0].digest}"
+    for field, value in (("v.1", "flip"), ("k.0.short", b"\0" * 8), ("k.0", None), ("header", b"{not json")):
+        key, chunk = keyed(1)
+        store.put(key, chunk)
+        if value is None:
+            client.hdel(name, field)
+        elif value == "flip":  # same length, one bit off: only the checksum can tell
+            data = bytearray(client.hget(name, field))
+            data[5] ^= 0x10
+            client.hset(name, field, bytes(data))
+        else:
+            client.hset(name, field.removesuffix(".short"), value)
+        assert store.get(key, chunk.token_ids) is None, field
+        assert not client.exists(name) and store.stats("default").entries == 0
+    assert store.stats().errors == 4
+    client.close()
+
+
+def test_redis_stopped_mid_run_gives_misses_and_warnings_never_errors(tmp_path: Path) -> None:
+    server = LocalRedis().start()
+    try:
+        store = RedisStore(server.url, 1 << 30, timeout_s=0.3, retry_s=0.0)
+        key, chunk = keyed(1)
+        assert store.put(key, chunk)
+        server.stop()
+        started = time.monotonic()
+        assert store.get(key) is None and store.get_layer(key, 0) is None
+        assert store.put(*keyed(2)) is False and store.delete(key) is False and not store.contains(key)
+        assert store.keys("default") == [] and store.evict("default") == 0
+        assert store.stats().warnings >= 7
+        assert time.monotonic() - started < 5.0  # each call gave up quickly
+        server.start()  # comes back empty (no persistence)
+        assert store.put(key, chunk) and store.get(key) is not None
+    finally:
+        server.close()
+
+
+def test_back_off_skips_a_down_server_without_waiting(tmp_path: Path) -> None:
+    server = LocalRedis().start()
+    try:
+        store = RedisStore(server.url, 1 << 30, timeout_s=0.3, retry_s=30.0)
+        server.stop()
+        store.get(keyed(1)[0])
+        started = time.monotonic()
+        for i in range(20):
+            assert store.get(keyed(i)[0]) is None
+        assert time.monotonic() - started < 0.5
+        assert store.stats().warnings == 22  # 21 lookups, and this stats call could not read occupancy
+    finally:
+        server.close()
+
+
+def test_a_slow_server_times_out_into_a_miss(redis_server: LocalRedis, make_redis: Callable[..., RedisStore]) -> None:
+    store = make_redis(timeout_s=0.2, retry_s=0.0)
+    key, chunk = keyed(1)
+    store.put(key, chunk)
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    try:
+        started = time.monotonic()
+        assert store.get(key) is None
+        assert time.monotonic() - started < 1.0 and store.counters.stats(None, 0, 0).warnings == 1
+    finally:
+        time.sleep(1.6)
+        admin.close()
+    assert store.get(key) is not None
+
+
+def test_many_threads_put_under_one_cap(make_redis: Callable[..., RedisStore], redis_server: LocalRedis,
+                                       redis_prefix: str) -> None:
+    probe = make_redis()
+    key, chunk = keyed(0)
+    probe.put(key, chunk)
+    unit = probe.stats("default").bytes
+    probe.delete(key)
+    cap = 5 * unit
+    stores = [make_redis(cap) for _ in range(4)]
+
+    def writer(n: int) -> None:
+        for i in range(10):
+            stores[n].put(*keyed(10 * n + i))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = stores[0].stats()
+    assert stats.bytes <= cap and stats.evictions + sum(s.stats().evictions for s in stores[1:]) >= 30
+    client = redis.Redis.from_url(redis_server.url)  # the accounting matches what the server holds
+    names = client.keys(f"{redis_prefix}:default:e:*")
+    held = sum(client.hstrlen(n, f) for n in names for f in client.hkeys(n))
+    client.close()
+    assert len(names) == stats.entries == len(stores[0].keys("default")) and held == stats.bytes
+
+
+READER_WRITER = """
+import random, sys, torch
+from kvblend.store import RedisStore
+from kvblend.store.chunk import ChunkKV
+from tests.store.helpers import keyed
+store = RedisStore(sys.argv[1], 1 << 30, prefix=sys.argv[2], timeout_s=5.0)
+key, base = keyed(1, layers=3, heads=2, head_dim=16, n_tokens=32)
+rng, torn, hits = random.Random(int(sys.argv[3])), 0, 0
+for i in range(60):
+    if rng.random() < 0.5:
+        v = float(rng.randrange(1, 100))
+        store.put(key, ChunkKV(base.token_ids, 0, tuple(torch.full_like(k, v) for k in base.keys),
+                               tuple(torch.full_like(k, v) for k in base.values)))
+    else:
+        got = store.get(key, base.token_ids) if i % 2 else None
+        layer = store.get_layer(key, 1) if not i % 2 else None
+        for parts in ([*got.keys, *got.values] if got else [], list(layer) if layer else []):
+            if parts:
+                hits += 1
+                torn += torch.cat([t.reshape(-1) for t in parts]).unique().numel() != 1
+print(torn, hits, store.stats().errors)
+"""
+
+
+def test_concurrent_processes_never_see_torn_entries(redis_server: LocalRedis, redis_prefix: str) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, "-c", READER_WRITER, redis_server.url, redis_prefix, str(seed)],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, text=True) for seed in range(2)]
+    results = [tuple(map(int, p.communicate(timeout=120)[0].split())) for p in procs]
+    assert all(torn == 0 and errors == 0 for torn, _, errors in results), results
+    assert sum(hits for _, hits, _ in results) > 0

@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kvblend.store import ChunkKV, DiskStore, MemoryStore, WriteBack
+from kvblend.store.keys import ChunkKey
+
+from tests.store.helpers import keyed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class GatedStore(MemoryStore):
+    """A memory tier whose puts wait for a gate, to hold the write-back thread busy."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 30)
+        self.gate = threading.Event()
+        self.put_threads: list[str] = []
+
+    def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+        self.put_threads.append(threading.current_thread().name)
+        self.gate.wait(10)
+        return super().put(key, chunk)
+
+
+def test_submit_returns_at_once_and_flush_waits() -> None:
+    store = GatedStore()
+    wb = WriteBack(store, max_queue=8)
+    pairs = [keyed(i) for i in range(3)]
+    assert all(wb.submit(k, c) for k, c in pairs)
+    assert not wb.flush(timeout=0.05)  # still blocked in put
+    store.gate.set()
+    assert wb.flush(timeout=5)
+    assert all(store.get(k) is not None for k, _ in pairs)
+    assert set(store.put_threads) == {"kvblend-writeback"}  # never on the caller's thread
+    assert wb.stats()._asdict() | {} == {"submitted": 3, "written": 3, "refused": 0, "dropped": 0, "failed": 0,
+                                         "pending": 0}
+    wb.close()
+
+
+def test_full_queue_drops_and_counts() -> None:
+    store = GatedStore()
+    wb = WriteBack(store, max_queue=2)
+    results = [wb.submit(*keyed(i)) for i in range(6)]
+    # one item may already be in the worker's hands; the queue holds two more
+    assert results[:2] == [True, True] and results.count(False) >= 3
+    assert wb.stats().dropped == results.count(False)
+    store.gate.set()
+    wb.close(timeout=5)
+
+
+def test_same_key_pending_twice_is_written_once() -> None:
+    store = GatedStore()
+    wb = WriteBack(store, max_queue=8)
+    key, chunk = keyed(1)
+    assert wb.submit(key, chunk) and not wb.submit(key, chunk)
+    store.gate.set()
+    wb.close(timeout=5)
+    assert wb.stats().written == 1 and wb.stats().dropped == 1
+
+
+class Exploding(MemoryStore):
+    def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+        raise RuntimeError("disk on fire")
+
+
+def test_failing_store_is_counted_and_the_worker_survives() -> None:
+    wb = WriteBack(Exploding(1 << 20), max_queue=4)
+    assert wb.submit(*keyed(1)) and wb.flush(5)
+    assert wb.submit(*keyed(2)) and wb.flush(5)
+    assert wb.stats().failed == 2
+    wb.close()
+
+
+def test_close_flushes_then_refuses() -> None:
+    store = MemoryStore(1 << 30)
+    with WriteBack(store, max_queue=4) as wb:
+        key, chunk = keyed(1)
+        wb.submit(key, chunk)
+    assert store.get(key) is not None and not wb.submit(*keyed(2))
+    wb.close()  # idempotent
+
+
+def test_refused_puts_are_counted() -> None:
+    wb = WriteBack(MemoryStore(10), max_queue=4)
+    wb.submit(*keyed(1))
+    wb.close(timeout=5)
+    assert wb.stats().refused == 1 and wb.stats().written == 0
+
+
+EXITING = """
+import sys, time
+from kvblend.store import DiskStore, WriteBack
+from tests.store.helpers import keyed
+
+class SlowDisk(DiskStore):
+    def put(self, key, chunk):
+        time.sleep(0.5)
+        return super().put(key, chunk)
+
+wb = WriteBack(SlowDisk(sys.argv[1], 1 << 30), max_queue=4)
+wb.submit(*keyed(1))
+"""
+
+
+def test_pending_chunks_are_flushed_when_the_process_exits(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], env=env, cwd=REPO, check=True, timeout=60)
+    assert DiskStore(tmp_path, 1 << 30).get(keyed(1)[0]) is not None  # no close() was called
