@@ -189,6 +189,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def rotation_tables(
+    delta: int | torch.Tensor,
+    n: int,
+    cfg: RopeConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin that move ``n`` post-RoPE keys by ``delta`` (int or (n,) offsets): (n or 1, rd/2).
+
+    A pure rotation, without yarn's scaling (that was applied once, when the key was made).
+    """
+    d = torch.as_tensor(delta, dtype=torch.float64, device=device)
+    d = d.reshape(1) if d.dim() == 0 else d
+    if d.shape[0] not in (1, n):
+        raise ValueError(f"delta must be a scalar or have {n} entries, got {d.shape[0]}")
+    angles = d[:, None] * inv_freq(cfg, seq_len).to(device)[None, :]
+    return _angles_cos_sin(angles, 1.0, dtype)
+
+
 def rotate(
     k: torch.Tensor,
     delta: int | torch.Tensor,
@@ -197,14 +217,9 @@ def rotate(
 ) -> torch.Tensor:
     """Move post-RoPE keys ``k`` (..., T, head_dim) by ``delta`` positions.
 
-    ``delta`` is an int or a (T,) tensor of per-token offsets. A pure rotation (no yarn
-    scaling: that was applied once, when the key was made), so
+    ``delta`` is an int or a (T,) tensor of per-token offsets, so that
     ``rotate(rope(k, p), d) == rope(k, p + d)``. For dynamic NTK this holds while both
     positions use the same frequencies (inside ``max_position_embeddings``).
     """
-    n = k.shape[-2]
-    d = torch.as_tensor(delta, dtype=torch.float64, device=k.device)
-    d = d.expand(n) if d.dim() == 0 else d
-    angles = d[:, None] * inv_freq(cfg, seq_len).to(k.device)[None, :]
-    cos, sin = _angles_cos_sin(angles, 1.0, k.dtype)
+    cos, sin = rotation_tables(delta, k.shape[-2], cfg, k.dtype, k.device, seq_len)
     return apply_rope(k, cos, sin, cfg.interleaved)

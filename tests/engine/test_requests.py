@@ -27,7 +27,7 @@ def test_first_request_misses_then_every_order_hits(eng: Engine) -> None:
     eng.flush()
     for order in ([2, 0, 1], [1, 2, 0]):
         stats = prepare(eng, [DOCS[i] for i in order]).stats
-        assert all(d.hit and d.source == "store" for d in stats.docs)
+        assert all(d.hit and d.source == "memory" for d in stats.docs)
     assert eng.store.stats().entries == 3  # one stored copy per document, whatever its position
 
 
@@ -35,7 +35,7 @@ def test_same_document_twice_uses_one_entry(eng: Engine) -> None:
     prepare(eng, [DOCS[0]])
     eng.flush()
     stats = prepare(eng, [DOCS[0], DOCS[1], DOCS[0]]).stats
-    assert [d.source for d in stats.docs] == ["store", "computed", "request"]
+    assert [d.source for d in stats.docs] == ["memory", "computed", "request"]
     eng.flush()
     assert eng.store.stats().entries == 2
 
@@ -98,3 +98,37 @@ def test_chat_messages_put_documents_in_the_last_user_turn(eng: Engine) -> None:
     p = eng.prepare(Request(documents=DOCS[:1], messages=msgs, method="full"))
     text = eng.tokenizer.decode(p.layout.prefix)
     assert text.count("<|im_start|>") == 3 and text.rstrip().endswith("user")
+
+
+def _disk_engine(loaded, path) -> Engine:
+    from kvblend.store import StoreConfig, build_store
+
+    return Engine(loaded, store=build_store(StoreConfig(tiers=("disk",), disk_dir=str(path))))
+
+
+def test_disk_tier_serves_a_restarted_engine(tmp_path) -> None:
+    loaded = make_loaded()
+    first = _disk_engine(loaded, tmp_path)
+    prepare(first, DOCS)
+    first.close()
+    again = _disk_engine(loaded, tmp_path)
+    p = prepare(again, DOCS[::-1])
+    assert [d.source for d in p.stats.docs] == ["disk"] * 3
+
+
+def test_corrupt_entries_are_recomputed_never_used(tmp_path) -> None:
+    loaded = make_loaded()
+    first = _disk_engine(loaded, tmp_path)
+    prepare(first, DOCS)
+    first.close()
+    files = list(tmp_path.rglob("*.safetensors"))
+    assert len(files) == 3
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-50:] = bytes(50)  # clobber the end of the last tensor
+        f.write_bytes(bytes(data))
+    again = _disk_engine(loaded, tmp_path)
+    blended = prepare(again, DOCS, blend=BlendConfig(ratio=0.0))
+    assert not any(d.hit for d in blended.stats.docs)
+    full = prepare(again, DOCS, method="full")
+    assert (blended.logits - full.logits).abs().max().item() <= 1e-3

@@ -77,14 +77,26 @@ def _write_prefix(cache: KVCache, plan: FusionPlan) -> None:
         cache.write(layer, 0, k, v)
 
 
-def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int) -> None:
-    """Re-rotated cached K/V of every placed chunk into this layer's slots."""
-    dev, dt = model.device, model.dtype
+def _rotations(model: Transformer, plan: FusionPlan) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per placed chunk, the cos/sin moving its keys to their new start (None: already there).
+
+    One table per chunk serves every layer (the shift is the same for all of them)."""
+    cfg, out = model.cfg.rope, []
     for p in plan.placed:
-        k = p.chunk.keys[layer].to(dev, dt)
-        v = p.chunk.values[layer].to(dev, dt)
         delta = p.start - p.chunk.base_position
-        cache.write(layer, p.start, rope_lib.rotate(k, delta, model.cfg.rope) if delta else k, v)
+        out.append(rope_lib.rotation_tables(delta, p.chunk.n_tokens, cfg, model.dtype, model.device) if delta else None)
+    return out
+
+
+def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int,
+                        rotations: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """Re-rotated cached K/V of every placed chunk into this layer's slots."""
+    dev, dt, interleaved = model.device, model.dtype, model.cfg.rope.interleaved
+    for p, rot in zip(plan.placed, rotations):
+        k = p.chunk.keys[layer].to(dev, dt)
+        if rot is not None:
+            k = rope_lib.apply_rope(k, *rot, interleaved)
+        cache.write(layer, p.start, k, p.chunk.values[layer].to(dev, dt))
 
 
 def _select(
@@ -119,8 +131,9 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last = [], len(model.layers) - 1
     attn_plan: AttentionPlan | None = None
+    rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
-        _write_cached_layer(model, cache, plan, layer_idx)
+        _write_cached_layer(model, cache, plan, layer_idx, rotations)
         q, k, v = layer.project(h, cos[active], sin[active])
         if layer_idx in checks and not plan.select_from_start:
             keep = _select(active, is_cand_all[active], (k, v), cache, layer_idx,

@@ -68,7 +68,7 @@ class Engine:
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
-        prefix_cache: PrefixCache | None = None, kv_dtype: str = "fp32",
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         from kvblend.store.config import StoreConfig, build_store
 
@@ -77,7 +77,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.store = store if store is not None else build_store(StoreConfig())
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-chunk")
         self._pending: list[Future] = []
 
@@ -114,7 +114,7 @@ class Engine:
             if key in seen:
                 chunk, source = seen[key], "request"
             else:
-                chunk, source = self.store.get(key, ids), "store"
+                chunk, source = self._get(key, ids)
                 seen[key] = chunk
             if chunk is None:
                 if not request.blend.recompute_misses:
@@ -130,6 +130,14 @@ class Engine:
             out.stats.append(DocStat(i, len(ids), True, source))
         timer.add("lookup", t)
         return out
+
+    def _get(self, key: ChunkKey, ids: tuple[int, ...]) -> tuple[ChunkKV | None, str]:
+        """The stored chunk and the tier that served it ("memory", "disk", "redis")."""
+        lookup = getattr(self.store, "lookup", None)
+        if lookup is None:
+            return self.store.get(key, ids), "store"
+        found = lookup(key, ids)
+        return found.chunk, found.tier or "store"
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
         for key, ids in misses.items():

@@ -47,7 +47,8 @@ class DocStat(NamedTuple):
     index: int
     tokens: int
     hit: bool
-    source: str  # "store", "computed" (miss, recomputed in full), "request" (repeat in this request)
+    source: str  # the tier that served it ("memory", "disk", "redis"), "computed" (a miss,
+    # recomputed in full) or "request" (a repeat within this request)
 
 
 class RequestStats(NamedTuple):
