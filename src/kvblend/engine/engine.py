@@ -20,7 +20,7 @@ import torch
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout
-from kvblend.engine.prefix_cache import PrefixCache
+from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
@@ -38,6 +38,17 @@ class Prepared(NamedTuple):
     cache: KVCache
     logits: torch.Tensor  # (V,)
     stats: RequestStats
+
+
+class _Built(NamedTuple):
+    """What a prefill path produced, before stats are assembled."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    prefix_hit: int
+    docs: list[DocStat]
+    recomputed: list[int]
+    candidates: int
 
 
 @dataclass
@@ -80,6 +91,8 @@ class Engine:
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-chunk")
         self._pending: list[Future] = []
+        self.max_pending_writes = 64
+        self.dropped_writes = 0
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -140,9 +153,14 @@ class Engine:
         return found.chunk, found.tier or "store"
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
+        """Compute missed chunks alone and store them, off the request path (bounded)."""
+        self._pending = [f for f in self._pending if not f.done()]
         for key, ids in misses.items():
-            fut = self._writer.submit(lambda k=key, d=ids: self.store.put(k, compute_chunk_kv(self.model, chunk_prefix, d)))
-            self._pending.append(fut)
+            if len(self._pending) >= self.max_pending_writes:
+                self.dropped_writes += 1
+                continue
+            job = self._writer.submit(lambda k=key, d=ids: self.store.put(k, compute_chunk_kv(self.model, chunk_prefix, d)))
+            self._pending.append(job)
 
     def flush(self) -> None:
         """Wait until background chunk computations and writes are done."""
@@ -156,33 +174,40 @@ class Engine:
         self.store.close()
 
     # ----- prefill by method ------------------------------------------------------
-    def _check_length(self, n: int, extra: int) -> None:
+    def _check_length(self, n: int) -> None:
         limit = self.loaded.config.context_length
         if n + 1 > limit:
             raise ContextLengthError(
                 f"the prompt has {n} tokens; the model's context is {limit} tokens (leave room for the answer)")
 
-    def _prefill_exact(self, ids: torch.Tensor, use_prefix: bool, extra: int, timer: _Timer) -> tuple[KVCache, torch.Tensor, int]:
+    def _load_prefix(self, cache: KVCache, hit: PrefixHit, timer: _Timer) -> None:
+        t = time.perf_counter()
+        for layer, (k, v) in enumerate(zip(hit.keys, hit.values)):
+            cache.write(layer, 0, k.to(self.model.device), v.to(self.model.device))
+        cache.length = hit.length
+        timer.add("load", t)
+
+    def _prefill_exact(self, layout: PromptLayout, ids: torch.Tensor, use_prefix: bool, extra: int,
+                       timer: _Timer) -> _Built:
+        """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest)."""
         hit = self.prefix_cache.lookup(ids, max_len=ids.shape[0] - 1) if use_prefix else None
         cache = self.model.new_cache(ids.shape[0] + extra)
-        start = 0
         if hit is not None:
-            t = time.perf_counter()
-            for layer, (k, v) in enumerate(zip(hit.keys, hit.values)):
-                cache.write(layer, 0, k.to(self.model.device), v.to(self.model.device))
-            cache.length = start = hit.length
-            timer.add("load", t)
+            self._load_prefix(cache, hit, timer)
         t = time.perf_counter()
-        logits = self.model(ids[start:], cache)[0]
+        logits = self.model(ids[cache.length :], cache)[0]
         timer.add("prefill", t)
         if use_prefix:
             self.prefix_cache.insert(ids, cache, ids.shape[0])
-        return cache, logits, start
+        done = hit.length if hit else 0
+        docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
+        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
-                       timer: _Timer) -> tuple[KVCache, torch.Tensor, int, _Chunks, list[int], int]:
-        prefix_ids = ids[: len(layout.prefix)]
-        hit = self.prefix_cache.lookup(prefix_ids, max_len=min(len(layout.prefix), ids.shape[0] - 1))
+                       timer: _Timer) -> _Built:
+        """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute."""
+        n_prefix = len(layout.prefix)
+        hit = self.prefix_cache.lookup(ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
         cfg = request.blend
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
@@ -190,10 +215,10 @@ class Engine:
         t = time.perf_counter()
         out = fuse(self.model, plan)
         timer.add("prefill", t)
-        if len(layout.prefix) and (hit is None or hit.length < len(layout.prefix)):
-            self.prefix_cache.insert(prefix_ids, out.cache, len(layout.prefix))
+        if n_prefix and (hit is None or hit.length < n_prefix):
+            self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
-        return out.cache, out.logits, hit.length if hit else 0, chunks, out.recomputed, out.candidates
+        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -204,20 +229,17 @@ class Engine:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
         timer = _Timer()
         layout = self.layout(request)
-        self._check_length(len(layout), extra_capacity)
+        self._check_length(len(layout))
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
-        n_layers = self.loaded.config.num_layers
         if request.method in ("full", "prefix"):
-            cache, logits, hit = self._prefill_exact(ids, request.method == "prefix", extra_capacity, timer)
-            docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
-            recomputed, cand = [len(layout) - hit] * n_layers, 0
+            built = self._prefill_exact(layout, ids, request.method == "prefix", extra_capacity, timer)
         else:
-            cache, logits, hit, chunks, recomputed, cand = self._prefill_fused(request, layout, ids, extra_capacity, timer)
-            docs = chunks.stats
+            built = self._prefill_fused(request, layout, ids, extra_capacity, timer)
         elapsed = time.perf_counter() - timer.start
-        stats = RequestStats(request.method, len(layout), hit, docs, recomputed, cand, timer.parts["lookup"],
-                             timer.parts["load"], timer.parts["prefill"], elapsed)
-        return Prepared(layout, cache, logits, stats)
+        stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
+                             built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
+                             elapsed)
+        return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------
     def stream(self, request: Request, sampling: SamplingParams) -> Iterator[StreamEvent | RequestStats]:

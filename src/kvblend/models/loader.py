@@ -133,12 +133,27 @@ def _write_converted(gguf: Path, out: Path, name: str) -> None:
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
 
 
+def gguf_digest(gguf: Path) -> str:
+    """sha256 of a GGUF, remembered per (path, size, mtime) so warm starts skip re-hashing."""
+    st = gguf.stat()
+    memo = cache_home() / "gguf-digests.json"
+    stamp = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    known = json.loads(memo.read_text()) if memo.exists() else {}
+    if stamp not in known:
+        known[stamp] = sha256_file(gguf)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    return known[stamp]
+
+
 def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
     """Convert a GGUF file into the model cache once; return the cached folder."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise ModelNotFoundError(f"GGUF file {gguf} does not exist")
-    folder = cache_home() / "models" / sha256_file(gguf)[:24]
+    folder = cache_home() / "models" / gguf_digest(gguf)[:24]
     if (folder / META_FILE).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
