@@ -1,0 +1,52 @@
+"""Streaming text: stop strings, held-back prefixes, finish reasons, context caps."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.errors import ContextLengthError
+from kvblend.generation import SamplingParams, collect, stream
+from kvblend.generation.text import TextStream
+from tests.conftest import make_loaded, make_tokenizer
+
+
+def ids(text: str) -> list[int]:
+    return make_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def test_stop_string_cuts_text_and_never_leaks() -> None:
+    s = TextStream(make_tokenizer(), stop=("city of",))
+    out = "".join(s.push(t) for t in ids("the red city of paris"))
+    assert s.stopped and out == "the red "
+
+
+def test_text_that_might_start_a_stop_string_is_held_back() -> None:
+    s = TextStream(make_tokenizer(), stop=("city of",))
+    deltas = [s.push(t) for t in ids("the red city")]
+    assert "".join(deltas) == "the red "  # "city" could begin "city of"
+    assert s.push(ids("blue")[0]) == "city blue" and not s.stopped
+
+
+def test_finish_flushes_what_was_held() -> None:
+    s = TextStream(make_tokenizer(), stop=("city of",))
+    shown = "".join(s.push(t) for t in ids("the red city"))
+    assert shown + s.finish() == "the red city"
+
+
+def test_stream_reports_length_and_stop_reasons() -> None:
+    loaded = make_loaded()
+    prompt = [1, 5, 6, 7]
+    free = collect(stream(loaded.model, loaded.tokenizer, prompt, SamplingParams(max_tokens=8, ignore_eos=True), ()), 4)
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    eos = free.token_ids[2]
+    stopped = collect(stream(loaded.model, loaded.tokenizer, prompt, SamplingParams(max_tokens=8), (eos,)), 4)
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
+
+
+def test_new_tokens_are_capped_by_the_context() -> None:
+    loaded = make_loaded(max_position_embeddings=12)
+    done = collect(stream(loaded.model, loaded.tokenizer, [1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+                          SamplingParams(max_tokens=50, ignore_eos=True), ()), 10)
+    assert len(done.token_ids) == 2 and done.finish_reason == "length"
+    with pytest.raises(ContextLengthError, match="12"):
+        list(stream(loaded.model, loaded.tokenizer, list(range(1, 14)), SamplingParams(), ()))
