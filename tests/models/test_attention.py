@@ -14,7 +14,7 @@ def reference(q, k, v, pos, window=None):
     return attend(q, k, v, causal_mask(pos, torch.arange(N), window))
 
 
-@pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "windowed"])
+@pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "windowed", "decode"])
 def test_plan_matches_explicit_mask(case: str) -> None:
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, N, 8, generator=g), torch.randn(2, N, 8, generator=g)
@@ -24,10 +24,11 @@ def test_plan_matches_explicit_mask(case: str) -> None:
         "block-long-head": torch.arange(40, N),
         "scattered": torch.randperm(N, generator=g)[:17].sort().values,
         "windowed": torch.arange(5, N),
+        "decode": torch.tensor([N - 1]),
     }[case]
     window = 7 if case == "windowed" else None
     q = torch.randn(4, pos.shape[0], 8, generator=g)
     plan = plan_attention(pos, N, window, torch.float32, group_size=6)
-    expected_kind = {"all": "causal", "block-short-head": "padded"}.get(case, "groups")
+    expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked"}.get(case, "groups")
     assert plan.kind == expected_kind
     assert torch.allclose(attend_planned(q, k, v, plan), reference(q, k, v, pos, window), atol=1e-5)

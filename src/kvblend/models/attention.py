@@ -4,6 +4,7 @@ Queries may sit anywhere in the sequence (CacheBlend recomputes scattered tokens
 the mask must be exact over global positions. An explicit mask forfeits SDPA's causal
 fast path, so ``plan_attention`` picks the cheapest exact form:
 
+* ``unmasked`` — one query at the last position (decode): it sees every key;
 * ``causal``  — queries are exactly positions 0..N-1: ``is_causal``;
 * ``padded``  — queries are a block p0..N-1 with a short head: pad the queries with p0
   dummy rows, run ``is_causal`` and drop the dummies (exact, wastes ~p0²/2);
@@ -56,7 +57,7 @@ class QueryGroup(NamedTuple):
 
 
 class AttentionPlan(NamedTuple):
-    kind: str  # "causal" | "padded" | "groups"
+    kind: str  # "unmasked" | "causal" | "padded" | "groups"
     pad: int = 0
     groups: tuple[QueryGroup, ...] = ()
 
@@ -73,6 +74,8 @@ def plan_attention(
     free_window = window is None or n_keys <= window
     if free_window and _is_block(q_pos, n_keys):
         pad = n_keys - q_pos.shape[0]
+        if q_pos.shape[0] == 1:
+            return AttentionPlan("unmasked")
         if pad == 0:
             return AttentionPlan("causal")
         if pad <= q_pos.shape[0]:
@@ -89,6 +92,8 @@ def plan_attention(
 
 def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Attention of q (Hq, Tq, d) against k, v (Hkv, N, d) following ``plan``. (Tq, Hq*d)."""
+    if plan.kind == "unmasked":
+        return attend(q, k, v)
     if plan.kind == "causal":
         return attend(q, k, v, causal=True)
     if plan.kind == "padded":
