@@ -186,9 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
+    from kvblend.eval.harness import add_eval_commands
     from kvblend.store.cli import add_store_commands
 
     add_store_commands(sub)
+    add_eval_commands(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

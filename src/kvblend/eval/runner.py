@@ -8,6 +8,7 @@ NLL, (3) rewound and decoded greedily for its own answer.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,38 +16,85 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, musique_query
-from kvblend.eval.metrics import best_f1, first_line, first_token_agree, kl_divergence, mean_nll, token_f1
+from kvblend.eval.metrics import (
+    best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
+)
 from kvblend.generation import SamplingParams, collect, stream_from
+
+
+BASELINES = ("mapreduce", "maprerank")  # multi-call baselines, run by `kvblend.eval.baselines`
+_METHOD_START = re.compile(r",\s*(?=[A-Za-z])")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A labelled method: ``full``, ``prefix``, ``reuse`` or ``blend:RATIO[:SIGNAL]``."""
+    """A labelled method: an engine method (``full``, ``prefix``, ``reuse``, ``blend...``)
+    or a multi-call baseline (``mapreduce``, ``maprerank``); see `parse_method`."""
 
     label: str
     method: str
     blend: BlendConfig = field(default_factory=BlendConfig)
 
 
-def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
-    """``blend:0.15`` / ``blend:0.15:k`` / ``full`` ... -> MethodSpec (errors name the spec)."""
+def split_methods(text: str) -> list[str]:
+    """``"full,blend:0.3,0.15@1,2,reuse"`` -> ``["full", "blend:0.3,0.15@1,2", "reuse"]``:
+    a comma starts a new method only when a letter follows it."""
+    return [m.strip() for m in _METHOD_START.split(text) if m.strip()]
+
+
+def _floats(text: str, what: str, spec: str, kind: type = float) -> tuple:
+    try:
+        return tuple(kind(x) for x in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"method {spec!r}: {what} must be comma-separated numbers") from exc
+
+
+def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig:
+    """``RATIOS[@LAYERS]`` then ``SIGNAL``: one ratio for every check layer, or a schedule
+    of one ratio per layer (layers default to 1..n)."""
     from dataclasses import replace
 
+    if len(rest) > 2:
+        raise ValueError(f"method {spec!r}: expected blend[:RATIOS[@LAYERS]][:SIGNAL]")
+    signal = rest[1] if len(rest) > 1 else base.signal
+    if not rest or not rest[0]:
+        return replace(base, signal=signal)
+    ratio_text, at, layer_text = rest[0].partition("@")
+    ratios = _floats(ratio_text, "ratios", spec)
+    if at:
+        layers = _floats(layer_text, "check layers", spec, int)
+    else:
+        layers = base.check_layers if len(ratios) == 1 else tuple(range(1, len(ratios) + 1))
+    if len(ratios) == 1:
+        return replace(base, ratio=ratios[0], check_layers=layers, schedule=None, signal=signal)
+    return replace(base, ratio=ratios[-1], check_layers=layers, schedule=ratios, signal=signal)
+
+
+def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
+    """A method spec -> MethodSpec; errors name the spec.
+
+    ``full``, ``prefix``, ``reuse``, ``mapreduce``, ``maprerank``, or
+    ``blend[:RATIOS[@LAYERS]][:SIGNAL]``: ``blend:0.15`` (ratio 0.15 at check layer 1),
+    ``blend:0.15:k`` (signal k), ``blend:0.15@2`` (check layer 2), ``blend:0.3,0.15@1,2``
+    (progressive: 30% of document tokens selected at layer 1, a 15% subset at layer 2).
+    """
+    from kvblend.errors import InvalidRequestError
+
     base = base or BlendConfig()
-    name, *rest = spec.split(":")
+    name, *rest = spec.strip().split(":")
+    if name not in METHODS + BASELINES:
+        raise ValueError(f"method {spec!r}: unknown; expected one of {', '.join(METHODS + BASELINES)}")
     if name != "blend":
         if rest:
             raise ValueError(f"method {spec!r}: only blend takes options")
         return MethodSpec(spec, name, base)
     try:
-        ratio = float(rest[0]) if rest else base.ratio
-    except ValueError as exc:
-        raise ValueError(f"method {spec!r}: ratio must be a number") from exc
-    signal = rest[1] if len(rest) > 1 else base.signal
-    return MethodSpec(spec, "blend", replace(base, ratio=ratio, schedule=None, signal=signal))
+        return MethodSpec(spec, "blend", _blend_options(spec, rest, base))
+    except InvalidRequestError as exc:
+        raise ValueError(f"method {spec!r}: {exc}") from exc
 
 
 def example_request(ex: Example, spec: MethodSpec, system: str = MUSIQUE_INSTRUCTION) -> Request:
@@ -63,7 +111,7 @@ class Reference:
     logits: torch.Tensor  # (K, V) next-token logits along its first K answer tokens
 
 
-def _teacher_force(engine: Engine, prepared: Prepared, ids: Sequence[int]) -> torch.Tensor:
+def teacher_force(engine: Engine, prepared: Prepared, ids: Sequence[int]) -> torch.Tensor:
     """(len(ids), V) logits predicting ``ids`` one by one from the prepared prompt; rewinds after."""
     n = prepared.cache.length
     rows = [prepared.logits[None]]
@@ -74,7 +122,7 @@ def _teacher_force(engine: Engine, prepared: Prepared, ids: Sequence[int]) -> to
     return torch.cat(rows)
 
 
-def _decode(engine: Engine, prepared: Prepared, max_tokens: int) -> tuple[str, list[int]]:
+def decode_answer(engine: Engine, prepared: Prepared, max_tokens: int) -> tuple[str, list[int]]:
     n = prepared.cache.length
     events = stream_from(engine.model, engine.tokenizer, prepared.cache, prepared.logits,
                          SamplingParams(max_tokens=max_tokens, stop=("\n",)), engine.loaded.eos_token_ids)
@@ -88,7 +136,7 @@ def gold_nll(engine: Engine, prepared: Prepared, answers: Sequence[str]) -> floa
     ids = engine.tokenizer(" " + answers[0].strip(), add_special_tokens=False)["input_ids"] if answers else []
     if not ids:
         return float("nan")
-    logp = torch.log_softmax(_teacher_force(engine, prepared, ids).double(), dim=-1)
+    logp = torch.log_softmax(teacher_force(engine, prepared, ids).double(), dim=-1)
     return mean_nll(logp[torch.arange(len(ids)), torch.tensor(ids)])
 
 
@@ -97,21 +145,25 @@ def reference(engine: Engine, ex: Example, max_tokens: int, kl_tokens: int) -> t
     t = time.perf_counter()
     prepared = engine.prepare(example_request(ex, spec), max_tokens)
     ttft = time.perf_counter() - t
-    text, ids = _decode(engine, prepared, max_tokens)
-    ref = Reference(first_line(text), ids, _teacher_force(engine, prepared, ids[:kl_tokens]) if ids else prepared.logits[None])
-    return ref, _score(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
+    text, ids = decode_answer(engine, prepared, max_tokens)
+    ref = Reference(first_line(text), ids, teacher_force(engine, prepared, ids[:kl_tokens]) if ids else prepared.logits[None])
+    return ref, score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
 
 
-def _score(engine: Engine, prepared: Prepared, ex: Example, ref: Reference, text: str, ids: list[int],
-           ttft: float, kl_tokens: int) -> dict[str, Any]:
-    forced = _teacher_force(engine, prepared, ref.answer_ids[:kl_tokens]) if ref.answer_ids else prepared.logits[None]
+def score_prepared(engine: Engine, prepared: Prepared, ex: Example, ref: Reference, text: str, ids: list[int],
+                   ttft: float, kl_tokens: int) -> dict[str, Any]:
+    """Scores of an answer (``text``, ``ids``) decoded from ``prepared``, against ``ref``;
+    the prompt is teacher-forced along ref's first ``kl_tokens`` tokens for KL."""
+    forced = teacher_force(engine, prepared, ref.answer_ids[:kl_tokens]) if ref.answer_ids else prepared.logits[None]
     s = prepared.stats
     return {
         "answer": first_line(text), "gold_f1": best_f1(first_line(text), ex.answers),
+        "rouge_l": max(rouge_l(first_line(text), a) for a in ex.answers),
         "agree_f1": token_f1(first_line(text), ref.answer), "first_token_agree": first_token_agree(ids, ref.answer_ids),
         "kl": kl_divergence(ref.logits, forced), "gold_nll": gold_nll(engine, prepared, ex.answers),
         "ttft_s": ttft, "lookup_s": s.lookup_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
         "recompute_frac": s.recompute_frac, "prompt_tokens": s.prompt_tokens,
+        "sources": sorted({d.source for d in s.docs}),  # where document KV came from (tier or "computed")
     }
 
 
@@ -123,18 +175,25 @@ def warm_documents(engine: Engine, ex: Example, specs: Sequence[MethodSpec]) -> 
         engine.warm(list(layout.docs), engine.chunk_prefix(req, layout))
 
 
+def score_method(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, max_tokens: int = 32,
+                 kl_tokens: int = 8) -> dict[str, Any]:
+    """One engine method on one example, scored against full prefill's ``ref``
+    (chunk KV should already be stored: `warm_documents`). TTFT = the prepare call."""
+    t = time.perf_counter()
+    prepared = engine.prepare(example_request(ex, spec), max_tokens)
+    ttft = time.perf_counter() - t
+    text, ids = decode_answer(engine, prepared, max_tokens)
+    return score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
+
+
 def run_example(engine: Engine, ex: Example, specs: Sequence[MethodSpec], max_tokens: int = 32,
                 kl_tokens: int = 8) -> dict[str, dict[str, Any]]:
-    """Scores of every method on one example, keyed by method label ("full" always included)."""
+    """Scores of every engine method on one example, keyed by method label ("full" always
+    included); `harness.score_spec` also runs the multi-call baselines."""
     warm_documents(engine, ex, specs)
     ref, full_scores = reference(engine, ex, max_tokens, kl_tokens)
     out = {"full": full_scores}
     for spec in specs:
-        if spec.label == "full":
-            continue
-        t = time.perf_counter()
-        prepared = engine.prepare(example_request(ex, spec), max_tokens)
-        ttft = time.perf_counter() - t
-        text, ids = _decode(engine, prepared, max_tokens)
-        out[spec.label] = _score(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
+        if spec.label != "full":
+            out[spec.label] = score_method(engine, ex, spec, ref, max_tokens, kl_tokens)
     return out

@@ -1,0 +1,307 @@
+"""Evaluation runs: a dataset through a list of methods, scored against full prefill,
+written to a directory that a rerun resumes.
+
+    out/examples.jsonl   one line per example × method, written and flushed when done
+    out/summary.json     per method: every metric averaged, plus n
+    out/run.json         dataset, model, settings, machine, compute time
+    out/report.md        tables, and the quality-vs-TTFT plot (quality_vs_ttft.png)
+
+A rerun skips the example × method pairs already in examples.jsonl; a half-written last
+line (a crash mid-write) is dropped. Full prefill is always run: it is the reference
+every other method is scored against (`kvblend.eval.runner`).
+
+    kvblend eval --dataset PATH|synthetic:n=..,docs=..,doc_tokens=.. \\
+        --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvblend.engine import Engine, Request
+from kvblend.eval.baselines import BaselineConfig, score_baseline
+from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, load_dataset
+from kvblend.eval.report import Summary, machine_info, summarize, write_report
+from kvblend.eval.runner import (
+    BASELINES, MethodSpec, Reference, parse_method, reference, score_method, split_methods, warm_documents,
+)
+
+EXAMPLES_FILE = "examples.jsonl"
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"
+DEFAULT_METHODS = ("full", "prefix", "reuse", "blend:0.15")
+RESUME_KEYS = ("dataset", "model", "n_docs", "store", "max_tokens", "kl_tokens", "map_tokens")  # must not change
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Which methods to run and how long answers may be. ``methods`` are `parse_method`
+    specs (``full`` is added first when missing); ``kl_tokens`` full-prefill answer
+    tokens are teacher-forced for KL; ``map_tokens`` caps MapReduce's per-document notes."""
+
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    max_tokens: int = 32
+    kl_tokens: int = 8
+    map_tokens: int = 32
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "methods", tuple(self.methods))
+        if not self.methods:
+            raise ValueError("give at least one method")
+        labels = [s.label for s in self.specs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"methods repeat: {', '.join(self.methods)}")
+        BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)  # validates the lengths
+
+    @property
+    def specs(self) -> list[MethodSpec]:
+        specs = [parse_method(m) for m in self.methods]
+        return specs if any(s.label == "full" for s in specs) else [parse_method("full"), *specs]
+
+    @property
+    def baseline(self) -> BaselineConfig:
+        return BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)
+
+
+class EvalResult(NamedTuple):
+    out_dir: Path
+    records: list[Record]  # this run's examples × methods, in order
+    summary: Summary
+    computed: int  # pairs computed now (the others were read back from examples.jsonl)
+
+
+# ----- the results file -------------------------------------------------------------
+def read_records(path: Path) -> list[Record]:
+    """Every complete line of a results file. A corrupt or half-written last line (a
+    crash mid-write) is cut from the file so that appending can go on; a corrupt line
+    elsewhere raises ValueError."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    records: list[Record] = []
+    end = 0
+    for i, line in enumerate(lines):
+        try:
+            if line.strip():
+                records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1}: corrupt line in the results file") from None
+            break
+        end += len(line)
+    _repair(path, data, end)
+    return records
+
+
+def _repair(path: Path, data: bytes, end: int) -> None:
+    """Cut the file to its first ``end`` bytes and make it end with a newline."""
+    newline = end > 0 and not data[:end].endswith(b"\n")
+    if end == len(data) and not newline:
+        return
+    with path.open("r+b") as f:
+        f.truncate(end)
+        if newline:
+            f.seek(end)
+            f.write(b"\n")
+
+
+def append_record(path: Path, record: Record) -> None:
+    """Write one line and flush it to the OS at once."""
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+# ----- one example ------------------------------------------------------------------
+def warm_prefix(engine: Engine, system: str = MUSIQUE_INSTRUCTION) -> None:
+    """Put the system prompt into the prefix cache (a server has it cached), so that the
+    first example does not pay for it in some methods and not in others."""
+    engine.prepare(Request(documents=[], question="warm-up", system=system, method="prefix"))
+
+
+def score_spec(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, config: EvalConfig) -> Record:
+    """One method on one example, scored against full prefill's ``ref``."""
+    if spec.method in BASELINES:
+        return score_baseline(engine, ex, spec.method, ref, config.baseline)
+    return score_method(engine, ex, spec, ref, config.max_tokens, config.kl_tokens)
+
+
+def run_pending(engine: Engine, ex: Example, todo: Sequence[MethodSpec], config: EvalConfig,
+                emit: Callable[[Record], None]) -> None:
+    """Score the methods ``todo`` on ``ex``; ``emit`` gets each record as soon as it is done."""
+    warm_documents(engine, ex, todo)
+    engine.flush()
+    ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens)
+    for spec in todo:
+        scores = full if spec.label == "full" else score_spec(engine, ex, spec, ref, config)
+        emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
+
+
+def _check_ids(examples: Sequence[Example]) -> None:
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("example ids must be unique to resume a run")
+
+
+def _progress(total: int, done: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, disable=not enabled, file=sys.stderr, desc=desc, unit="run",
+                dynamic_ncols=True)
+
+
+# ----- a run ------------------------------------------------------------------------
+class _Sink:
+    """Appends each finished record to the results file and advances the progress bar."""
+
+    def __init__(self, path: Path, done: dict[tuple[str, str], Record], bar: Any) -> None:
+        self.path, self.done, self.bar, self.computed = path, done, bar, 0
+
+    def __call__(self, record: Record) -> None:
+        append_record(self.path, record)
+        self.done[(record["example_id"], record["method"])] = record
+        self.computed += 1
+        self.bar.set_postfix_str(f"{record['example_id']} {record['method']}", refresh=False)
+        self.bar.update()
+
+
+def _read_run(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _open_run(out: Path, examples: Sequence[Example], config: EvalConfig,
+              meta: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str], Record]]:
+    """Settings of this run, and the records already done (checked to be compatible)."""
+    out.mkdir(parents=True, exist_ok=True)
+    _check_ids(examples)
+    meta = {**meta, "max_tokens": config.max_tokens, "kl_tokens": config.kl_tokens, "map_tokens": config.map_tokens}
+    done = {(r["example_id"], r["method"]): r for r in read_records(out / EXAMPLES_FILE)}
+    before = _read_run(out) if done else {}
+    check_resumable(out, before, meta)
+    meta["compute_s"] = before.get("compute_s", 0.0)  # summed over the invocations that added results
+    (out / RUN_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta, done
+
+
+def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str | Path,
+                      config: EvalConfig = EvalConfig(), meta: dict[str, Any] | None = None) -> EvalResult:
+    """Run every example × method not yet in ``out_dir/examples.jsonl``, then write the
+    summary, run.json and the report. ``meta`` (dataset, model, ...) goes into run.json
+    and the report; a rerun with other `RESUME_KEYS` settings raises ValueError."""
+    out, specs, start = Path(out_dir), config.specs, time.perf_counter()
+    meta, done = _open_run(out, examples, config, meta or {})
+    pending = [(ex, [s for s in specs if (ex.id, s.label) not in done]) for ex in examples]
+    total = len(examples) * len(specs)
+    bar = _progress(total, total - sum(len(todo) for _, todo in pending), config.progress, out.name)
+    sink = _Sink(out / EXAMPLES_FILE, done, bar)
+    if any(todo for _, todo in pending):
+        warm_prefix(engine)
+    for ex, todo in pending:
+        if todo:
+            run_pending(engine, ex, todo, config, sink)
+    bar.close()
+    if sink.computed:
+        meta["compute_s"] += time.perf_counter() - start
+    return _finish(out, examples, specs, done, sink.computed, meta)
+
+
+def check_resumable(out: Path, before: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Refuse to add to results computed with other settings (`RESUME_KEYS`)."""
+    changed = [k for k in RESUME_KEYS if k in before and k in meta and before[k] != meta[k]]
+    if changed:
+        diff = ", ".join(f"{k}: {before[k]!r} -> {meta[k]!r}" for k in changed)
+        raise ValueError(f"{out} holds results computed with other settings ({diff}); use another output directory")
+
+
+def _finish(out: Path, examples: Sequence[Example], specs: Sequence[MethodSpec], done: dict, computed: int,
+            meta: dict[str, Any]) -> EvalResult:
+    records = [done[(ex.id, s.label)] for ex in examples for s in specs]
+    summary = summarize(records, [s.label for s in specs])
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    meta = {"title": "kvblend evaluation", **meta, "examples": len(examples),
+            "methods": ", ".join(s.label for s in specs), "machine": _machine_line()}
+    (out / RUN_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    write_report(out, summary, meta)
+    return EvalResult(out, records, summary, computed)
+
+
+def _machine_line() -> str:
+    m = machine_info()
+    return f"{m['nproc']} CPUs ({m['cpu']}), torch {m['torch']} with {m['torch_threads']} threads"
+
+
+def evaluate(dataset: str, out_dir: str | Path, config: EvalConfig = EvalConfig(), model: str | None = None,
+             limit: int | None = None, n_docs: int | None = None, engine: Engine | None = None) -> EvalResult:
+    """Load ``dataset`` (`load_dataset` spec) and, unless ``engine`` is given, ``model``
+    (default: the packaged default model); run `evaluate_examples`."""
+    examples = load_dataset(dataset, limit=limit, n_docs=n_docs)
+    own = engine is None
+    if own:
+        from kvblend.models import DEFAULT_MODEL, load_model
+
+        engine = Engine(load_model(model or DEFAULT_MODEL))
+    meta = {"dataset": dataset, "model": engine.loaded.name, "n_docs": n_docs or "dataset default"}
+    try:
+        return evaluate_examples(engine, examples, out_dir, config, meta)
+    finally:
+        if own:
+            engine.close()
+
+
+# ----- command line -----------------------------------------------------------------
+def add_eval_commands(sub: Any) -> None:
+    """Register ``kvblend eval`` on the CLI's subparsers."""
+    from kvblend.cli import _add_model_args
+
+    p = sub.add_parser("eval", help="score methods against full prefill on a dataset; resumable")
+    p.add_argument("--dataset", required=True, help="MuSiQue .json, .jsonl, or synthetic:n=..,docs=..,doc_tokens=..")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated: full, prefix, reuse, blend[:RATIOS[@LAYERS]][:SIGNAL], mapreduce, "
+                        "maprerank (default: %(default)s)")
+    p.add_argument("--out", required=True, help="output directory (rerun to resume)")
+    p.add_argument("--limit", type=int, default=None, help="first N examples")
+    p.add_argument("--docs", type=int, default=None, help="documents per example (MuSiQue default: 6)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kl-tokens", type=int, default=8)
+    p.add_argument("--map-tokens", type=int, default=32, help="MapReduce note length")
+    p.add_argument("--no-progress", action="store_true")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvblend.cli import _load
+
+    config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
+                        not args.no_progress)
+    engine = Engine(_load(args))
+    start = time.perf_counter()
+    try:
+        result = evaluate(args.dataset, args.out, config, limit=args.limit, n_docs=args.docs, engine=engine)
+    finally:
+        engine.close()
+    _print_summary(result, time.perf_counter() - start)
+    return 0
+
+
+def _print_summary(result: EvalResult, elapsed: float) -> None:
+    print(f"{result.computed} runs computed in {elapsed:.1f} s; results in {result.out_dir}/")
+    print(f"{'method':22s} {'n':>3s} {'agree_f1':>8s} {'kl':>8s} {'gold_f1':>7s} {'ttft_s':>7s}")
+    for label, s in result.summary.items():
+        vals = [s.get(k) for k in ("agree_f1", "kl", "gold_f1", "ttft_s")]
+        cells = ["       –" if v is None else f"{v:8.3f}" for v in vals]
+        print(f"{label:22s} {s['n']:3d} {' '.join(cells)}")

@@ -1,0 +1,217 @@
+"""The evaluation harness on the tiny random model: files, summary, resume, CLI, sweeps."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvblend.engine import Engine
+from kvblend.eval.datasets import Example
+from kvblend.eval.harness import EXAMPLES_FILE, EvalConfig, evaluate, evaluate_examples, read_records
+from kvblend.eval.report import SUMMARY_KEYS
+from kvblend.eval.runner import parse_method, split_methods
+from kvblend.eval.sweeps import (
+    RunSpec, StoreSpec, Sweep, SweepPoint, distinct_runs, method_sweep, ratio_points, run_sweeps, setting_sweep,
+    store_run,
+)
+from tests.conftest import make_loaded
+
+DOCS = ("the doctor led the project alpha in north paris .", "project alpha was approved in the city of lisbon .",
+        "the company is headquartered in rome , west of the river .", "one two three blue green red .")
+EXAMPLES = [Example("where was the project approved ?", DOCS[:3], ("lisbon",), "a"),
+            Example("who led the project ?", DOCS[1:], ("the doctor",), "b")]
+CONFIG = EvalConfig(methods=("full", "reuse", "blend:0.3"), max_tokens=4, kl_tokens=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return make_loaded(seed=1)
+
+
+@pytest.fixture
+def engine(loaded) -> Engine:
+    return Engine(loaded)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _count_prepares(engine: Engine) -> list[int]:
+    calls = [0]
+    prepare = engine.prepare
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return prepare(*args, **kw)
+
+    engine.prepare = counted  # type: ignore[method-assign]
+    return calls
+
+
+# ----- method grammar ---------------------------------------------------------------
+def test_parse_method_grammar() -> None:
+    assert parse_method("blend:0.15").blend.ratios == (0.15,)
+    single = parse_method("blend:0.2@2").blend
+    assert (single.check_layers, single.ratios) == ((2,), (0.2,))
+    prog = parse_method("blend:0.3,0.15@1,2:kv").blend
+    assert (prog.check_layers, prog.schedule, prog.signal) == ((1, 2), (0.3, 0.15), "kv")
+    assert parse_method("blend:0.5,0.2").blend.check_layers == (1, 2)
+    assert parse_method("blend::k").blend.signal == "k"
+    assert parse_method("maprerank").method == "maprerank"
+    for bad, message in [("blend:x", "ratios"), ("blend:0.1,0.3", "non-increasing"), ("blend:0.3,0.1@1,2,3", "schedule"),
+                         ("blend:0.1:q", "signal"), ("nope", "unknown"), ("full:0.1", "only blend")]:
+        with pytest.raises(ValueError, match=message):
+            parse_method(bad)
+
+
+def test_split_methods_keeps_schedules_whole() -> None:
+    assert split_methods("full, prefix,blend:0.3,0.15@1,2:k,blend:0.15,mapreduce") == [
+        "full", "prefix", "blend:0.3,0.15@1,2:k", "blend:0.15", "mapreduce"]
+
+
+def test_config_validation() -> None:
+    assert [s.label for s in EvalConfig(methods=("reuse",)).specs] == ["full", "reuse"]
+    with pytest.raises(ValueError, match="repeat"):
+        EvalConfig(methods=("reuse", "reuse"))
+    with pytest.raises(ValueError, match="max_tokens"):
+        EvalConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="unknown"):
+        EvalConfig(methods=("fast",))
+
+
+# ----- a run ------------------------------------------------------------------------
+def test_run_writes_records_summary_and_report(engine: Engine, tmp_path: Path) -> None:
+    result = evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG, {"dataset": "tiny"})
+    records = _lines(tmp_path / EXAMPLES_FILE)
+    assert [(r["example_id"], r["method"]) for r in records] == [
+        (e, m) for e in ("a", "b") for m in ("full", "reuse", "blend:0.3")]
+    assert result.computed == 6 and result.records == records
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary) == ["full", "reuse", "blend:0.3"]
+    for label, s in summary.items():
+        assert s["n"] == 2 and set(SUMMARY_KEYS) <= set(s)
+        mean_f1 = sum(r["agree_f1"] for r in records if r["method"] == label) / 2
+        assert s["agree_f1"] == pytest.approx(mean_f1)
+    assert summary["full"]["kl"] == 0.0 and summary["full"]["agree_f1"] == 1.0
+    assert summary["reuse"]["recompute_frac"] < summary["blend:0.3"]["recompute_frac"] < 1.0
+    report = (tmp_path / "report.md").read_text()
+    assert all(f"| {label} |" in report for label in summary)
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
+    assert images and all((tmp_path / image).stat().st_size > 1000 for image in images)
+    assert json.loads((tmp_path / "run.json").read_text())["dataset"] == "tiny"
+
+
+def test_rerun_skips_finished_pairs_and_adds_new_methods(engine: Engine, tmp_path: Path) -> None:
+    evaluate_examples(engine, EXAMPLES, tmp_path, EvalConfig(("full", "reuse"), 4, 2, progress=False))
+    compute_s = json.loads((tmp_path / "run.json").read_text())["compute_s"]
+    calls = _count_prepares(engine)
+    again = evaluate_examples(engine, EXAMPLES, tmp_path, EvalConfig(("full", "reuse"), 4, 2, progress=False))
+    assert again.computed == 0 and calls[0] == 0
+    assert json.loads((tmp_path / "run.json").read_text())["compute_s"] == compute_s > 0
+    more = evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
+    assert more.computed == 2  # blend:0.3 on each example; full is recomputed as the reference, not written
+    pairs = [(r["example_id"], r["method"]) for r in _lines(tmp_path / EXAMPLES_FILE)]
+    assert len(pairs) == len(set(pairs)) == 6
+    assert more.summary["blend:0.3"]["n"] == 2
+
+
+def test_half_written_last_line_is_dropped_and_recomputed(engine: Engine, tmp_path: Path) -> None:
+    evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
+    path = tmp_path / EXAMPLES_FILE
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # a crash mid-write
+    assert len(read_records(path)) == 5
+    assert path.read_text() == "".join(lines[:-1])  # cut back to the last complete line
+    path.write_text("".join(lines[:-1]) + lines[-1][:20] + "\n")  # a corrupt line, newline and all
+    result = evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
+    assert result.computed == 1
+    assert [r["method"] for r in _lines(path)] == [json.loads(x)["method"] for x in lines]
+
+
+def test_rerun_with_other_settings_is_refused(engine: Engine, tmp_path: Path) -> None:
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, 2, progress=False), {"dataset": "x"})
+    with pytest.raises(ValueError, match="max_tokens: 3 -> 4"):
+        evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 4, 2, progress=False), {"dataset": "x"})
+    assert len(_lines(tmp_path / EXAMPLES_FILE)) == 1
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / EXAMPLES_FILE
+    path.write_text('{"example_id": "a", "method": "full"}\n{"example_id": "a", "method": "reuse"}')
+    assert [r["method"] for r in read_records(path)] == ["full", "reuse"]
+    assert path.read_text().endswith('"reuse"}\n')
+
+
+def test_corrupt_line_before_the_end_raises(tmp_path: Path) -> None:
+    path = tmp_path / EXAMPLES_FILE
+    path.write_text('{"example_id": "a", "method": "full"}\n{"exa\n{"example_id": "b", "method": "full"}\n')
+    with pytest.raises(ValueError, match=r"examples.jsonl:2"):
+        read_records(path)
+
+
+def test_duplicate_example_ids_are_refused(engine: Engine, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unique"):
+        evaluate_examples(engine, [EXAMPLES[0], EXAMPLES[0]], tmp_path, CONFIG)
+
+
+def test_evaluate_a_jsonl_file_through_the_cli(loaded, tmp_path: Path, monkeypatch, capsys) -> None:
+    import kvblend.cli
+
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("\n".join(json.dumps({"documents": list(e.documents), "question": e.question,
+                                          "answers": list(e.answers), "id": e.id}) for e in EXAMPLES))
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: loaded)
+    out = tmp_path / "out"
+    argv = ["eval", "--dataset", str(data), "--methods", "full,blend:0.5,0.2@1,2,maprerank", "--out", str(out),
+            "--limit", "1", "--docs", "2", "--max-tokens", "3", "--kl-tokens", "2", "--no-progress"]
+    assert kvblend.cli.main(argv) == 0
+    assert [r["method"] for r in _lines(out / EXAMPLES_FILE)] == ["full", "blend:0.5,0.2@1,2", "maprerank"]
+    assert "3 runs computed" in capsys.readouterr().out
+    assert kvblend.cli.main(argv) == 0 and "0 runs computed" in capsys.readouterr().out
+
+
+def test_evaluate_a_synthetic_spec(engine: Engine, tmp_path: Path) -> None:
+    result = evaluate("synthetic:n=2,docs=2,doc_tokens=12", tmp_path, EvalConfig(("reuse",), 3, 2, progress=False),
+                      engine=engine)
+    assert result.summary["reuse"]["n"] == 2 and len(_lines(tmp_path / EXAMPLES_FILE)) == 4
+
+
+# ----- sweeps -----------------------------------------------------------------------
+def _tiers() -> list[str]:
+    return ["memory", "disk"] + (["redis"] if shutil.which("redis-server") else [])
+
+
+def test_sweeps_share_runs_and_use_the_store_they_name(loaded, tmp_path: Path) -> None:
+    data = "synthetic:n=1,docs=2,doc_tokens=12"
+    sens = RunSpec("sens", data, ("full", "reuse", "blend:0.3", "blend:0.3:k"))
+    stores = {t: store_run(data, StoreSpec(t), ("reuse",), 1) for t in _tiers()}
+    int8 = store_run(data, StoreSpec("memory", "int8"), ("reuse",), 1)
+    sweeps = [method_sweep("ratio", "ratio", "ratio", sens, ratio_points([0.3])),
+              method_sweep("signal", "signal", "signal", sens, [("v", "blend:0.3"), ("k", "blend:0.3:k")]),
+              setting_sweep("tier", "tier", "tier", list(stores.items())),
+              setting_sweep("dtype", "dtype", "KV dtype", [("fp32", stores["memory"]), ("int8", int8)])]
+    assert [r.name for r in distinct_runs(sweeps)] == ["sens", *[f"store-{t}-fp32" for t in stores], "store-memory-int8"]
+    results = run_sweeps(loaded, sweeps, tmp_path, EvalConfig(max_tokens=3, kl_tokens=2, progress=False))
+    assert [(r["x"], r["series"]) for r in results[1].rows] == [("v", "blend"), ("k", "blend")]
+    assert {(r["x"], r["series"]) for r in results[2].rows} == {(t, m) for t in stores for m in ("full", "reuse")}
+    assert all(r.plot.exists() for r in results)
+    assert set(json.loads((tmp_path / "sweeps.json").read_text())) == {"ratio", "signal", "tier", "dtype"}
+    for tier in stores:
+        reuse = _lines(tmp_path / "runs" / f"store-{tier}-fp32" / EXAMPLES_FILE)[1]
+        assert reuse["method"] == "reuse" and reuse["sources"] == [tier]
+
+
+def test_sweep_definitions_are_checked() -> None:
+    run = RunSpec("r", "synthetic", ("full",))
+    with pytest.raises(ValueError, match="not a method"):
+        Sweep("s", "t", "x", (SweepPoint(1, run, "blend:0.1"),))
+    other = RunSpec("r", "synthetic", ("reuse",))
+    with pytest.raises(ValueError, match="two different runs"):
+        distinct_runs([setting_sweep("a", "a", "x", [(1, run)]), setting_sweep("b", "b", "x", [(1, other)])])
+    with pytest.raises(ValueError, match="tier"):
+        StoreSpec("tape")
