@@ -1,2 +1,4 @@
-"""Evaluation harness: answer metrics (`metrics`), datasets (`datasets`) and generated
-two-hop questions (`synthetic`). Nothing here imports the engine."""
+"""Evaluation: metrics, datasets (MuSiQue, JSONL, synthetic two-hop), the runner that
+scores methods against full prefill, MapReduce/MapRerank, the harness, sweeps, report.
+
+Importing this package is cheap; the engine is imported by `runner` and what uses it."""

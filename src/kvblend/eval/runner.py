@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from kvblend.blend.config import METHODS, BlendConfig
+from kvblend.blend.config import CHUNK_PREFIXES, METHODS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, musique_query
 from kvblend.eval.metrics import (
@@ -55,7 +55,6 @@ def _floats(text: str, what: str, spec: str, kind: type = float) -> tuple:
 def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig:
     """``RATIOS[@LAYERS]`` then ``SIGNAL``: one ratio for every check layer, or a schedule
     of one ratio per layer (layers default to 1..n)."""
-    from dataclasses import replace
 
     if len(rest) > 2:
         raise ValueError(f"method {spec!r}: expected blend[:RATIOS[@LAYERS]][:SIGNAL]")
@@ -80,11 +79,19 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     ``blend[:RATIOS[@LAYERS]][:SIGNAL]``: ``blend:0.15`` (ratio 0.15 at check layer 1),
     ``blend:0.15:k`` (signal k), ``blend:0.15@2`` (check layer 2), ``blend:0.3,0.15@1,2``
     (progressive: 30% of document tokens selected at layer 1, a 15% subset at layer 2).
+    A ``+prompt`` / ``+bos`` suffix on reuse or blend picks the chunk prefix that the
+    documents' KV is computed after (``blend:0.15+prompt``).
     """
     from kvblend.errors import InvalidRequestError
 
     base = base or BlendConfig()
-    name, *rest = spec.strip().split(":")
+    body, plus, mode = spec.strip().partition("+")
+    if plus:
+        if mode not in CHUNK_PREFIXES or not body.startswith(("reuse", "blend")):
+            raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}) "
+                             "after reuse or blend")
+        return replace(parse_method(body, replace(base, chunk_prefix=mode)), label=spec.strip())
+    name, *rest = body.split(":")
     if name not in METHODS + BASELINES:
         raise ValueError(f"method {spec!r}: unknown; expected one of {', '.join(METHODS + BASELINES)}")
     if name != "blend":
