@@ -132,3 +132,19 @@ def test_corrupt_entries_are_recomputed_never_used(tmp_path) -> None:
     assert not any(d.hit for d in blended.stats.docs)
     full = prepare(again, DOCS, method="full")
     assert (blended.logits - full.logits).abs().max().item() <= 1e-3
+
+
+def test_misses_can_be_cached_first_then_blended(eng: Engine) -> None:
+    cfg = BlendConfig(ratio=1.0, recompute_misses=False)
+    p = eng.prepare(Request(documents=DOCS, question=QUESTION, blend=cfg))
+    assert eng.store.stats().entries == 3  # stored synchronously, before fusion
+    assert p.stats.candidates > 0  # the fresh chunks were blended like hits
+    full = prepare(eng, DOCS, method="full")
+    assert (p.logits - full.logits).abs().max().item() <= 1e-3
+
+
+def test_background_writes_are_bounded(eng: Engine) -> None:
+    eng.max_pending_writes = 1
+    prepare(eng, DOCS)  # three misses, room for one pending write
+    eng.flush()
+    assert eng.dropped_writes >= 1 and eng.store.stats().entries < 3

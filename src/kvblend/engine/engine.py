@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ import torch
 
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
-from kvblend.blend.layout import PromptLayout, render_layout
+from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
@@ -28,6 +29,7 @@ from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
+from kvblend.store.config import StoreConfig, build_store
 from kvblend.store.keys import ChunkKey, KeyContext, chunk_key
 
 
@@ -81,8 +83,6 @@ class Engine:
         self, loaded: LoadedModel, store: ChunkStore | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        from kvblend.store.config import StoreConfig, build_store
-
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -91,6 +91,7 @@ class Engine:
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-chunk")
         self._pending: list[Future] = []
+        self._pending_lock = threading.Lock()
         self.max_pending_writes = 64
         self.dropped_writes = 0
 
@@ -104,8 +105,6 @@ class Engine:
 
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents (skipping those already stored)."""
-        from kvblend.blend.layout import tokenize_document
-
         ctx, keys = self.key_context(chunk_prefix, tenant), []
         for doc in documents:
             ids = tokenize_document(self.tokenizer, doc)
@@ -121,7 +120,7 @@ class Engine:
         t = time.perf_counter()
         for i, (ids, start) in enumerate(zip(layout.docs, layout.doc_starts)):
             if not ids:
-                out.stats.append(DocStat(i, 0, True, "request"))
+                out.stats.append(DocStat(i, 0, True, "empty"))
                 continue
             key = chunk_key(ids, ctx)
             if key in seen:
@@ -154,17 +153,22 @@ class Engine:
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
         """Compute missed chunks alone and store them, off the request path (bounded)."""
-        self._pending = [f for f in self._pending if not f.done()]
-        for key, ids in misses.items():
-            if len(self._pending) >= self.max_pending_writes:
-                self.dropped_writes += 1
-                continue
-            job = self._writer.submit(lambda k=key, d=ids: self.store.put(k, compute_chunk_kv(self.model, chunk_prefix, d)))
-            self._pending.append(job)
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            for key, ids in misses.items():
+                if len(self._pending) >= self.max_pending_writes:
+                    self.dropped_writes += 1
+                    continue
+                job = self._writer.submit(self._compute_and_store, key, ids, chunk_prefix)
+                self._pending.append(job)
+
+    def _compute_and_store(self, key: ChunkKey, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> None:
+        self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
 
     def flush(self) -> None:
         """Wait until background chunk computations and writes are done."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
 

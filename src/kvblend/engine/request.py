@@ -48,7 +48,7 @@ class DocStat(NamedTuple):
     tokens: int
     hit: bool
     source: str  # the tier that served it ("memory", "disk", "redis"), "computed" (a miss,
-    # recomputed in full) or "request" (a repeat within this request)
+    # recomputed in full), "request" (a repeat within this request) or "empty"
 
 
 class RequestStats(NamedTuple):
