@@ -110,3 +110,9 @@ def test_prefix_cache_is_byte_capped() -> None:
     eng = Engine(make_loaded(), prefix_cache=PrefixCache(max_bytes=1))
     logits(eng, "prefix")
     assert eng.prefix_cache.lookup(torch.tensor([1, 2, 3])) is None
+
+
+def test_check_layer_beyond_the_model_is_rejected() -> None:
+    eng = engine()  # two layers
+    with pytest.raises(InvalidRequestError, match="below the model's 2 layers"):
+        logits(eng, "blend", check_layers=(2,))

@@ -23,6 +23,7 @@ import torch
 
 from kvblend import rope as rope_lib
 from kvblend.blend.select import deviation, kept_count, select_tokens
+from kvblend.errors import InvalidRequestError
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
 from kvblend.models.transformer import Transformer
@@ -117,6 +118,9 @@ def _select(
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     """Build the prompt's KV cache from the plan; returns it with the next-token logits."""
     n, dev = plan.ids.shape[0], model.device
+    if max(plan.check_layers) >= len(model.layers):
+        raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
+                                  f"{len(model.layers)} layers")
     p0 = _prefix_len(plan)
     cache = model.new_cache(n + plan.extra_capacity)
     _write_prefix(cache, plan)

@@ -1,0 +1,29 @@
+"""Deviation and top-k selection, on hand-made tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from kvblend.blend.select import deviation, kept_count, select_tokens
+
+
+def test_deviation_sums_squared_error_over_heads_and_dims() -> None:
+    cached = torch.zeros(2, 3, 4)
+    fresh_v = torch.zeros(2, 3, 4)
+    fresh_v[0, 1, 0], fresh_v[1, 1, 3], fresh_v[1, 2, 2] = 1.0, 2.0, 3.0
+    fresh_k = torch.zeros(2, 3, 4)
+    fresh_k[0, 0, 0] = 5.0
+    assert deviation(fresh_k, fresh_v, cached, cached, "v").tolist() == [0.0, 5.0, 9.0]
+    assert deviation(fresh_k, fresh_v, cached, cached, "k").tolist() == [25.0, 0.0, 0.0]
+    assert deviation(fresh_k, fresh_v, cached, cached, "kv").tolist() == [25.0, 5.0, 9.0]
+
+
+def test_select_tokens_returns_the_largest_sorted_by_position() -> None:
+    dev = torch.tensor([0.1, 7.0, 0.3, 9.0, 2.0])
+    assert select_tokens(dev, 2).tolist() == [1, 3]
+    assert select_tokens(dev, 0).tolist() == []
+    assert select_tokens(dev, 99).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_kept_count_rounds_the_ratio() -> None:
+    assert [kept_count(r, 200) for r in (0.0, 0.15, 0.5, 1.0)] == [0, 30, 100, 200]
