@@ -163,13 +163,14 @@ def test_duplicate_example_ids_are_refused(engine: Engine, tmp_path: Path) -> No
         evaluate_examples(engine, [EXAMPLES[0], EXAMPLES[0]], tmp_path, CONFIG)
 
 
-def test_evaluate_a_jsonl_file_through_the_cli(loaded, tmp_path: Path, monkeypatch, capsys) -> None:
+def test_evaluate_a_jsonl_file_through_the_cli(tmp_path: Path, monkeypatch, capsys) -> None:
     import kvblend.cli
 
     data = tmp_path / "tiny.jsonl"
     data.write_text("\n".join(json.dumps({"documents": list(e.documents), "question": e.question,
                                           "answers": list(e.answers), "id": e.id}) for e in EXAMPLES))
-    monkeypatch.setattr(kvblend.cli, "_load", lambda args: loaded)
+    three_layers = make_loaded(num_hidden_layers=3)  # the schedule checks layers 1 and 2
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: three_layers)
     out = tmp_path / "out"
     argv = ["eval", "--dataset", str(data), "--methods", "full,blend:0.5,0.2@1,2,maprerank", "--out", str(out),
             "--limit", "1", "--docs", "2", "--max-tokens", "3", "--kl-tokens", "2", "--no-progress"]

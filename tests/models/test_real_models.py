@@ -46,3 +46,16 @@ def test_smollm2_chat_answers_in_text(smollm2) -> None:
     done = collect(stream(smollm2.model, smollm2.tokenizer, ids, SamplingParams(max_tokens=16),
                           smollm2.eos_token_ids), len(ids))
     assert "Paris" in done.text
+
+
+def test_fast_tokenizer_path_equals_autotokenizer(smollm2) -> None:
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(smollm2.folder))
+    text = "Hello world!\n\nThe  quick brown fox, naïve café — 1234.\n\n\n"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    ours = smollm2.tokenizer
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token_id, ours.eos_token_id, len(ours)) == (auto.bos_token_id, auto.eos_token_id, len(auto))

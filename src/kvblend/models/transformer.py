@@ -24,10 +24,23 @@ from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with uninitialised storage: weights always come from a checkpoint,
+    so the random init of ``nn.Linear`` (seconds for a whole model) is skipped."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,10 +56,10 @@ class DecoderLayer(nn.Module):
         d = cfg.hidden_size
         self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qkv = nn.Linear(d, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.q_size, d, bias=cfg.o_bias)
-        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, d, bias=cfg.mlp_bias)
+        self.qkv = Linear(d, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = Linear(cfg.q_size, d, bias=cfg.o_bias)
+        self.gate_up = Linear(d, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = Linear(cfg.intermediate_size, d, bias=cfg.mlp_bias)
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -74,10 +87,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # used as a lookup table
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -91,7 +104,7 @@ class Transformer(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, D) residual stream."""
-        return self.embed_tokens(ids)
+        return F.embedding(ids, self.embed_tokens.weight)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for these positions, computed once per forward and shared by all layers."""
