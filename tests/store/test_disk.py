@@ -17,7 +17,7 @@ from kvblend.store import DiskStore
 from kvblend.store.disk import TMP_DIR, remove_stale_temp_files
 from kvblend.store.entry import encode_chunk, header_fields
 
-from tests.store.helpers import assert_same_chunk, keyed, make_chunk
+from tests.store.helpers import assert_same_chunk, hammer_in_processes, keyed, make_chunk
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,33 +199,8 @@ def test_stale_temp_files_of_live_writers_are_kept(tmp_path: Path) -> None:
     assert remove_stale_temp_files(tmp) == 1 and mine.exists() and not dead.exists()
 
 
-READER_WRITER = """
-import random, sys, torch
-from kvblend.store import DiskStore
-from kvblend.store.chunk import ChunkKV
-from tests.store.helpers import keyed
-store = DiskStore(sys.argv[1], 1 << 30, fsync=False)
-key, base = keyed(1, layers=3, heads=2, head_dim=16, n_tokens=32)
-rng, torn, hits = random.Random(int(sys.argv[2])), 0, 0
-for i in range(60):
-    if rng.random() < 0.5:
-        v = float(rng.randrange(1, 100))
-        store.put(key, ChunkKV(base.token_ids, 0, tuple(torch.full_like(k, v) for k in base.keys),
-                               tuple(torch.full_like(k, v) for k in base.values)))
-    else:
-        got = store.get(key, base.token_ids)
-        if got is not None:
-            hits += 1
-            torn += torch.cat([t.reshape(-1) for t in (*got.keys, *got.values)]).unique().numel() != 1
-print(torn, hits, store.stats().errors)
-"""
-
-
 def test_concurrent_processes_never_see_torn_entries(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, "-c", READER_WRITER, str(tmp_path), str(seed)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, text=True) for seed in range(2)]
-    results = [tuple(map(int, p.communicate(timeout=120)[0].split())) for p in procs]
+    results = hammer_in_processes(f"DiskStore({str(tmp_path)!r}, 1 << 30, fsync=False)", read_layers=False)
     assert all(torn == 0 and errors == 0 for torn, _, errors in results), results
     assert sum(hits for _, hits, _ in results) > 0
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,9 +12,8 @@ import redis
 from kvblend.store import RedisStore
 from kvblend.store.localredis import LocalRedis
 
-from tests.store.helpers import assert_same_chunk, keyed
+from tests.store.helpers import assert_same_chunk, hammer_in_processes, keyed
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_machines_share_one_cache(make_redis: Callable[..., RedisStore]) -> None:
@@ -164,34 +160,7 @@ def test_many_threads_put_under_one_cap(make_redis: Callable[..., RedisStore], r
     assert len(names) == stats.entries == len(stores[0].keys("default")) and held == stats.bytes
 
 
-READER_WRITER = """
-import random, sys, torch
-from kvblend.store import RedisStore
-from kvblend.store.chunk import ChunkKV
-from tests.store.helpers import keyed
-store = RedisStore(sys.argv[1], 1 << 30, prefix=sys.argv[2], timeout_s=5.0)
-key, base = keyed(1, layers=3, heads=2, head_dim=16, n_tokens=32)
-rng, torn, hits = random.Random(int(sys.argv[3])), 0, 0
-for i in range(60):
-    if rng.random() < 0.5:
-        v = float(rng.randrange(1, 100))
-        store.put(key, ChunkKV(base.token_ids, 0, tuple(torch.full_like(k, v) for k in base.keys),
-                               tuple(torch.full_like(k, v) for k in base.values)))
-    else:
-        got = store.get(key, base.token_ids) if i % 2 else None
-        layer = store.get_layer(key, 1) if not i % 2 else None
-        for parts in ([*got.keys, *got.values] if got else [], list(layer) if layer else []):
-            if parts:
-                hits += 1
-                torn += torch.cat([t.reshape(-1) for t in parts]).unique().numel() != 1
-print(torn, hits, store.stats().errors)
-"""
-
-
 def test_concurrent_processes_never_see_torn_entries(redis_server: LocalRedis, redis_prefix: str) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, "-c", READER_WRITER, redis_server.url, redis_prefix, str(seed)],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, text=True) for seed in range(2)]
-    results = [tuple(map(int, p.communicate(timeout=120)[0].split())) for p in procs]
+    results = hammer_in_processes(f"RedisStore({redis_server.url!r}, 1 << 30, prefix={redis_prefix!r}, timeout_s=5.0)", read_layers=True)
     assert all(torn == 0 and errors == 0 for torn, _, errors in results), results
     assert sum(hits for _, hits, _ in results) > 0
