@@ -9,7 +9,9 @@ from kvblend.generation import SamplingParams, generate_ids
 
 PROMPT = ("Retrieval-augmented generation answers questions from documents. The documents are "
           "retrieved first, then the model reads them together with the question and writes an "
-          "answer. Caching the key-value states of each document saves")
+          "answer. Caching the key-value states of each document saves most of the prefill work, "
+          "because the same documents come back for many questions in different orders and with "
+          "different neighbours, and only a few tokens need their states recomputed.")
 
 
 def check_against_transformers(loaded) -> None:
@@ -17,7 +19,7 @@ def check_against_transformers(loaded) -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
     ids = loaded.tokenizer(PROMPT)["input_ids"][:64]
-    assert len(ids) >= 40
+    assert len(ids) == 64
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
         ref_gen = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
