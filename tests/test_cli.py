@@ -36,3 +36,14 @@ def test_ask_answers_with_json_stats(capsys, tmp_path, smollm2) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["method"] == "blend" and len(out["stats"]["docs"]) == 1
     assert list((tmp_path / "kv").rglob("*.safetensors"))  # the miss was written back to disk
+
+
+def test_generate_reads_the_prompt_from_stdin(capsys, monkeypatch, smollm2) -> None:
+    import io
+
+    import kvblend.cli
+
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: smollm2)
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?"))
+    assert main(["generate", "--chat", "--max-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out

@@ -62,3 +62,18 @@ def test_blend_is_closer_to_full_than_reuse(engine: Engine) -> None:
         return float((full.exp() * (full - other)).sum())
 
     assert kl("blend", ratio=0.5) < kl("reuse")
+
+
+def test_rerotated_layer0_keys_equal_keys_computed_at_the_target_position(engine: Engine) -> None:
+    """Layer-0 K/V depend only on a token and its position, so the cached, re-rotated
+    layer-0 keys of a moved document must equal a full prefill's keys there."""
+    docs = [DOCS[2], DOCS[0], DOCS[1]]  # every document away from where it was computed
+    reused = logits(engine, "reuse", docs=docs)
+    full = logits(engine, "full", docs=docs)
+    start, end = reused.layout.doc_starts[0], len(reused.layout) - len(reused.layout.suffix)
+    assert start > 1 and all(d.hit for d in reused.stats.docs)
+    k_moved, v_moved = reused.cache.view(0, end)
+    k_full, v_full = full.cache.view(0, end)
+    assert (k_moved[:, start:] - k_full[:, start:]).abs().max().item() < 1e-4
+    assert (v_moved[:, start:] - v_full[:, start:]).abs().max().item() < 1e-4
+    assert (reused.cache.view(1, end)[1][:, start:] - full.cache.view(1, end)[1][:, start:]).abs().max() > 1e-3
