@@ -68,7 +68,7 @@ def _is_block(q_pos: torch.Tensor, n_keys: int) -> bool:
 
 
 def plan_attention(
-    q_pos: torch.Tensor, n_keys: int, window: int | None, dtype: torch.dtype, group_size: int = 64
+    q_pos: torch.Tensor, n_keys: int, window: int | None, dtype: torch.dtype, group_size: int = 128
 ) -> AttentionPlan:
     """Choose how queries at sorted positions ``q_pos`` attend to keys 0..n_keys-1."""
     free_window = window is None or n_keys <= window
