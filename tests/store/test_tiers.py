@@ -102,12 +102,18 @@ def test_tenants_are_isolated(make_tier: Callable[..., Tier]) -> None:
     assert tier.get(key_b) is not None and tier.keys("alice") == []
 
 
-def test_caps_hold_under_a_random_workload(make_tier: Callable[..., Tier]) -> None:
+def entry_bytes(make_tier: Callable[..., Tier], **shape: int) -> int:
+    """What a tier counts for one entry of this shape (measured on a scratch tier)."""
     probe = make_tier()
-    key, chunk = keyed(0, n_tokens=6)
+    key, chunk = keyed(0, **shape)
     probe.put(key, chunk)
-    unit = probe.stats().bytes  # what this tier counts for a 6-token entry
+    unit = probe.stats().bytes
     probe.delete(key)
+    return unit
+
+
+def test_caps_hold_under_a_random_workload(make_tier: Callable[..., Tier]) -> None:
+    unit = entry_bytes(make_tier, n_tokens=6)
     cap, tenant_cap = 6 * unit, 4 * unit
     tier = make_tier(cap, tenant_bytes=tenant_cap)
     rng = random.Random(7)
@@ -128,11 +134,7 @@ def test_caps_hold_under_a_random_workload(make_tier: Callable[..., Tier]) -> No
 
 
 def test_eviction_is_lru_within_the_tenant(make_tier: Callable[..., Tier]) -> None:
-    probe = make_tier()
-    k0, c0 = keyed(0)
-    probe.put(k0, c0)
-    unit = probe.stats().bytes
-    probe.delete(k0)
+    unit = entry_bytes(make_tier)
     tier = make_tier(3 * unit + unit // 2)
     pairs = [keyed(i) for i in range(4)]
     for key, chunk in pairs[:3]:
@@ -150,11 +152,7 @@ def test_an_entry_larger_than_the_cap_is_refused(make_tier: Callable[..., Tier])
 
 
 def test_one_tenant_cannot_evict_another(make_tier: Callable[..., Tier]) -> None:
-    probe = make_tier()
-    k0, c0 = keyed(0)
-    probe.put(k0, c0)
-    unit = probe.stats().bytes
-    probe.delete(k0)
+    unit = entry_bytes(make_tier)
     tier = make_tier(2 * unit + unit // 2)
     bob = [keyed(i, tenant="bob") for i in range(2)]
     for key, chunk in bob:

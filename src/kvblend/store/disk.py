@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import uuid
 from functools import lru_cache
@@ -27,19 +26,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from kvblend.store.base import EntryInfo
 from kvblend.store.entry import CorruptEntry, Entry, header_fields, parse_header_fields, verify_tensor
-from kvblend.store.index import ByteIndex
 from kvblend.store.keys import ChunkKey
-from kvblend.store.policy import EvictionPolicy, LRUPolicy
-from kvblend.store.tier import LayerRead, Tier, TierUnavailable, WriteOutcome
+from kvblend.store.policy import EvictionPolicy
+from kvblend.store.tier import IndexedTier, LayerRead, TierUnavailable, WriteOutcome
 
 SUFFIX = ".safetensors"
 TMP_DIR = ".tmp"
 STALE_TMP_S = 3600.0
 
 
-class DiskStore(Tier):
+class DiskStore(IndexedTier):
     """Chunk files under ``root``, at most ``max_bytes`` of them (see the module docstring).
 
     Thread-safe; several processes may share ``root`` (atomic renames keep reads whole),
@@ -51,15 +48,12 @@ class DiskStore(Tier):
     def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, policy: EvictionPolicy | None = None,
                  tenant_bytes: int | None = None, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
                  fsync: bool = True) -> None:
-        super().__init__(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
+        super().__init__(max_bytes, policy=policy, tenant_bytes=tenant_bytes, kv_dtype=kv_dtype,
+                         compute_dtype=compute_dtype)
         self.root = Path(root)
         self.fsync = fsync
         self._tmp = self.root / TMP_DIR
         self._tmp.mkdir(parents=True, exist_ok=True)
-        self._index = ByteIndex(policy or LRUPolicy(), max_bytes, tenant_bytes)
-        self._lock = threading.Lock()
         remove_stale_temp_files(self._tmp)
         self._rebuild_index()
 
@@ -74,7 +68,7 @@ class DiskStore(Tier):
             for key, size, mtime in found:
                 self._index.add(key, size, last_used=mtime)
             while self._index.total > self._index.max_bytes and found:  # the cap shrank: oldest first
-                self._unlink(found.pop(0)[0])
+                self._delete_locked(found.pop(0)[0])
 
     def _adopt(self, key: ChunkKey, path: Path) -> None:
         """Index an entry another process wrote, evicting this tenant's entries to fit it
@@ -87,7 +81,7 @@ class DiskStore(Tier):
             if key in self._index:
                 return
             for victim in self._index.victims_for(key, size) or []:
-                self._unlink(victim)
+                self._delete_locked(victim)
             self._index.add(key, size)
 
     def _touch(self, key: ChunkKey, path: Path) -> None:
@@ -98,7 +92,7 @@ class DiskStore(Tier):
         except OSError:
             pass
 
-    def _unlink(self, key: ChunkKey) -> None:
+    def _delete_locked(self, key: ChunkKey) -> None:
         """Forget and delete an entry; caller holds the lock."""
         self._index.remove(key)
         self.path(key).unlink(missing_ok=True)
@@ -186,7 +180,7 @@ class DiskStore(Tier):
             if victims is None:
                 return WriteOutcome(False)
             for victim in victims:
-                self._unlink(victim)
+                self._delete_locked(victim)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
             self._index.add(key, size)
@@ -205,23 +199,6 @@ class DiskStore(Tier):
         return True
 
     # -- accounting --------------------------------------------------------------------
-
-    def entries(self, tenant: str) -> list[EntryInfo]:
-        with self._lock:
-            return self._index.infos(tenant)
-
-    def _occupancy(self, tenant: str | None) -> tuple[int, int]:
-        with self._lock:
-            if tenant is None:
-                return len(self._index.keys(None)), self._index.total
-            return len(self._index.keys(tenant)), self._index.tenant_total(tenant)
-
-    def _evict(self, tenant: str, target_bytes: int) -> int:
-        with self._lock:
-            victims = self._index.over_target(tenant, target_bytes)
-            for victim in victims:
-                self._unlink(victim)
-        return len(victims)
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8}

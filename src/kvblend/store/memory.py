@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
-from kvblend.store.base import EntryInfo
 from kvblend.store.entry import Entry
-from kvblend.store.index import ByteIndex
 from kvblend.store.keys import ChunkKey
-from kvblend.store.policy import EvictionPolicy, LRUPolicy
-from kvblend.store.tier import LayerRead, Tier, WriteOutcome
+from kvblend.store.policy import EvictionPolicy
+from kvblend.store.tier import IndexedTier, LayerRead, WriteOutcome
 
 
-class MemoryStore(Tier):
+class MemoryStore(IndexedTier):
     """Entries kept in this process, in storage dtype, at most ``max_bytes`` of tensors.
 
     Entries are private copies that are never modified, so reads need no checksum: a
@@ -24,20 +20,13 @@ class MemoryStore(Tier):
 
     def __init__(self, max_bytes: int, *, policy: EvictionPolicy | None = None,
                  tenant_bytes: int | None = None, kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:
-        super().__init__(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
-        self._index = ByteIndex(policy or LRUPolicy(), max_bytes, tenant_bytes)
+        super().__init__(max_bytes, policy=policy, tenant_bytes=tenant_bytes, kv_dtype=kv_dtype,
+                         compute_dtype=compute_dtype)
         self._entries: dict[ChunkKey, Entry] = {}
-        self._lock = threading.Lock()
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._entries
-
-    def entries(self, tenant: str) -> list[EntryInfo]:
-        with self._lock:
-            return self._index.infos(tenant)
 
     def _read(self, key: ChunkKey) -> Entry | None:
         with self._lock:
@@ -67,30 +56,17 @@ class MemoryStore(Tier):
             if victims is None:
                 return WriteOutcome(False)
             for victim in victims:
-                self._drop(victim)
+                self._delete_locked(victim)
             self._entries[key] = owned
             self._index.add(key, nbytes)
         return WriteOutcome(True, len(victims))
 
-    def _drop(self, key: ChunkKey) -> None:
+    def _delete_locked(self, key: ChunkKey) -> None:
         self._entries.pop(key, None)
         self._index.remove(key)
 
     def _remove(self, key: ChunkKey) -> bool:
         with self._lock:
             existed = key in self._entries
-            self._drop(key)
+            self._delete_locked(key)
         return existed
-
-    def _occupancy(self, tenant: str | None) -> tuple[int, int]:
-        with self._lock:
-            if tenant is None:
-                return len(self._entries), self._index.total
-            return len(self._index.keys(tenant)), self._index.tenant_total(tenant)
-
-    def _evict(self, tenant: str, target_bytes: int) -> int:
-        with self._lock:
-            victims = self._index.over_target(tenant, target_bytes)
-            for victim in victims:
-                self._drop(victim)
-        return len(victims)

@@ -10,6 +10,7 @@ entries, count, never raise for an unavailable backend, decode to the compute dt
 from __future__ import annotations
 
 import logging
+import threading
 from abc import abstractmethod
 from typing import Callable, ClassVar, Mapping, NamedTuple, Sequence, TypeVar
 
@@ -28,7 +29,9 @@ from kvblend.store.entry import (
     encode_chunk,
     tokens_match,
 )
+from kvblend.store.index import ByteIndex
 from kvblend.store.keys import ChunkKey
+from kvblend.store.policy import EvictionPolicy, LRUPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -188,3 +191,40 @@ class Tier(ChunkStore):
             self._remove(key)
         except (TierUnavailable, OSError) as exc:
             log.warning("%s tier: could not remove %s: %s", self.name, key, exc)
+
+
+class IndexedTier(Tier):
+    """A tier whose sizes and eviction order live in a local ``ByteIndex`` (memory, disk).
+
+    Occupancy, listing and eviction are answered from the index under one lock;
+    subclasses say how to delete an entry's data in ``_delete_locked`` (called with the lock held).
+    """
+
+    def __init__(self, max_bytes: int, *, policy: EvictionPolicy | None, tenant_bytes: int | None,
+                 kv_dtype: str, compute_dtype: str) -> None:
+        super().__init__(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self._index = ByteIndex(policy or LRUPolicy(), max_bytes, tenant_bytes)
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def _delete_locked(self, key: ChunkKey) -> None:
+        """Delete one entry and its index record; the caller holds the lock."""
+
+    def entries(self, tenant: str) -> list[EntryInfo]:
+        with self._lock:
+            return self._index.infos(tenant)
+
+    def _occupancy(self, tenant: str | None) -> tuple[int, int]:
+        with self._lock:
+            if tenant is None:
+                return len(self._index.keys(None)), self._index.total
+            return len(self._index.keys(tenant)), self._index.tenant_total(tenant)
+
+    def _evict(self, tenant: str, target_bytes: int) -> int:
+        with self._lock:
+            victims = self._index.over_target(tenant, target_bytes)
+            for victim in victims:
+                self._delete_locked(victim)
+        return len(victims)
