@@ -39,8 +39,8 @@ def run_demo(args: argparse.Namespace) -> int:
     example = load_musique(MUSIQUE_SAMPLE, n_docs=6, limit=1)[0]
     engine = Engine(loaded)
     docs = list(example.documents)
-    prefix = engine.chunk_prefix(Request(documents=docs, question="x", system=MUSIQUE_INSTRUCTION),
-                                 engine.layout(Request(documents=docs, question="x", system=MUSIQUE_INSTRUCTION)))
+    probe = Request(documents=docs, question="x", system=MUSIQUE_INSTRUCTION)
+    prefix = engine.chunk_prefix(probe, engine.layout(probe))
     t = time.perf_counter()
     for i, doc in enumerate(docs):
         engine.warm([doc], prefix)
