@@ -172,21 +172,28 @@ def cos_sin(
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate ``x`` (..., T, head_dim) by per-position angles; cos/sin are (T, rd/2).
 
-    Dimensions past the rotary dim pass through unchanged. Returns a new tensor.
+    Dimensions past the rotary dim pass through unchanged. Returns a new contiguous tensor,
+    written in place half by half (four kernels, no temporaries).
     """
     rd = cos.shape[-1] * 2
-    rot, rest = x[..., :rd], x[..., rd:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x1, x2 = _halves(x[..., :rd], interleaved)
+    y1, y2 = _halves(out[..., :rd], interleaved)
+    torch.mul(x1, cos, out=y1)
+    y1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=y2)
+    y2.addcmul_(x1, sin)
+    if rd < x.shape[-1]:
+        out[..., rd:] = x[..., rd:]
+    return out
+
+
+def _halves(rot: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two members of each rotated pair: even/odd dims or first/second half."""
     if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
-    if interleaved:
-        out = torch.stack((y1, y2), dim=-1).flatten(-2)
-    else:
-        out = torch.cat((y1, y2), dim=-1)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        return rot[..., 0::2], rot[..., 1::2]
+    half = rot.shape[-1] // 2
+    return rot[..., :half], rot[..., half:]
 
 
 def rotation_tables(

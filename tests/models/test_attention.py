@@ -14,8 +14,9 @@ def reference(q, k, v, pos, window=None):
     return attend(q, k, v, causal_mask(pos, torch.arange(N), window))
 
 
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 3])
 @pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "windowed", "decode"])
-def test_plan_matches_explicit_mask(case: str) -> None:
+def test_plan_matches_explicit_mask(case: str, heads_per_kv: int) -> None:
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, N, 8, generator=g), torch.randn(2, N, 8, generator=g)
     pos = {
@@ -27,8 +28,16 @@ def test_plan_matches_explicit_mask(case: str) -> None:
         "decode": torch.tensor([N - 1]),
     }[case]
     window = 7 if case == "windowed" else None
-    q = torch.randn(4, pos.shape[0], 8, generator=g)
-    plan = plan_attention(pos, N, window, torch.float32, group_size=6)
+    q = torch.randn(2 * heads_per_kv, pos.shape[0], 8, generator=g)
+    plan = plan_attention(pos, N, window, torch.float32, group_size=6, heads_per_kv=heads_per_kv)
     expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked"}.get(case, "groups")
     assert plan.kind == expected_kind
     assert torch.allclose(attend_planned(q, k, v, plan), reference(q, k, v, pos, window), atol=1e-5)
+
+
+def test_group_plan_rejects_other_head_grouping() -> None:
+    pos = torch.tensor([3, 9, 20])
+    plan = plan_attention(pos, N, None, torch.float32, heads_per_kv=2)
+    k = v = torch.zeros(2, N, 8)
+    with pytest.raises(ValueError, match="2 query heads per KV head"):
+        attend_planned(torch.zeros(6, 3, 8), k, v, plan)

@@ -151,7 +151,8 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         if layer_idx == last and _sees_all(model, n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             continue
-        attn_plan = attn_plan or plan_attention(active, n, model.cfg.sliding_window, model.dtype)
+        attn_plan = attn_plan or plan_attention(active, n, model.cfg.sliding_window, model.dtype,
+                                               heads_per_kv=model.cfg.heads_per_kv)
         h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand)

@@ -49,6 +49,11 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def heads_per_kv(self) -> int:
+        """Query heads sharing one KV head (1 without grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 

@@ -24,6 +24,11 @@ from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 
 
+# Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
+# 0.92x the time of one (3072, 2I) pass; blocks of 512 gained nothing.
+MLP_BLOCK_TOKENS = 1024
+
+
 class Linear(nn.Module):
     """y = x W^T + b with uninitialised storage: weights always come from a checkpoint,
     so the random init of ``nn.Linear`` (seconds for a whole model) is skipped."""
@@ -36,6 +41,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def plus(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) as one GEMM that accumulates into a copy of the residual."""
+        out = torch.addmm(residual, x, self.weight.t())
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out += self(x), in place (out must be a tensor the caller owns)."""
+        out.addmm_(x, self.weight.t())
+        if self.bias is not None:
+            out.add_(self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -44,7 +60,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # x * rsqrt(mean(x^2) + eps) * w, with the mean taken from one norm kernel: 2 passes
+        # over x instead of F.rms_norm's 4 on CPU (2.6 vs 5.6 ms at 3072 x 576).
+        inv = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+        return torch.mul(x, inv.add_(self.eps).rsqrt_()).mul_(self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -70,15 +89,25 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)  # (Hq, T, d)
         k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
-        v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1).contiguous()
+        v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # a view: callers copy it into the cache
         inter = c.rope.interleaved
         return rope_lib.apply_rope(q, cos, sin, inter), rope_lib.apply_rope(k, cos, sin, inter), v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection and MLP, each with its residual. h, attn: (T, D), (T, Hq*d)."""
-        h = h + self.o(attn)
-        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)  # (T, I) each
-        return h + self.down(F.silu(gate).mul_(up))
+        """Output projection and MLP, each with its residual. h, attn: (T, D), (T, Hq*d).
+
+        The MLP runs over blocks of ``MLP_BLOCK_TOKENS`` rows: its (T, 2I) intermediate
+        then stays small enough to be reused from cache (rows are independent, so this is
+        exact)."""
+        h = self.o.plus(h, attn)
+        for s in range(0, h.shape[0], MLP_BLOCK_TOKENS):
+            self.add_mlp(h[s : s + MLP_BLOCK_TOKENS])
+        return h
+
+    def add_mlp(self, h: torch.Tensor) -> None:
+        """h += SwiGLU MLP of the post-attention norm of h (T, D), in place."""
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)  # (T, I) views of a fresh tensor
+        self.down.add_into(h, F.silu(gate, inplace=True).mul_(up))
 
 
 class Transformer(nn.Module):
@@ -129,7 +158,8 @@ class Transformer(nn.Module):
         self._check_context(start + n)
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.rope_tables(positions)
-        plan = plan_attention(positions, start + n, self.cfg.sliding_window, self.dtype)
+        plan = plan_attention(positions, start + n, self.cfg.sliding_window, self.dtype,
+                              heads_per_kv=self.cfg.heads_per_kv)
         h = self.embed(ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
