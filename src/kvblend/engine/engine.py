@@ -21,6 +21,7 @@ import torch
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
+from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
@@ -83,6 +84,8 @@ class Engine:
         self, loaded: LoadedModel, store: ChunkStore | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
+        if loaded.model.device.type == "cpu":
+            keep_freed_memory()
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
