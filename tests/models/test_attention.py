@@ -41,3 +41,36 @@ def test_group_plan_rejects_other_head_grouping() -> None:
     k = v = torch.zeros(2, N, 8)
     with pytest.raises(ValueError, match="2 query heads per KV head"):
         attend_planned(torch.zeros(6, 3, 8), k, v, plan)
+
+
+def _cost(runs, pos, call_cost):
+    return sum((e - s) * (int(pos[e - 1]) + 1) + call_cost for s, e in runs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_is_optimal_against_brute_force(seed: int) -> None:
+    import itertools
+
+    from kvblend.models import attention
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randperm(4000, generator=g)[:9].sort().values
+    runs = attention._partition(pos, max_rows=4)
+    assert runs[0][0] == 0 and runs[-1][1] == len(pos)
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:])) and all(0 < e - s <= 4 for s, e in runs)
+    best = None
+    for cuts in itertools.product([0, 1], repeat=len(pos) - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(pos)]
+        cand = list(zip(bounds, bounds[1:]))
+        if all(e - s <= 4 for s, e in cand):
+            c = _cost(cand, pos, attention.CALL_COST_PAIRS)
+            best = c if best is None else min(best, c)
+    assert _cost(runs, pos, attention.CALL_COST_PAIRS) == best
+
+
+def test_partition_splits_distant_clusters() -> None:
+    from kvblend.models import attention
+
+    pos = torch.cat((torch.arange(100, 164), torch.arange(3000, 3064)))
+    assert attention._partition(pos, max_rows=256) == [(0, 64), (64, 128)]
+    assert attention._partition(torch.arange(5, 69), max_rows=256) == [(0, 64)]

@@ -9,7 +9,10 @@ fast path, so ``plan_attention`` picks the cheapest exact form:
 * ``padded``  — queries are a block p0..N-1 with a short head: pad the queries with p0
   dummy rows, run ``is_causal`` and drop the dummies (exact, wastes ~p0²/2);
 * ``groups``  — scattered queries: split them into position-ordered groups, each
-  attending only to keys up to its last query, with a precomputed additive mask. The
+  attending only to keys up to its last query, with a precomputed additive mask. Group
+  boundaries minimise (query, key) pairs computed plus a per-call cost (``_partition``);
+  on a blend's scattered 15 % that computes ~12 % fewer pairs than fixed groups of 128
+  and measured 6-14 % less attention time. The
   query heads sharing a KV head are stacked along the query axis, so one call serves
   them all and each key block is loaded once for all of them (measured ~8 % faster
   than SDPA's own GQA handling for 128-query groups on a 2-core CPU).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,11 +76,12 @@ def _is_block(q_pos: torch.Tensor, n_keys: int) -> bool:
 
 
 def plan_attention(
-    q_pos: torch.Tensor, n_keys: int, window: int | None, dtype: torch.dtype, group_size: int = 128,
+    q_pos: torch.Tensor, n_keys: int, window: int | None, dtype: torch.dtype, group_size: int = 256,
     heads_per_kv: int = 1,
 ) -> AttentionPlan:
     """Choose how queries at sorted positions ``q_pos`` attend to keys 0..n_keys-1.
 
+    ``group_size`` caps the queries of one group (scattered queries only).
     ``heads_per_kv`` (query heads / KV heads) must match the q passed to ``attend_planned``."""
     free_window = window is None or n_keys <= window
     if free_window and _is_block(q_pos, n_keys):
@@ -88,13 +93,41 @@ def plan_attention(
         if pad <= q_pos.shape[0]:
             return AttentionPlan("padded", pad=pad)
     groups = []
-    for s in range(0, q_pos.shape[0], group_size):
-        pos = q_pos[s : s + group_size]
+    for s, e in _partition(q_pos, group_size):
+        pos = q_pos[s:e]
         key_end = int(pos[-1]) + 1
         allowed = causal_mask(pos, torch.arange(key_end, device=pos.device), window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
         groups.append(QueryGroup(s, s + pos.shape[0], key_end, mask.repeat(heads_per_kv, 1)))
     return AttentionPlan("groups", groups=tuple(groups), heads_per_kv=heads_per_kv)
+
+
+# What one more SDPA call costs, in (query, key) pairs of work: fitted on SmolLM2's
+# blend queries (2-core CPU), where anything from 12k to 20k gave the same times.
+CALL_COST_PAIRS = 16384
+
+
+def _partition(q_pos: torch.Tensor, max_rows: int) -> list[tuple[int, int]]:
+    """Split sorted query positions into runs [s, e) of at most ``max_rows`` that minimise
+    sum((e - s) * (q_pos[e - 1] + 1)) + CALL_COST_PAIRS * number_of_runs.
+
+    A run computes every query against keys up to its last query, so long gaps inside a
+    run are wasted work; each run is one kernel call. Dynamic programming over run ends,
+    vectorised over run starts: O(len * max_rows)."""
+    key_end = q_pos.cpu().numpy().astype(np.float64) + 1
+    m = key_end.shape[0]
+    best = np.zeros(m + 1)
+    start = np.zeros(m + 1, dtype=np.int64)
+    for e in range(1, m + 1):
+        s = np.arange(max(0, e - max_rows), e)
+        cost = best[s] + (e - s) * key_end[e - 1] + CALL_COST_PAIRS
+        i = int(np.argmin(cost))
+        best[e], start[e] = cost[i], s[i]
+    runs, e = [], m
+    while e > 0:
+        runs.append((int(start[e]), e))
+        e = int(start[e])
+    return runs[::-1]
 
 
 def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
