@@ -110,3 +110,16 @@ def test_unsupported_rope_type_is_a_clear_error() -> None:
 
     with pytest.raises(UnsupportedModelError, match="longrope"):
         RopeConfig(head_dim=64, rope_type="longrope")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rope_into_a_cache_slice_equals_a_new_tensor(interleaved: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    cfg = RopeConfig(head_dim=16, partial_rotary_factor=0.75, interleaved=interleaved)
+    x = torch.randn(2, 7, 16, generator=g)
+    cos, sin = cos_sin(cfg, torch.arange(40, 47))
+    buf = torch.full((2, 20, 16), float("nan"))
+    returned = apply_rope(x, cos, sin, interleaved, out=buf[:, 5:12])
+    assert returned.data_ptr() == buf[:, 5:12].data_ptr()
+    assert torch.equal(buf[:, 5:12], apply_rope(x, cos, sin, interleaved))
+    assert buf[:, :5].isnan().all() and buf[:, 12:].isnan().all()

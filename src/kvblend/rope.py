@@ -169,14 +169,18 @@ def cos_sin(
     return _angles_cos_sin(angles, attention_scaling(cfg), dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate ``x`` (..., T, head_dim) by per-position angles; cos/sin are (T, rd/2).
 
-    Dimensions past the rotary dim pass through unchanged. Returns a new contiguous tensor,
-    written in place half by half (four kernels, no temporaries).
+    Dimensions past the rotary dim pass through unchanged. Writes into ``out`` (same shape
+    as x, must not overlap it; e.g. a slot range of a KV cache) or a new tensor, half by
+    half (four kernels, no temporaries), and returns it.
     """
     rd = cos.shape[-1] * 2
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     x1, x2 = _halves(x[..., :rd], interleaved)
     y1, y2 = _halves(out[..., :rd], interleaved)
     torch.mul(x1, cos, out=y1)

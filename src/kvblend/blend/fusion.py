@@ -94,10 +94,14 @@ def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, la
     """Re-rotated cached K/V of every placed chunk into this layer's slots."""
     dev, dt, interleaved = model.device, model.dtype, model.cfg.rope.interleaved
     for p, rot in zip(plan.placed, rotations):
+        end = p.start + p.chunk.n_tokens
+        k_slots, v_slots = cache.keys[layer][:, p.start : end], cache.values[layer][:, p.start : end]
         k = p.chunk.keys[layer].to(dev, dt)
-        if rot is not None:
-            k = rope_lib.apply_rope(k, *rot, interleaved)
-        cache.write(layer, p.start, k, p.chunk.values[layer].to(dev, dt))
+        if rot is None:
+            k_slots.copy_(k)
+        else:
+            rope_lib.apply_rope(k, *rot, interleaved, out=k_slots)  # rotated straight into the cache
+        v_slots.copy_(p.chunk.values[layer])
 
 
 def _select(
