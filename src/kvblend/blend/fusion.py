@@ -26,7 +26,7 @@ from kvblend.blend.select import deviation, kept_count, select_tokens
 from kvblend.errors import InvalidRequestError
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
-from kvblend.models.transformer import Transformer
+from kvblend.models.transformer import DecoderLayer, Transformer
 from kvblend.store.chunk import ChunkKV
 
 
@@ -105,15 +105,20 @@ def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, la
 
 
 def _select(
-    active: torch.Tensor, is_cand: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor],
-    cache: KVCache, layer: int, keep: int, signal: str,
+    layer: DecoderLayer, h: torch.Tensor, active: torch.Tensor, is_cand: torch.Tensor,
+    rope_tables: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer_idx: int, keep: int, signal: str,
 ) -> torch.Tensor:
-    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates."""
-    k, v = fresh
+    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates.
+
+    Fresh K/V are projected for the candidates only, and K only when the signal uses it:
+    queries are computed afterwards, for the tokens that stay."""
     cand_idx = is_cand.nonzero().squeeze(1)
     pos = active[cand_idx]
-    cached_k, cached_v = cache.keys[layer][:, pos], cache.values[layer][:, pos]
-    dev = deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, signal)
+    use_k = signal != "v"
+    cos, sin = rope_tables
+    k, v = layer.project_kv(h[cand_idx], cos[pos], sin[pos], keys=use_k)
+    cached_k = cache.keys[layer_idx][:, pos] if use_k else None
+    dev = deviation(k, v, cached_k, cache.values[layer_idx][:, pos], signal)
     chosen = cand_idx[select_tokens(dev, keep)]
     return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values
 
@@ -142,12 +147,12 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
         _write_cached_layer(model, cache, plan, layer_idx, rotations)
-        q, k, v = layer.project(h, cos[active], sin[active])
         if layer_idx in checks and not plan.select_from_start:
-            keep = _select(active, is_cand_all[active], (k, v), cache, layer_idx,
+            keep = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
                            kept_count(checks[layer_idx], n_cand), plan.signal)
-            active, h, q, k, v = active[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
+            active, h = active[keep], h[keep]
             attn_plan = None
+        q, k, v = layer.project(h, cos[active], sin[active])
         recomputed.append(int(active.shape[0]))
         cache.keys[layer_idx][:, active] = k
         cache.values[layer_idx][:, active] = v

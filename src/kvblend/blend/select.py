@@ -6,11 +6,13 @@ import torch
 
 
 def deviation(
-    fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, signal: str
+    fresh_k: torch.Tensor | None, fresh_v: torch.Tensor, cached_k: torch.Tensor | None, cached_v: torch.Tensor,
+    signal: str,
 ) -> torch.Tensor:
     """Per-token squared L2 distance between fresh and cached K/V, summed over heads and dims.
 
     Inputs are (Hkv, T, d); returns (T,) float32. ``signal``: "v", "k" or "kv" (sum of both).
+    The keys may be None when the signal is "v".
     """
     dev = torch.zeros(fresh_v.shape[1], dtype=torch.float32, device=fresh_v.device)
     if signal in ("v", "kv"):

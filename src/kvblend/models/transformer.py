@@ -93,6 +93,21 @@ class DecoderLayer(nn.Module):
         inter = c.rope.interleaved
         return rope_lib.apply_rope(q, cos, sin, inter), rope_lib.apply_rope(k, cos, sin, inter), v
 
+    def project_kv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Only post-RoPE k (Hkv, T, d; None unless ``keys``) and v (Hkv, T, d) of h (T, D):
+        what a check layer compares with the cache, without the queries' projection."""
+        c = self.cfg
+        first = c.q_size if keys else c.q_size + c.kv_size  # rows of the fused q|k|v weight
+        bias = None if self.qkv.bias is None else self.qkv.bias[first:]
+        kv = F.linear(self.input_norm(h), self.qkv.weight[first:], bias)
+        v = kv[:, -c.kv_size :].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        if not keys:
+            return None, v
+        k = kv[:, : c.kv_size].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        return rope_lib.apply_rope(k, cos, sin, c.rope.interleaved), v
+
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection and MLP, each with its residual. h, attn: (T, D), (T, Hq*d).
 
