@@ -9,13 +9,13 @@ fast path, so ``plan_attention`` picks the cheapest exact form:
 * ``padded``  — queries are a block p0..N-1 with a short head: pad the queries with p0
   dummy rows, run ``is_causal`` and drop the dummies (exact, wastes ~p0²/2);
 * ``groups``  — scattered queries: split them into position-ordered groups, each
-  attending only to keys up to its last query, with a precomputed additive mask. Group
-  boundaries minimise (query, key) pairs computed plus a per-call cost (``_partition``);
-  on a blend's scattered 15 % that computes ~12 % fewer pairs than fixed groups of 128
-  and measured 6-14 % less attention time. The
-  query heads sharing a KV head are stacked along the query axis, so one call serves
-  them all and each key block is loaded once for all of them (measured ~8 % faster
-  than SDPA's own GQA handling for 128-query groups on a 2-core CPU).
+  attending only to keys up to its last query, with a precomputed additive mask.
+  Group boundaries minimise the (query, key) pairs computed plus a per-call cost
+  (``_partition``): on a blend's scattered 15 % that is ~12 % fewer pairs than fixed
+  groups of 128 and measured 6-14 % less attention time. The query heads sharing a KV
+  head are stacked along the query axis, so one call serves them all and each key
+  block is loaded once for all of them (~8 % faster than SDPA's own GQA handling for
+  128-query groups; 2-core CPU).
 """
 
 from __future__ import annotations
