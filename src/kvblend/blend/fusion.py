@@ -143,7 +143,8 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         active, h = active[keep], h[keep]
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last = [], len(model.layers) - 1
-    attn_plan: AttentionPlan | None = None
+    attn_plan: AttentionPlan | None = None  # both rebuilt only when the active set changes
+    active_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
         _write_cached_layer(model, cache, plan, layer_idx, rotations)
@@ -151,8 +152,9 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
             keep = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
                            kept_count(checks[layer_idx], n_cand), plan.signal)
             active, h = active[keep], h[keep]
-            attn_plan = None
-        q, k, v = layer.project(h, cos[active], sin[active])
+            attn_plan = active_rope = None
+        active_rope = active_rope or (cos[active], sin[active])
+        q, k, v = layer.project(h, *active_rope)
         recomputed.append(int(active.shape[0]))
         cache.keys[layer_idx][:, active] = k
         cache.values[layer_idx][:, active] = v

@@ -25,7 +25,7 @@ from kvblend.models.kv_cache import KVCache
 
 
 # Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
-# 0.92x the time of one (3072, 2I) pass; blocks of 512 gained nothing.
+# 0.92-0.96x the time of one (3072, 2I) pass; blocks of 512 gained nothing.
 MLP_BLOCK_TOKENS = 1024
 
 
