@@ -14,25 +14,41 @@ def reference(q, k, v, pos, window=None):
     return attend(q, k, v, causal_mask(pos, torch.arange(N), window))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 3])
-@pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "windowed", "decode"])
-def test_plan_matches_explicit_mask(case: str, heads_per_kv: int) -> None:
+@pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "from-zero",
+                                  "windowed", "decode"])
+def test_plan_matches_explicit_mask(case: str, heads_per_kv: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, N, 8, generator=g), torch.randn(2, N, 8, generator=g)
+    k, v = torch.randn(2, N, 8, generator=g, dtype=dtype), torch.randn(2, N, 8, generator=g, dtype=dtype)
     pos = {
         "all": torch.arange(N),
         "block-short-head": torch.arange(10, N),
         "block-long-head": torch.arange(40, N),
         "scattered": torch.randperm(N, generator=g)[:17].sort().values,
+        "from-zero": torch.tensor([0, 1, 4, 9, 10, 11, 30, 31, 49]),
         "windowed": torch.arange(5, N),
         "decode": torch.tensor([N - 1]),
     }[case]
     window = 7 if case == "windowed" else None
-    q = torch.randn(2 * heads_per_kv, pos.shape[0], 8, generator=g)
-    plan = plan_attention(pos, N, window, torch.float32, group_size=6, heads_per_kv=heads_per_kv)
-    expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked"}.get(case, "groups")
+    q = torch.randn(2 * heads_per_kv, pos.shape[0], 8, generator=g, dtype=dtype)
+    plan = plan_attention(pos, N, window, dtype, group_size=6, heads_per_kv=heads_per_kv)
+    # Scattered queries: the split form on CPU for the flash kernel's dtypes, masked groups
+    # otherwise (other dtypes, other devices, a sliding window that cuts the keys).
+    scattered = "split" if dtype == torch.float32 and window is None else "groups"
+    expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked"}.get(case, scattered)
     assert plan.kind == expected_kind
     assert torch.allclose(attend_planned(q, k, v, plan), reference(q, k, v, pos, window), atol=1e-5)
+
+
+def test_split_groups_mask_only_from_their_first_query() -> None:
+    pos = torch.tensor([20, 21, 25, 40, 44])
+    plan = plan_attention(pos, N, None, torch.float32, group_size=3, heads_per_kv=2)
+    assert plan.kind == "split"
+    for grp in plan.groups:
+        first, last = int(pos[grp.start]), int(pos[grp.end - 1])
+        assert (grp.key_start, grp.key_end) == (first, last + 1)
+        assert grp.mask.shape == (2 * (grp.end - grp.start), last + 1 - first)
 
 
 def test_group_plan_rejects_other_head_grouping() -> None:
