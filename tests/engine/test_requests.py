@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request, RequestStats
@@ -148,3 +149,17 @@ def test_background_writes_are_bounded(eng: Engine) -> None:
     prepare(eng, DOCS)  # three misses, room for one pending write
     eng.flush()
     assert eng.dropped_writes >= 1 and eng.store.stats().entries < 3
+
+
+def test_requests_never_write_to_the_stored_chunks_they_borrow(eng: Engine) -> None:
+    prepare(eng, DOCS)
+    eng.flush()
+    memory = eng.store.tier("memory")
+    before = {key: {n: t.clone() for n, t in entry.tensors.items()} for key, entry in memory._entries.items()}
+    for order, method, ratio in (([2, 0, 1], "blend", 0.3), ([1, 1, 0], "reuse", 0.15), ([0, 2], "blend", 1.0)):
+        stats = prepare(eng, [DOCS[i] for i in order], method=method, blend=BlendConfig(ratio=ratio)).stats
+        assert all(d.hit for d in stats.docs)
+    assert before.keys() == memory._entries.keys()
+    for key, tensors in before.items():
+        stored = memory._entries[key].tensors
+        assert all(torch.equal(t, stored[n]) for n, t in tensors.items())

@@ -49,6 +49,19 @@ def test_promoted_tensors_are_not_shared_with_the_caller(tmp_path: Path) -> None
     assert second is not None and torch.equal(second.keys[0], chunk.keys[0])
 
 
+def test_borrowing_lends_the_memory_tiers_tensors_and_get_still_copies() -> None:
+    store = TieredStore([MemoryStore(1 << 30)])
+    key, chunk = keyed(1)
+    store.put(key, chunk)
+    lent = store.lookup(key, borrow=True).chunk
+    again = store.lookup(key, borrow=True).chunk
+    copied = store.get(key)
+    assert lent is not None and again is not None and copied is not None
+    assert lent.keys[0].data_ptr() == again.keys[0].data_ptr()  # the tier's own tensors, no copy
+    assert copied.keys[0].data_ptr() != lent.keys[0].data_ptr()
+    assert_same_chunk(lent, chunk)
+
+
 def test_corrupt_lower_copy_is_skipped_and_removed(tmp_path: Path) -> None:
     store = TieredStore([MemoryStore(1 << 30), DiskStore(tmp_path, 1 << 30, fsync=False)])
     key, chunk = keyed(1)

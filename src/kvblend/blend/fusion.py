@@ -12,6 +12,7 @@ Layer by layer over the prompt positions not covered by the exact prefix cache:
 * forced tokens (no cached KV, the question/suffix) are active at every layer.
 
 Ratio 1 reproduces a full prefill; ratio 0 with no full layer is full KV reuse.
+The chunks' tensors are only ever read (they may be borrowed from the store).
 """
 
 from __future__ import annotations

@@ -147,11 +147,13 @@ class Engine:
         return out
 
     def _get(self, key: ChunkKey, ids: tuple[int, ...]) -> tuple[ChunkKV | None, str]:
-        """The stored chunk and the tier that served it ("memory", "disk", "redis")."""
+        """The stored chunk and the tier that served it ("memory", "disk", "redis").
+
+        Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own."""
         lookup = getattr(self.store, "lookup", None)
         if lookup is None:
             return self.store.get(key, ids), "store"
-        found = lookup(key, ids)
+        found = lookup(key, ids, borrow=True)
         return found.chunk, found.tier or "store"
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:

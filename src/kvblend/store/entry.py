@@ -254,12 +254,13 @@ def decode_layer(header: EntryHeader, tensors: Mapping[str, torch.Tensor], layer
     return out[0], out[1]
 
 
-def decode_entry(entry: Entry, dtype: torch.dtype) -> ChunkKV:
+def decode_entry(entry: Entry, dtype: torch.dtype, borrow: bool = False) -> ChunkKV:
     """A ChunkKV in ``dtype`` that the caller owns. An owned entry already in ``dtype``
     is handed out as is (zero copy); otherwise all layers are decoded into one new
-    allocation."""
+    allocation. ``borrow``: the caller will only read the tensors, so a shared entry
+    already in ``dtype`` is handed out as is too (its tensors stay the store's)."""
     h = entry.header
-    if entry.owned and _plain(h, dtype):
+    if (entry.owned or borrow) and _plain(h, dtype):
         return _chunk_of(h, [entry.tensors[f"k.{i}"] for i in range(h.n_layers)],
                          [entry.tensors[f"v.{i}"] for i in range(h.n_layers)])
     out = torch.empty(h.n_layers, 2, h.n_heads, h.n_tokens, h.head_dim, dtype=dtype)  # (L, K/V, H, T, D)
