@@ -3,8 +3,9 @@
 Layer by layer over the prompt positions not covered by the exact prefix cache:
 
 * every document's cached KV is re-rotated to its new position and written in;
-* before the first check layer every token runs (layer 0's K/V equal the cache's, but
-  its outputs are the real inputs of layer 1);
+* before the first check layer every token runs; at layer 0 cached tokens project only
+  their queries (layer 0's K/V equal the re-rotated cache's), but the layer's outputs
+  are the real inputs of layer 1;
 * at each check layer, fresh K/V of the still-active document tokens are compared with
   the cached ones and only the top fraction by deviation stays active (nested sets);
 * active tokens' fresh K/V replace the cached ones; only active tokens run attention
@@ -155,10 +156,16 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
             active, h = active[keep], h[keep]
             attn_plan = active_rope = None
         active_rope = active_rope or (cos[active], sin[active])
-        q, k, v = layer.project(h, *active_rope)
         recomputed.append(int(active.shape[0]))
-        cache.keys[layer_idx][:, active] = k
-        cache.values[layer_idx][:, active] = v
+        if layer_idx == 0 and n_cand and not plan.select_from_start:
+            fresh = (~is_cand_all[active]).nonzero().squeeze(1)  # tokens without cached KV
+            q, k, v = layer.project_known_kv(h, *active_rope, fresh)
+            written = active[fresh]
+        else:
+            q, k, v = layer.project(h, *active_rope)
+            written = active
+        cache.keys[layer_idx][:, written] = k
+        cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)
         if layer_idx == last and _sees_all(model, n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))

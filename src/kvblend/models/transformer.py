@@ -94,19 +94,37 @@ class DecoderLayer(nn.Module):
         return rope_lib.apply_rope(q, cos, sin, inter), rope_lib.apply_rope(k, cos, sin, inter), v
 
     def project_kv(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: bool = True
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: bool = True, normed: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Only post-RoPE k (Hkv, T, d; None unless ``keys``) and v (Hkv, T, d) of h (T, D):
-        what a check layer compares with the cache, without the queries' projection."""
+        what a check layer compares with the cache, without the queries' projection.
+        ``normed``: h is already the input norm's output."""
         c = self.cfg
         first = c.q_size if keys else c.q_size + c.kv_size  # rows of the fused q|k|v weight
-        bias = None if self.qkv.bias is None else self.qkv.bias[first:]
-        kv = F.linear(self.input_norm(h), self.qkv.weight[first:], bias)
+        kv = self._linear_rows(h if normed else self.input_norm(h), first, self.qkv.weight.shape[0])
         v = kv[:, -c.kv_size :].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
         if not keys:
             return None, v
         k = kv[:, : c.kv_size].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
         return rope_lib.apply_rope(k, cos, sin, c.rope.interleaved), v
+
+    def project_known_kv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like ``project`` when only the tokens at ``kv_rows`` (indices into h) lack known
+        K/V: q (Hq, T, d) for every token, k and v (Hkv, len(kv_rows), d) for those alone.
+        Layer 0's K/V depend on nothing but the token and its position, so there the
+        cached chunks' (re-rotated) K/V are the exact values and need no projection."""
+        c = self.cfg
+        x = self.input_norm(h)
+        q = self._linear_rows(x, 0, c.q_size).view(-1, c.num_heads, c.head_dim).transpose(0, 1)
+        k, v = self.project_kv(x[kv_rows], cos[kv_rows], sin[kv_rows], normed=True)
+        return rope_lib.apply_rope(q, cos, sin, c.rope.interleaved), k, v
+
+    def _linear_rows(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """x through output rows first..end-1 of the fused q|k|v projection."""
+        bias = None if self.qkv.bias is None else self.qkv.bias[first:end]
+        return F.linear(x, self.qkv.weight[first:end], bias)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection and MLP, each with its residual. h, attn: (T, D), (T, Hq*d).
