@@ -90,3 +90,15 @@ def test_partition_splits_distant_clusters() -> None:
     pos = torch.cat((torch.arange(100, 164), torch.arange(3000, 3064)))
     assert attention._partition(pos, max_rows=256) == [(0, 64), (64, 128)]
     assert attention._partition(torch.arange(5, 69), max_rows=256) == [(0, 64)]
+
+
+def test_split_plan_in_bfloat16_matches_the_masked_reference() -> None:
+    g = torch.Generator().manual_seed(3)
+    pos = torch.randperm(N, generator=g)[:19].sort().values
+    q, k, v = (torch.randn(h, t, 16, generator=g).bfloat16() for h, t in ((4, 19), (2, N), (2, N)))
+    plan = plan_attention(pos, N, None, torch.bfloat16, group_size=5, heads_per_kv=2)
+    assert plan.kind == "split"
+    out = attend_planned(q, k, v, plan)
+    assert out.dtype == torch.bfloat16
+    expected = reference(q.float(), k.float(), v.float(), pos)
+    assert torch.allclose(out.float(), expected, atol=3e-2)
