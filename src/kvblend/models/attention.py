@@ -181,25 +181,23 @@ _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[QueryGroup, ...]) -> torch.Tensor:
     """Each group's unmasked head (keys < key_start) and masked tail (key_start..key_end-1),
-    merged by log-sum-exp. Every tail holds the group's first query's own key, so no row
-    is fully masked there; an empty head counts as -inf. (Tq, Hq*d)."""
-    hq, _, d = q.shape
+    merged by their log-sum-exps l1, l2: out = o1 + (o2 - o1) * sigmoid(l2 - l1), which is
+    (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2). Every tail holds the group's first query's own
+    key, so no row is fully masked there. Written straight into a (Tq, Hq, d) buffer:
+    returns its (Tq, Hq*d) view."""
+    hq, tq, d = q.shape
     hkv = k.shape[0]
-    heads, head_lse, tails, tail_lse = [], [], [], []
+    out = q.new_empty(tq, hq, d)
     for g in groups:
         t, stacked = g.end - g.start, _stack(q[:, g.start : g.end], hkv)
         ks, ke = g.key_start, g.key_end
-        out, lse = _FLASH_CPU(stacked, k[None, :, ks:ke], v[None, :, ks:ke], attn_mask=g.mask)[:2]
-        tails.append(out[0].view(hq, t, d))
-        tail_lse.append(lse[0].reshape(hq, t))
-        if ks:
-            out, lse = _FLASH_CPU(stacked, k[None, :, :ks], v[None, :, :ks])[:2]
-            heads.append(out[0].view(hq, t, d))
-            head_lse.append(lse[0].reshape(hq, t))
-        else:
-            heads.append(q.new_zeros(hq, t, d))
-            head_lse.append(q.new_full((hq, t), float("-inf")))
-    o1, l1, o2, l2 = torch.cat(heads, 1), torch.cat(head_lse, 1), torch.cat(tails, 1), torch.cat(tail_lse, 1)
-    lse = torch.logaddexp(l1, l2)
-    out = o1.mul_(l1.sub_(lse).exp_()[..., None]).add_(o2.mul_(l2.sub_(lse).exp_()[..., None]))
-    return out.transpose(0, 1).reshape(q.shape[1], hq * d)
+        dest = out[g.start : g.end].transpose(0, 1)  # (Hq, t, d) view
+        o2, l2 = _FLASH_CPU(stacked, k[None, :, ks:ke], v[None, :, ks:ke], attn_mask=g.mask)[:2]
+        o2 = o2[0].view(hq, t, d)
+        if not ks:
+            dest.copy_(o2)
+            continue
+        o1, l1 = _FLASH_CPU(stacked, k[None, :, :ks], v[None, :, :ks])[:2]
+        weight = torch.sub(l2, l1).sigmoid_().reshape(hq, t, 1).to(q.dtype)  # lse is fp32
+        torch.lerp(o1[0].view(hq, t, d), o2, weight, out=dest)
+    return out.view(tq, hq * d)
