@@ -48,7 +48,8 @@ def tokenize_document(tokenizer: Any, doc: str | Sequence[int]) -> tuple[int, ..
     if isinstance(doc, str):
         return tuple(tokenizer(doc, add_special_tokens=False)["input_ids"])
     ids = tuple(int(t) for t in doc)
-    if any(t < 0 or t >= len(tokenizer) for t in ids):
+    vocab = len(tokenizer)  # computed by the tokenizer on each call: once per document
+    if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequestError("document token ids must be within the tokenizer's vocabulary")
     return ids
 
