@@ -63,7 +63,9 @@ class TieredStore(ChunkStore):
         ``borrow=True`` is for callers that only read the chunk's tensors (fusion copies
         them into the prompt's cache): a tier's own tensors already in the compute dtype
         are then lent instead of copied (the memory tier saves a full copy, ~141 MB for
-        six 512-token SmolLM2 chunks). The caller must never write to them."""
+        six 512-token SmolLM2 chunks). The caller must never write to them. An entry
+        evicted meanwhile stays in memory, outside the tier's byte count, until the caller
+        drops it."""
         for depth, tier in enumerate(self.tiers):
             entry = tier.load(key, token_ids)
             if entry is None:
