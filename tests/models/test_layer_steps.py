@@ -10,14 +10,18 @@ import torch
 from tests.conftest import make_loaded
 
 
+def layer_inputs(arch: str, layer: int, first_position: int):
+    """A tiny model's layer, 11 random residual rows and the RoPE tables of their positions."""
+    model = make_loaded(arch).model
+    h = torch.randn(11, model.cfg.hidden_size, generator=torch.Generator().manual_seed(first_position))
+    cos, sin = model.rope_tables(torch.arange(first_position, first_position + 11))
+    return model.layers[layer], h, cos, sin
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("keys", [True, False])
 def test_project_kv_equals_project(arch: str, keys: bool) -> None:
-    model = make_loaded(arch).model
-    layer = model.layers[1]
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(11, model.cfg.hidden_size, generator=g)
-    cos, sin = model.rope_tables(torch.arange(20, 31))
+    layer, h, cos, sin = layer_inputs(arch, 1, 20)
     _, k, v = layer.project(h, cos, sin)
     k_only, v_only = layer.project_kv(h, cos, sin, keys=keys)
     assert torch.allclose(v_only, v, atol=1e-6)
@@ -29,11 +33,7 @@ def test_project_kv_equals_project(arch: str, keys: bool) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_project_known_kv_gives_every_query_and_only_the_asked_kv(arch: str) -> None:
-    model = make_loaded(arch).model
-    layer = model.layers[0]
-    g = torch.Generator().manual_seed(1)
-    h = torch.randn(11, model.cfg.hidden_size, generator=g)
-    cos, sin = model.rope_tables(torch.arange(5, 16))
+    layer, h, cos, sin = layer_inputs(arch, 0, 5)
     q, k, v = layer.project(h, cos, sin)
     rows = torch.tensor([0, 4, 10])
     q2, k2, v2 = layer.project_known_kv(h, cos, sin, rows)

@@ -34,6 +34,12 @@ import torch
 import torch.nn.functional as F
 
 
+# The CPU flash kernel behind SDPA, which also returns each row's log-sum-exp (None when
+# this build lacks it: plans then fall back to "groups").
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,12 +179,6 @@ def _attend_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     hq, t, d = q.shape
     out = F.scaled_dot_product_attention(_stack(q, k.shape[0]), k[None], v[None], attn_mask=mask)[0]
     return out.view(hq, t, d).transpose(0, 1).reshape(t, hq * d)
-
-
-# The CPU flash kernel behind SDPA, which also returns each row's log-sum-exp (None when
-# this build lacks it: plans then fall back to "groups").
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[QueryGroup, ...]) -> torch.Tensor:

@@ -257,8 +257,9 @@ def decode_layer(header: EntryHeader, tensors: Mapping[str, torch.Tensor], layer
 def decode_entry(entry: Entry, dtype: torch.dtype, borrow: bool = False) -> ChunkKV:
     """A ChunkKV in ``dtype`` that the caller owns. An owned entry already in ``dtype``
     is handed out as is (zero copy); otherwise all layers are decoded into one new
-    allocation. ``borrow``: the caller will only read the tensors, so a shared entry
-    already in ``dtype`` is handed out as is too (its tensors stay the store's)."""
+    allocation. ``borrow``: the caller will only read the tensors and owns nothing, so
+    a shared entry already in ``dtype`` is handed out as is too (its tensors stay the
+    store's)."""
     h = entry.header
     if (entry.owned or borrow) and _plain(h, dtype):
         return _chunk_of(h, [entry.tensors[f"k.{i}"] for i in range(h.n_layers)],
