@@ -1,7 +1,7 @@
 """Request path: layout -> prefix cache -> chunk lookup -> fusion -> decode."""
 
 from kvblend.engine.engine import Engine, Prepared
-from kvblend.engine.prefix_cache import PrefixCache
+from kvblend.engine.prefix_cache import PrefixCache, PrefixScope
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 
-__all__ = ["DocStat", "Engine", "Prepared", "PrefixCache", "Request", "RequestStats", "Result"]
+__all__ = ["DocStat", "Engine", "Prepared", "PrefixCache", "PrefixScope", "Request", "RequestStats", "Result"]

@@ -22,7 +22,7 @@ from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
-from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
+from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
@@ -102,6 +102,10 @@ class Engine:
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
         return KeyContext(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint,
                           self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant)
+
+    def prefix_scope(self, tenant: str) -> PrefixScope:
+        """Whose prefix-cache entries a request may see: its tenant's, for this model and dtype."""
+        return PrefixScope(tenant, self.loaded.fingerprint, str(self.model.dtype))
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
@@ -196,10 +200,11 @@ class Engine:
         cache.length = hit.length
         timer.add("load", t)
 
-    def _prefill_exact(self, layout: PromptLayout, ids: torch.Tensor, use_prefix: bool, extra: int,
+    def _prefill_exact(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer) -> _Built:
         """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest)."""
-        hit = self.prefix_cache.lookup(ids, max_len=ids.shape[0] - 1) if use_prefix else None
+        use_prefix, scope = request.method == "prefix", self.prefix_scope(request.tenant)
+        hit = self.prefix_cache.lookup(scope, ids, max_len=ids.shape[0] - 1) if use_prefix else None
         cache = self.model.new_cache(ids.shape[0] + extra)
         if hit is not None:
             self._load_prefix(cache, hit, timer)
@@ -207,7 +212,7 @@ class Engine:
         logits = self.model(ids[cache.length :], cache)[0]
         timer.add("prefill", t)
         if use_prefix:
-            self.prefix_cache.insert(ids, cache, ids.shape[0])
+            self.prefix_cache.insert(scope, ids, cache, ids.shape[0])
         done = hit.length if hit else 0
         docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
         return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0)
@@ -215,8 +220,8 @@ class Engine:
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer) -> _Built:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute."""
-        n_prefix = len(layout.prefix)
-        hit = self.prefix_cache.lookup(ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
+        n_prefix, scope = len(layout.prefix), self.prefix_scope(request.tenant)
+        hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
         cfg = request.blend
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
@@ -225,7 +230,7 @@ class Engine:
         out = fuse(self.model, plan)
         timer.add("prefill", t)
         if n_prefix and (hit is None or hit.length < n_prefix):
-            self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
+            self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates)
 
@@ -241,7 +246,7 @@ class Engine:
         self._check_length(len(layout))
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
         if request.method in ("full", "prefix"):
-            built = self._prefill_exact(layout, ids, request.method == "prefix", extra_capacity, timer)
+            built = self._prefill_exact(request, layout, ids, extra_capacity, timer)
         else:
             built = self._prefill_fused(request, layout, ids, extra_capacity, timer)
         elapsed = time.perf_counter() - timer.start
