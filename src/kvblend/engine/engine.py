@@ -240,10 +240,14 @@ class Engine:
                              request.system, request.use_chat_template)
 
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
-        """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
+        """Build the prompt's KV cache by the request's method; nothing is decoded yet.
+
+        The cache holds the prompt plus ``extra_capacity`` positions, never more than the
+        model's context: a client's ``max_tokens`` does not size an allocation."""
         timer = _Timer()
         layout = self.layout(request)
         self._check_length(len(layout))
+        extra_capacity = max(0, min(extra_capacity, self.loaded.config.context_length - len(layout)))
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
         if request.method in ("full", "prefix"):
             built = self._prefill_exact(request, layout, ids, extra_capacity, timer)

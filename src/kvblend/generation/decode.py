@@ -55,5 +55,6 @@ def generate_ids(
     eos_ids: Sequence[int] = (),
 ) -> list[int]:
     """Token ids generated after ``prompt_ids`` (EOS included when hit)."""
-    cache, logits = prefill(model, prompt_ids, params.max_tokens)
+    room = max(0, model.cfg.context_length - len(prompt_ids))
+    cache, logits = prefill(model, prompt_ids, min(params.max_tokens, room))  # never sized past the context
     return [s.token_id for s in decode_steps(model, cache, logits, params, eos_ids)]

@@ -8,6 +8,9 @@ import torch
 
 from kvblend.errors import InvalidRequestError
 
+MAX_TOKENS_LIMIT = 1 << 20  # no model context comes near; larger values are client errors
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,17 +25,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidRequestError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS
+                                                    for s in self.stop):
+            raise InvalidRequestError(
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

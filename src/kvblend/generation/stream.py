@@ -91,8 +91,8 @@ def stream(
     model: Transformer, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams, eos_ids: Sequence[int]
 ) -> Iterator[StreamEvent]:
     """Full prefill of ``prompt_ids`` then streaming decode."""
-    cap_new_tokens(params, len(prompt_ids), model.cfg.context_length)
-    cache, logits = prefill(model, prompt_ids, params.max_tokens)
+    params = cap_new_tokens(params, len(prompt_ids), model.cfg.context_length)
+    cache, logits = prefill(model, prompt_ids, params.max_tokens)  # sized by the capped count
     yield from stream_from(model, tokenizer, cache, logits, params, eos_ids)
 
 
