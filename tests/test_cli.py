@@ -47,3 +47,24 @@ def test_generate_reads_the_prompt_from_stdin(capsys, monkeypatch, smollm2) -> N
     monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?"))
     assert main(["generate", "--chat", "--max-tokens", "12"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_ask_with_a_non_utf8_document_names_the_file(capsys, tmp_path) -> None:
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café au lait".encode("latin-1"))
+    assert main(["ask", "--doc", str(bad), "why?"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "UTF-8" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unexpected_errors_are_one_line_with_a_failing_exit_code(capsys, monkeypatch) -> None:
+    import kvblend.cli as cli
+
+    def broken(args):
+        raise RuntimeError("the allocator gave up")
+
+    monkeypatch.delenv("KVBLEND_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "cmd_models", broken)
+    assert main(["models"]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: the allocator gave up" in err and len(err.strip().splitlines()) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,6 +112,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             docs.append(Path(path).read_text())
         except OSError as exc:
             raise KvblendError(f"cannot read document {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
     request = Request(documents=docs, question=_read_text(args.question), system=args.system,
                       method=args.method, blend=_blend_config(args))
     engine = Engine(_load(args), store=_store_from_args(args))
@@ -205,3 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - the command line shows one line, not a traceback
+        if os.environ.get("KVBLEND_DEBUG"):
+            raise
+        print(f"kvblend: error: {type(exc).__name__}: {exc} (set KVBLEND_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1

@@ -19,3 +19,7 @@ class ContextLengthError(KvblendError):
 
 class InvalidRequestError(KvblendError, ValueError):
     """A request whose fields are out of range or inconsistent."""
+
+
+class EngineClosedError(KvblendError):
+    """A request sent to an engine after ``close`` (a server answers 503)."""

@@ -27,3 +27,11 @@ def test_select_tokens_returns_the_largest_sorted_by_position() -> None:
 
 def test_kept_count_rounds_the_ratio() -> None:
     assert [kept_count(r, 200) for r in (0.0, 0.15, 0.5, 1.0)] == [0, 30, 100, 200]
+
+
+def test_ties_keep_the_earlier_tokens() -> None:
+    assert torch.equal(select_tokens(torch.zeros(5000), 700), torch.arange(700))
+    alternating = torch.tensor([1.0, 0.0] * 500)
+    assert torch.equal(select_tokens(alternating, 100), torch.arange(0, 200, 2))
+    mixed = torch.tensor([3.0] * 10 + [5.0] * 3 + [3.0] * 10)
+    assert select_tokens(mixed, 8).tolist() == [0, 1, 2, 3, 4, 10, 11, 12]

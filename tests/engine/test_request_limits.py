@@ -44,3 +44,71 @@ def test_cache_is_sized_by_the_context_not_by_max_tokens(recording, method: str)
     assert res.finish_reason == "length" and res.stats.prompt_tokens + len(res.token_ids) == context
     prepared = eng.prepare(Request(documents=DOCS, question=QUESTION, method=method), extra_capacity=10**6)
     assert prepared.cache.capacity <= context
+
+
+def test_an_empty_prompt_is_refused_not_crashed() -> None:
+    loaded = make_loaded()
+    loaded.tokenizer.bos_token = None  # no BOS, and no chat template below: nothing but the request
+    eng = Engine(loaded)
+    for method in ("full", "prefix", "reuse", "blend"):
+        with pytest.raises(InvalidRequestError, match="empty"):
+            eng.prepare(Request(documents=["", ""], question="", use_chat_template=False, method=method))
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": 5}],
+    [{"role": "wizard", "content": "hi"}],
+    ["just a string"],
+    [],
+    "user: hi",
+])
+def test_bad_chat_messages_are_refused_when_the_request_is_made(messages) -> None:
+    with pytest.raises(InvalidRequestError, match="message"):
+        Request(documents=DOCS[:1], messages=messages)
+
+
+def test_request_fields_have_the_right_types() -> None:
+    for bad in ({"question": 5}, {"question": QUESTION, "system": ["x"]}, {"question": QUESTION, "tenant": ""},
+                {"question": QUESTION, "documents": [3.5]}, {"question": QUESTION, "documents": [["a"]]}):
+        with pytest.raises(InvalidRequestError):
+            Request(**{"documents": DOCS[:1], **bad})
+    assert Request(documents=[range(3)], question=QUESTION).documents == ((0, 1, 2),)
+
+
+def test_close_lets_a_request_in_flight_finish_and_refuses_later_ones() -> None:
+    import threading
+
+    from kvblend.errors import EngineClosedError
+
+    eng = Engine(make_loaded())
+    inside, closed = threading.Event(), threading.Event()
+    store_close, new_cache = eng.store.close, eng.model.new_cache
+
+    def slow_new_cache(capacity: int):  # the request pauses between chunk lookup and write-back
+        inside.set()
+        closed.wait(timeout=1.0)  # long enough for an unguarded close to shut the writer down
+        return new_cache(capacity)
+
+    def closing_store() -> None:
+        closed.set()
+        store_close()
+
+    eng.model.new_cache, eng.store.close = slow_new_cache, closing_store
+    outcome: list[object] = []
+    worker = threading.Thread(target=lambda: outcome.append(_run(eng)))
+    worker.start()
+    inside.wait(timeout=30)
+    eng.close()
+    worker.join(timeout=60)
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert eng.store.stats().entries == 3  # its misses were written back before the store closed
+    with pytest.raises(EngineClosedError):
+        eng.prepare(Request(documents=DOCS, question=QUESTION))
+    eng.close()  # twice is fine
+
+
+def _run(eng: Engine) -> object:
+    try:
+        return eng.prepare(Request(documents=DOCS, question=QUESTION))
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        return exc

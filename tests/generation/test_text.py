@@ -50,3 +50,36 @@ def test_new_tokens_are_capped_by_the_context() -> None:
     assert len(done.token_ids) == 2 and done.finish_reason == "length"
     with pytest.raises(ContextLengthError, match="12"):
         list(stream(loaded.model, loaded.tokenizer, list(range(1, 14)), SamplingParams(), ()))
+
+
+class _Scripted:
+    """A stand-in model whose next token follows a script (one-hot logits)."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        self.script, self.vocab, self.step = script, vocab, 0
+        self.device = "cpu"
+        self.cfg = type("Cfg", (), {"context_length": 1000})()
+
+    def logits(self):
+        import torch
+
+        out = torch.zeros(1, self.vocab)
+        out[0, self.script[self.step]] = 1.0
+        self.step += 1
+        return out
+
+    def __call__(self, ids, cache):
+        return self.logits()
+
+
+def test_eos_flushes_the_text_held_back_for_a_stop_string() -> None:
+    from kvblend.generation import stream_from
+
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    model = _Scripted(ids("the red city") + [eos], len(tok))
+    cache = type("Cache", (), {"length": 4})()
+    events = list(stream_from(model, tok, cache, model.logits()[0], SamplingParams(max_tokens=20, stop=("city of",)),
+                              (eos,)))
+    done = collect(iter(events), 4)
+    assert done.finish_reason == "stop" and done.text == "the red city"  # "city" was held back, then EOS came

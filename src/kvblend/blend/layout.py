@@ -93,4 +93,7 @@ def render_layout(
         raise InvalidRequestError("this model has no chat template: send a question, not messages")
     bos = (tokenizer.bos_token_id,) if tokenizer.bos_token_id is not None else ()
     head = tuple(tokenizer(system, add_special_tokens=False)["input_ids"]) if system else ()
-    return PromptLayout(bos + head, docs, tuple(tokenizer(question, add_special_tokens=False)["input_ids"]))
+    layout = PromptLayout(bos + head, docs, tuple(tokenizer(question, add_special_tokens=False)["input_ids"]))
+    if not len(layout):
+        raise InvalidRequestError("the prompt is empty: give a question, documents or a system prompt")
+    return layout

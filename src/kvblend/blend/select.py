@@ -23,11 +23,13 @@ def deviation(
 
 
 def select_tokens(dev: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (sorted ascending) of the ``k`` largest deviations. Ties keep the earlier token."""
+    """Indices (sorted ascending) of the ``k`` largest deviations. Ties keep the earlier token.
+
+    A stable descending sort, not ``torch.topk``: topk breaks ties in no promised order."""
     k = max(0, min(k, dev.shape[0]))
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=dev.device)
-    top = torch.topk(dev, k, sorted=False).indices
+    top = torch.sort(dev, descending=True, stable=True).indices[:k]  # (k,) equal values by position
     return top.sort().values
 
 

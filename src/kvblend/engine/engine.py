@@ -22,6 +22,7 @@ from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
+from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
@@ -97,6 +98,7 @@ class Engine:
         self._pending_lock = threading.Lock()
         self.max_pending_writes = 64
         self.dropped_writes = 0
+        self._gate = RequestGate()
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -182,6 +184,10 @@ class Engine:
             fut.result()
 
     def close(self) -> None:
+        """Refuse new requests (``EngineClosedError``), let those being prepared finish, then
+        write back what is pending and close the store. Safe to call twice or concurrently."""
+        if not self._gate.close():
+            return
         self.flush()
         self._writer.shutdown(wait=True)
         self.store.close()
@@ -243,7 +249,12 @@ class Engine:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet.
 
         The cache holds the prompt plus ``extra_capacity`` positions, never more than the
-        model's context: a client's ``max_tokens`` does not size an allocation."""
+        model's context: a client's ``max_tokens`` does not size an allocation. Raises
+        ``EngineClosedError`` once ``close`` has begun; decoding needs no shared state after it."""
+        with self._gate.admit():
+            return self._prepare(request, extra_capacity)
+
+    def _prepare(self, request: Request, extra_capacity: int) -> Prepared:
         timer = _Timer()
         layout = self.layout(request)
         self._check_length(len(layout))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
+from kvblend.generation.stream import validate_messages
 
 
 @dataclass(frozen=True)
@@ -31,14 +33,32 @@ class Request:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidRequestError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if isinstance(self.documents, str):
-            raise InvalidRequestError("documents must be a list of texts or token-id lists, not one string")
-        object.__setattr__(self, "documents", tuple(
-            d if isinstance(d, str) else tuple(d) for d in self.documents))
+        object.__setattr__(self, "documents", _documents(self.documents))
         if (self.question is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of question or messages")
         if self.messages is not None:
-            object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
+            object.__setattr__(self, "messages", validate_messages(self.messages))
+        for name in ("question", "system"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"{name} must be text")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise InvalidRequestError("tenant must be a non-empty string")
+
+
+def _documents(documents: object) -> tuple[str | tuple[int, ...], ...]:
+    """Documents as texts or tuples of ints, or InvalidRequestError."""
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+        raise InvalidRequestError("documents must be a list of texts or token-id lists, not one string")
+    out = []
+    for d in documents:
+        if isinstance(d, str):
+            out.append(d)
+            continue
+        try:
+            out.append(tuple(operator.index(t) for t in d))
+        except TypeError:
+            raise InvalidRequestError("each document must be a text or a list of token ids") from None
+    return tuple(out)
 
 
 class DocStat(NamedTuple):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -35,14 +35,28 @@ class Completion(NamedTuple):
     prompt_tokens: int
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def validate_messages(messages: Any) -> tuple[dict[str, str], ...]:
+    """Chat messages as copies, or InvalidRequestError: a non-empty list of mappings, each
+    with a role among system/user/assistant and text content (other keys are kept)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"bad chat message {m!r}: needs role system/user/assistant and text content")
+        out.append(dict(m))
+    return tuple(out)
+
+
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of ``messages`` through the model's chat template, ready for the reply."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead")
-    for m in messages:
-        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise InvalidRequestError(f"bad chat message {m!r}: needs role system/user/assistant and text content")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(list(validate_messages(messages)), tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -77,7 +91,7 @@ def stream_from(
     count = 0
     for step in decode_steps(model, cache, first_logits, params, eos_ids):
         count += 1
-        delta = text.push(step.token_id) if step.token_id not in eos else ""
+        delta = text.push(step.token_id) if step.token_id not in eos else text.finish()  # EOS: flush what was held
         if step.token_id in eos or text.stopped:
             yield StreamEvent(step.token_id, delta, "stop")
             return
