@@ -128,3 +128,34 @@ def test_engines_of_different_dtypes_sharing_one_cache_do_not_mix() -> None:
     other.model.to(torch.float64)
     stats = Engine(other, prefix_cache=shared).prepare(_prefix_request("acme", "where is the river ?")).stats
     assert stats.prefix_hit_tokens == 0
+
+
+def test_threads_inserting_looking_up_and_evicting_always_read_exact_kv() -> None:
+    import threading
+
+    pc, errors = PrefixCache(max_tokens=60), []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                ids = [rng.randint(0, 2) for _ in range(rng.randint(1, 12))]
+                if rng.random() < 0.5:
+                    put(pc, ids)
+                else:
+                    hit = pc.lookup(A, torch.tensor(ids))
+                    if hit is not None:  # whatever it matched must be exactly those positions
+                        ref = cache_of(ids[: hit.length])
+                        for layer in range(2):
+                            assert torch.equal(hit.keys[layer], ref.keys[layer])
+                            assert torch.equal(hit.values[layer], ref.values[layer])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pc.stats()["tokens"] <= 60
