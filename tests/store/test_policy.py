@@ -55,3 +55,11 @@ def test_policies_also_order_every_tenant_together() -> None:
         assert list(policy.order(None)) == [other, b, a], type(policy).__name__
         policy.remove(other)
         assert list(policy.order(None)) == [b, a] and list(policy.order("bob")) == []
+
+
+def test_a_sighting_admits_once_and_the_put_uses_it_up() -> None:
+    admission = SightingsAdmission(3)
+    a = keys(1)[0]
+    assert [admission.sight(a) for _ in range(4)] == [False, False, True, True]  # stays admitted
+    assert admission.admit(a)  # the put uses the admission up
+    assert not admission.sight(a)  # counting starts over

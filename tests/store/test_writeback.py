@@ -38,8 +38,8 @@ def test_submit_returns_at_once_and_flush_waits() -> None:
     assert wb.flush(timeout=5)
     assert all(store.get(k) is not None for k, _ in pairs)
     assert set(store.put_threads) == {"kvblend-writeback"}  # never on the caller's thread
-    assert wb.stats()._asdict() | {} == {"submitted": 3, "written": 3, "refused": 0, "dropped": 0, "failed": 0,
-                                         "pending": 0}
+    assert wb.stats()._asdict() == {"queued": 3, "written": 3, "refused": 0, "not_admitted": 0,
+                                    "deduplicated": 0, "dropped": 0, "failed": 0, "pending": 0}
     wb.close()
 
 
@@ -61,7 +61,25 @@ def test_same_key_pending_twice_is_written_once() -> None:
     assert wb.submit(key, chunk) and not wb.submit(key, chunk)
     store.gate.set()
     wb.close(timeout=5)
-    assert wb.stats().written == 1 and wb.stats().dropped == 1
+    assert wb.stats().written == 1 and wb.stats().deduplicated == 1 and wb.stats().dropped == 0
+
+
+def test_a_computed_chunk_is_computed_on_the_worker_only_when_admitted() -> None:
+    from kvblend.store import StoreConfig, build_store
+
+    store = build_store(StoreConfig(admit_after=2))
+    calls: list[str] = []
+    key, chunk = keyed(1)
+
+    def compute() -> ChunkKV:
+        calls.append(threading.current_thread().name)
+        return chunk
+
+    with WriteBack(store, max_queue=4) as wb:
+        assert not wb.submit(key, compute)  # first sighting: not admitted, nothing computed
+        assert wb.submit(key, compute) and wb.flush(5)
+    assert calls == ["kvblend-writeback"] and store.get(key) is not None
+    assert wb.stats().not_admitted == 1 and wb.stats().written == 1
 
 
 class Exploding(MemoryStore):

@@ -124,6 +124,12 @@ class ChunkStore(ABC):
         """Evict ``tenant``'s entries in eviction order until it holds at most
         ``target_bytes``; returns how many were removed."""
 
+    def sighting(self, key: ChunkKey) -> bool:
+        """Record that ``key`` was wanted and missed; True when a ``put`` of it would be
+        admitted now, so a caller computes a chunk's KV only then. The admission it grants
+        is used up by the next ``put`` of ``key``. Stores without admission always say True."""
+        return True
+
     def clear(self, tenant: str) -> int:
         """Delete all of ``tenant``'s entries; returns how many were removed."""
         return sum(self.delete(key) for key in self.keys(tenant))

@@ -110,10 +110,13 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 class SightingsAdmission:
-    """Admit a chunk on its ``admit_after``-th sighting (a put attempt). Thread-safe.
+    """Admit a chunk on its ``admit_after``-th sighting. Thread-safe.
 
-    Sightings are remembered for at most ``max_tracked`` keys (least recent forgotten),
-    so the tracker itself stays bounded. ``admit_after=1`` admits everything.
+    ``sight`` records a miss and says whether the chunk is admitted (it then stays
+    admitted until a put uses it); ``admit`` is the put's check: it uses up an admission
+    granted by ``sight``, or counts the put itself as a sighting. Sightings are remembered
+    for at most ``max_tracked`` keys (least recent forgotten), so the tracker stays
+    bounded. ``admit_after=1`` admits everything.
     """
 
     def __init__(self, admit_after: int = 1, max_tracked: int = 100_000) -> None:
@@ -124,15 +127,28 @@ class SightingsAdmission:
         self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def admit(self, key: ChunkKey) -> bool:
-        """Record a sighting of ``key``; True when it should be stored now."""
+    def sight(self, key: ChunkKey) -> bool:
+        """Record a sighting of ``key``; True once it has been seen ``admit_after`` times."""
         if self.admit_after == 1:
             return True
         with self._lock:
-            count = self._seen.pop(key, 0) + 1
+            count = min(self._seen.pop(key, 0) + 1, self.admit_after)
+            self._remember(key, count)
+        return count >= self.admit_after
+
+    def admit(self, key: ChunkKey) -> bool:
+        """For a put: True (using the admission up) when ``key`` was admitted by ``sight``
+        or this sighting admits it; counting then starts over."""
+        if self.admit_after == 1:
+            return True
+        with self._lock:
+            count = self._seen.pop(key, 0) + 1  # an admitted key already counts admit_after
             if count >= self.admit_after:
                 return True
-            self._seen[key] = count
-            while len(self._seen) > self._max:
-                self._seen.popitem(last=False)
+            self._remember(key, count)
         return False
+
+    def _remember(self, key: ChunkKey, count: int) -> None:
+        self._seen[key] = count
+        while len(self._seen) > self._max:
+            self._seen.popitem(last=False)
