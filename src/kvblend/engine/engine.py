@@ -29,6 +29,7 @@ from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
+from kvblend.store.codec import compute_dtype_name
 from kvblend.store.config import StoreConfig, build_store
 from kvblend.store.keys import ChunkKey, KeyContext, chunk_key
 from kvblend.store.writeback import WriteBack, WriteBackStats
@@ -102,8 +103,12 @@ class Engine:
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
+        """Everything besides the tokens a chunk's KV depends on: weights, tokenizer and
+        config identities (computed at load), RoPE, the model's compute dtype, the KV
+        storage dtype, the chunk prefix and the tenant."""
         return KeyContext(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint,
-                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant)
+                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant,
+                          compute_dtype=compute_dtype_name(self.model.dtype), model_config=self.loaded.config_digest)
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
