@@ -128,5 +128,27 @@ wb.submit(*keyed(1))
 
 def test_pending_chunks_are_flushed_when_the_process_exits(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], env=env, cwd=REPO, check=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], env=env, cwd=REPO, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert DiskStore(tmp_path, 1 << 30).get(keyed(1)[0]) is not None  # no close() was called
+
+
+def test_an_idle_forgotten_write_back_keeps_nothing_alive() -> None:
+    import gc
+    import time
+    import weakref
+
+    store = MemoryStore(1 << 30)
+    wb = WriteBack(store, max_queue=4)
+    assert wb.submit(*keyed(1)) and wb.flush(5)
+    gone, thread = weakref.ref(store), wb._thread
+    del store, wb
+    for _ in range(100):  # the worker holds the write-back only while writing
+        gc.collect()
+        if gone() is None:
+            break
+        time.sleep(0.01)
+    assert gone() is None
+    thread.join(5)
+    assert not thread.is_alive()  # and ends once its write-back is collected

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, NamedTuple, Union
 
 from kvblend.store.base import ChunkStore
@@ -41,7 +42,9 @@ class WriteBackStats(NamedTuple):
 
 
 class WriteBack:
-    """A bounded queue drained by one daemon thread that calls ``store.put``.
+    """A bounded queue drained by one daemon thread that calls ``store.put``. The thread
+    holds the write-back only weakly between chunks, so a forgotten write-back (and its
+    store) is collected and its thread ends.
 
     ``submit`` never blocks on the store's writes: it asks the store's admission first,
     then queues. At most ``max_queue`` keys are pending (queued or being written); beyond
@@ -62,9 +65,12 @@ class WriteBack:
         self._pending: set[ChunkKey] = set()
         self._counts = dict.fromkeys(OUTCOMES, 0)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvblend-writeback", daemon=True)
+        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                        name="kvblend-writeback", daemon=True)
         self._thread.start()
-        atexit.register(self._flush_at_exit)
+        stop = weakref.finalize(self, self._queue.put, _STOP)  # collected: end the thread
+        stop.atexit = False  # at exit the blocked daemon thread is simply abandoned
+        _LIVE.add(self)
 
     def submit(self, key: ChunkKey, chunk: ChunkSource) -> bool:
         """Queue ``chunk`` (or a function computing it, called on the write-back thread)
@@ -108,15 +114,15 @@ class WriteBack:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush, then stop the worker. Idempotent; later submits are dropped."""
-        flushed = self.flush(timeout)
+        """Flush, then refuse later submits (dropped). Idempotent. False when chunks were
+        still pending at ``timeout``."""
         with self._cond:
-            if self._closed:
-                return flushed
-            self._closed = True
-        atexit.unregister(self._flush_at_exit)
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
+            closing, self._closed = not self._closed, True
+        _LIVE.discard(self)
+        flushed = self.flush(timeout)
+        if closing:
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
         return flushed
 
     def stats(self) -> WriteBackStats:
@@ -128,18 +134,6 @@ class WriteBack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _flush_at_exit(self) -> None:
-        if not self.flush(EXIT_FLUSH_S):
-            log.warning("write-back: %d chunks not written at exit", self.stats().pending)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            key, chunk = item  # type: ignore[misc]
-            self._finish(key, self._write(key, chunk))
 
     def _write(self, key: ChunkKey, chunk: ChunkSource) -> str:
         try:
@@ -154,3 +148,26 @@ class WriteBack:
             self._counts[outcome] += 1
             self._pending.discard(key)
             self._cond.notify_all()
+
+
+def _work(ref: weakref.ref[WriteBack], items: queue.Queue[object]) -> None:
+    """The worker: holds its write-back only while writing one chunk."""
+    while True:
+        item = items.get()
+        wb = ref()
+        if item is _STOP or wb is None:
+            return
+        key, chunk = item  # type: ignore[misc]
+        wb._finish(key, wb._write(key, chunk))
+        del wb, item, chunk
+
+
+_LIVE: weakref.WeakSet[WriteBack] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Write what is pending in every live write-back (up to ``EXIT_FLUSH_S`` each)."""
+    for wb in list(_LIVE):
+        if not wb.flush(EXIT_FLUSH_S):
+            log.warning("write-back: %d chunks not written at exit", wb.stats().pending)
