@@ -9,17 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvblend.cliargs import add_model_args as _add_model_args
+from kvblend.cliargs import load_from_args as _load
 from kvblend.errors import KvblendError
-
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from kvblend.models.registry import DEFAULT_MODEL
-
-    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, HF folder or .gguf (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,14 +28,6 @@ def _sampling(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-
-
-def _load(args: argparse.Namespace):
-    import torch
-
-    from kvblend.models import load_model
-
-    return load_model(args.model, args.device, getattr(torch, args.dtype))
 
 
 def _read_text(value: str | None) -> str:

@@ -9,6 +9,7 @@ from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request, RequestStats
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent
+from kvblend.store import StoreConfig, build_store
 from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS, QUESTION
 
@@ -102,8 +103,6 @@ def test_chat_messages_put_documents_in_the_last_user_turn(eng: Engine) -> None:
 
 
 def _disk_engine(loaded, path) -> Engine:
-    from kvblend.store import StoreConfig, build_store
-
     return Engine(loaded, store=build_store(StoreConfig(tiers=("disk",), disk_dir=str(path))))
 
 
@@ -138,17 +137,18 @@ def test_corrupt_entries_are_recomputed_never_used(tmp_path) -> None:
 def test_misses_can_be_cached_first_then_blended(eng: Engine) -> None:
     cfg = BlendConfig(ratio=1.0, recompute_misses=False)
     p = eng.prepare(Request(documents=DOCS, question=QUESTION, blend=cfg))
-    assert eng.store.stats().entries == 3  # stored synchronously, before fusion
     assert p.stats.candidates > 0  # the fresh chunks were blended like hits
+    eng.flush()
+    assert eng.store.stats().entries == 3  # and written back without computing them again
     full = prepare(eng, DOCS, method="full")
     assert (p.logits - full.logits).abs().max().item() <= 1e-3
 
 
-def test_background_writes_are_bounded(eng: Engine) -> None:
-    eng.max_pending_writes = 1
+def test_background_writes_are_bounded() -> None:
+    eng = Engine(make_loaded(), store=build_store(StoreConfig(writeback_queue=1)))
     prepare(eng, DOCS)  # three misses, room for one pending write
     eng.flush()
-    assert eng.dropped_writes >= 1 and eng.store.stats().entries < 3
+    assert eng.writeback_stats().dropped >= 1 and eng.store.stats().entries < 3
 
 
 def test_requests_never_write_to_the_stored_chunks_they_borrow(eng: Engine) -> None:

@@ -11,7 +11,7 @@ ROPE = '{"rope_theta": 100000.0, "rope_type": "default"}'
 
 
 def make_ctx(tenant: str = "default", kv_dtype: str = "fp32", model: str = "model-a") -> KeyContext:
-    return KeyContext(model, "tok-a", ROPE, kv_dtype, (1, 2), tenant)
+    return KeyContext(model, "tok-a", ROPE, kv_dtype, (1, 2), tenant, compute_dtype="fp32", model_config="cfg-a")
 
 
 def make_chunk(ids: tuple[int, ...] = (5, 6, 7, 8), layers: int = 2, heads: int = 2, head_dim: int = 4,

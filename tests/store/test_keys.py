@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ from tests.store.helpers import ROPE, make_ctx
 
 IDS = (1, 15043, 3186, 2)
 # Computed once and pinned: a change here silently turns every stored chunk into a miss.
-GOLDEN = "ff9818521a115033c814970fea30263237b94b8c056dc81105c7714062e7f05a"
+# v2 (#10): the key also covers the compute dtype and the model-config digest.
+GOLDEN = "ba581d28bf47ad743dca8d07d6d7c7389731825c9493610c0861b8526113793f"
 
 
 def test_key_is_sha256_hex_with_tenant() -> None:
@@ -29,10 +31,11 @@ def test_key_matches_pinned_value() -> None:
 def test_key_is_stable_in_another_process() -> None:
     code = (
         "from kvblend.store.keys import KeyContext, chunk_key\n"
-        f"print(chunk_key({IDS!r}, KeyContext('model-a', 'tok-a', {ROPE!r}, 'fp32', (1, 2), 'default')).digest)"
+        f"print(chunk_key({IDS!r}, KeyContext('model-a', 'tok-a', {ROPE!r}, 'fp32', (1, 2), 'default', 'fp32', "
+        "'cfg-a')).digest)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": ""})
+                         env={"PYTHONHASHSEED": "12345", "PATH": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     assert out.stdout.strip() == chunk_key(IDS, make_ctx()).digest
 
 
@@ -43,6 +46,8 @@ def test_key_is_stable_in_another_process() -> None:
         {"tokenizer_fingerprint": "tok-b"},
         {"rope": '{"rope_theta": 10000.0, "rope_type": "default"}'},
         {"kv_dtype": "fp16"},
+        {"compute_dtype": "bf16"},
+        {"model_config": "cfg-b"},
         {"chunk_prefix": (1, 2, 3)},
         {"chunk_prefix": ()},
         {"tenant": "acme"},
@@ -84,7 +89,7 @@ def test_sequence_types_do_not_matter() -> None:
     "kwargs",
     [
         {"tenant": "../etc"}, {"tenant": ""}, {"tenant": ".hidden"}, {"tenant": "a/b"}, {"tenant": "a" * 65},
-        {"kv_dtype": "float32"}, {"rope": "theta=1e5"}, {"rope": "[1, 2]"}, {"model_fingerprint": ""},
+        {"kv_dtype": "float32"}, {"compute_dtype": "int8"}, {"rope": "theta=1e5"}, {"rope": "[1, 2]"}, {"model_fingerprint": ""},
         {"chunk_prefix": (-1,)},
     ],
 )
@@ -120,7 +125,8 @@ def test_key_follows_the_documented_canonical_form() -> None:
 
     prefix = hashlib.sha256(struct.pack("<2Q", 1, 2)).hexdigest().encode()
     rope = b'{"rope_theta":100000,"rope_type":"default"}'
-    expected = hashlib.sha256(b"kvblend/chunk-key/v1" + field(b"tenant", b"default") + field(b"model", b"model-a")
-                              + field(b"tokenizer", b"tok-a") + field(b"rope", rope) + field(b"kv_dtype", b"fp32")
+    expected = hashlib.sha256(b"kvblend/chunk-key/v2" + field(b"tenant", b"default") + field(b"model", b"model-a")
+                              + field(b"model_config", b"cfg-a") + field(b"tokenizer", b"tok-a")
+                              + field(b"rope", rope) + field(b"compute_dtype", b"fp32") + field(b"kv_dtype", b"fp32")
                               + field(b"prefix", prefix) + field(b"tokens", struct.pack("<4Q", *IDS)))
     assert chunk_key(IDS, make_ctx()).digest == expected.hexdigest()

@@ -43,3 +43,23 @@ def test_admission_counts_sightings_and_stays_bounded() -> None:
     assert not admission.admit(b) and not admission.admit(c)  # tracks at most 2: a is forgotten
     assert not admission.admit(a) and admission.admit(c)
     assert all(SightingsAdmission(1).admit(k) for k in (a, b, c))
+
+
+def test_policies_also_order_every_tenant_together() -> None:
+    a, b = keys(2)
+    other = keys(1, "bob")[0]
+    for policy in (LRUPolicy(), LFUPolicy()):
+        for k in (a, other, b):
+            policy.insert(k)
+        policy.touch(a)
+        assert list(policy.order(None)) == [other, b, a], type(policy).__name__
+        policy.remove(other)
+        assert list(policy.order(None)) == [b, a] and list(policy.order("bob")) == []
+
+
+def test_a_sighting_admits_once_and_the_put_uses_it_up() -> None:
+    admission = SightingsAdmission(3)
+    a = keys(1)[0]
+    assert [admission.sight(a) for _ in range(4)] == [False, False, True, True]  # stays admitted
+    assert admission.admit(a)  # the put uses the admission up
+    assert not admission.sight(a)  # counting starts over

@@ -55,9 +55,34 @@ def test_expired_entries_make_room_for_new_ones(make_redis: Callable[..., RedisS
     store = make_redis(2 * unit + unit // 2, ttl_s=0.2)
     store.put(*keyed(1, tenant="bob"))
     store.put(*keyed(2, tenant="bob"))
-    assert not store.put(*keyed(3))  # full of bob's entries
     time.sleep(0.4)
-    assert store.put(*keyed(3))  # bob's expired entries are swept, not evicted
+    assert store.put(*keyed(3))
+    assert store.stats().evictions == 0  # bob's expired entries were swept, not evicted
+    assert store.stats().entries == 1 and store.keys("bob") == []
+
+
+def _calls(client: redis.Redis, *commands: str) -> int:
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in commands)
+
+
+def test_a_put_touches_only_the_entries_it_evicts(make_redis: Callable[..., RedisStore],
+                                                  redis_server: LocalRedis) -> None:
+    """A put into a full tier runs O(evicted) commands, not a sweep over every entry."""
+    probe = make_redis()
+    key, chunk = keyed(0)
+    probe.put(key, chunk)
+    unit = probe.stats("default").bytes
+    probe.delete(key)
+    store = make_redis(60 * unit, ttl_s=3600)
+    for i in range(60):
+        assert store.put(*keyed(i, tenant=f"t{i % 6}"))
+    client = redis.Redis.from_url(redis_server.url)
+    before = _calls(client, "exists", "zrange", "smembers")
+    assert store.put(*keyed(99, tenant="newcomer"))
+    assert _calls(client, "exists", "zrange", "smembers") - before < 10
+    assert 1 <= store.stats().evictions <= 2  # entry sizes differ by a few header bytes
+    client.close()
 
 
 def test_corrupt_field_is_a_miss_and_is_removed(make_redis: Callable[..., RedisStore], redis_server: LocalRedis,

@@ -137,3 +137,22 @@ def test_tenant_scoped_listing_and_clear(tmp_path: Path, make_redis: Callable[..
     assert store.clear("alice") == 3 and store.keys("alice") == []
     assert store.get(keyed(9, tenant="bob")[0]) is not None
     assert store.stats("alice").entries == 0 and store.stats("bob").entries == 3  # one copy per tier
+
+
+def test_a_hit_no_faster_tier_kept_is_handed_out_without_a_copy(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Promotion is judged by whether a faster tier stored the entry, not by there being one."""
+    import kvblend.store.tiered as tiered
+
+    seen: list[bool] = []
+    real = tiered.decode_entry
+    monkeypatch.setattr(tiered, "decode_entry", lambda entry, *a: seen.append(entry.owned) or real(entry, *a))
+    store = TieredStore([MemoryStore(10), DiskStore(tmp_path, 1 << 30, fsync=False)])  # memory refuses all
+    key, chunk = keyed(1)
+    assert store.put(key, chunk)
+    got = store.get(key)
+    assert got is not None and not store.tiers[0].contains(key)
+    assert seen == [True]  # the disk read is private: no defensive copy
+    roomy = TieredStore([MemoryStore(1 << 30), DiskStore(tmp_path, 1 << 30, fsync=False)])
+    assert roomy.get(key) is not None and roomy.tiers[0].contains(key)
+    assert seen == [True, False]  # the memory tier keeps these tensors now: readers must copy

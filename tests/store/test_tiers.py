@@ -151,14 +151,31 @@ def test_an_entry_larger_than_the_cap_is_refused(make_tier: Callable[..., Tier])
     assert not tier.put(key, chunk) and tier.stats().rejected == 1 and tier.stats().entries == 0
 
 
-def test_one_tenant_cannot_evict_another(make_tier: Callable[..., Tier]) -> None:
+def test_one_tenant_cannot_hold_a_full_tier_against_another(make_tier: Callable[..., Tier]) -> None:
+    """When the tier's cap binds, the least recently used entry goes, whoever owns it."""
     unit = entry_bytes(make_tier)
     tier = make_tier(2 * unit + unit // 2)
     bob = [keyed(i, tenant="bob") for i in range(2)]
     for key, chunk in bob:
         assert tier.put(key, chunk)
-    assert not tier.put(*keyed(5, tenant="alice"))  # the tier is full of bob's entries
+    assert tier.get(bob[0][0]) is not None  # bob[1] is now the least recently used
+    alice = keyed(5, tenant="alice")
+    assert tier.put(*alice)
+    assert tier.contains(alice[0]) and tier.contains(bob[0][0]) and not tier.contains(bob[1][0])
+    assert tier.stats("bob").evictions == 1 and tier.stats("alice").evictions == 0  # counted for the loser
+    assert tier.stats().bytes <= 2 * unit + unit // 2
+
+
+def test_a_tenant_over_its_cap_loses_its_own_entries_first(make_tier: Callable[..., Tier]) -> None:
+    unit = entry_bytes(make_tier)
+    tier = make_tier(4 * unit + unit // 2, tenant_bytes=2 * unit + unit // 2)
+    bob = [keyed(i, tenant="bob") for i in range(2)]
+    alice = [keyed(10 + i, tenant="alice") for i in range(3)]
+    for key, chunk in bob + alice:  # bob's entries are the globally oldest
+        assert tier.put(key, chunk)
     assert all(tier.contains(k) for k, _ in bob)
+    assert [tier.contains(k) for k, _ in alice] == [False, True, True]
+    assert tier.stats("alice").bytes <= 2 * unit + unit // 2
 
 
 def test_concurrent_readers_and_writers_never_see_torn_entries(make_tier: Callable[..., Tier]) -> None:

@@ -38,8 +38,8 @@ def test_submit_returns_at_once_and_flush_waits() -> None:
     assert wb.flush(timeout=5)
     assert all(store.get(k) is not None for k, _ in pairs)
     assert set(store.put_threads) == {"kvblend-writeback"}  # never on the caller's thread
-    assert wb.stats()._asdict() | {} == {"submitted": 3, "written": 3, "refused": 0, "dropped": 0, "failed": 0,
-                                         "pending": 0}
+    assert wb.stats()._asdict() == {"queued": 3, "written": 3, "refused": 0, "not_admitted": 0,
+                                    "deduplicated": 0, "dropped": 0, "failed": 0, "pending": 0}
     wb.close()
 
 
@@ -61,7 +61,25 @@ def test_same_key_pending_twice_is_written_once() -> None:
     assert wb.submit(key, chunk) and not wb.submit(key, chunk)
     store.gate.set()
     wb.close(timeout=5)
-    assert wb.stats().written == 1 and wb.stats().dropped == 1
+    assert wb.stats().written == 1 and wb.stats().deduplicated == 1 and wb.stats().dropped == 0
+
+
+def test_a_computed_chunk_is_computed_on_the_worker_only_when_admitted() -> None:
+    from kvblend.store import StoreConfig, build_store
+
+    store = build_store(StoreConfig(admit_after=2))
+    calls: list[str] = []
+    key, chunk = keyed(1)
+
+    def compute() -> ChunkKV:
+        calls.append(threading.current_thread().name)
+        return chunk
+
+    with WriteBack(store, max_queue=4) as wb:
+        assert not wb.submit(key, compute)  # first sighting: not admitted, nothing computed
+        assert wb.submit(key, compute) and wb.flush(5)
+    assert calls == ["kvblend-writeback"] and store.get(key) is not None
+    assert wb.stats().not_admitted == 1 and wb.stats().written == 1
 
 
 class Exploding(MemoryStore):
@@ -110,5 +128,27 @@ wb.submit(*keyed(1))
 
 def test_pending_chunks_are_flushed_when_the_process_exits(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], env=env, cwd=REPO, check=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], env=env, cwd=REPO, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert DiskStore(tmp_path, 1 << 30).get(keyed(1)[0]) is not None  # no close() was called
+
+
+def test_an_idle_forgotten_write_back_keeps_nothing_alive() -> None:
+    import gc
+    import time
+    import weakref
+
+    store = MemoryStore(1 << 30)
+    wb = WriteBack(store, max_queue=4)
+    assert wb.submit(*keyed(1)) and wb.flush(5)
+    gone, thread = weakref.ref(store), wb._thread
+    del store, wb
+    for _ in range(100):  # the worker holds the write-back only while writing
+        gc.collect()
+        if gone() is None:
+            break
+        time.sleep(0.01)
+    assert gone() is None
+    thread.join(5)
+    assert not thread.is_alive()  # and ends once its write-back is collected

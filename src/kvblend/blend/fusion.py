@@ -167,7 +167,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         cache.keys[layer_idx][:, written] = k
         cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)
-        if layer_idx == last and _sees_all(model, n):  # only the final token's output is read
+        if layer_idx == last and model.sees_all(n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             continue
         attn_plan = attn_plan or plan_attention(active, n, model.cfg.sliding_window, model.dtype,
@@ -175,7 +175,3 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand)
-
-
-def _sees_all(model: Transformer, n: int) -> bool:
-    return model.cfg.sliding_window is None or n <= model.cfg.sliding_window

@@ -9,11 +9,10 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -31,8 +30,12 @@ from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
+from kvblend.store.codec import compute_dtype_name
 from kvblend.store.config import StoreConfig, build_store
 from kvblend.store.keys import ChunkKey, KeyContext, chunk_key
+from kvblend.store.writeback import WriteBack, WriteBackStats
+
+DEFAULT_WRITEBACK_QUEUE = 64
 
 
 class Prepared(NamedTuple):
@@ -79,7 +82,11 @@ class _Chunks:
 
 class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
-    per-request state lives in request-scoped objects, shared state in the caches."""
+    per-request state lives in request-scoped objects, shared state in the caches.
+
+    Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
+    ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
+    store admits it, once per key in flight; ``writeback_stats()`` counts the outcomes."""
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
@@ -93,21 +100,21 @@ class Engine:
         self.store = store if store is not None else build_store(StoreConfig())
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-chunk")
-        self._pending: list[Future] = []
-        self._pending_lock = threading.Lock()
-        self.max_pending_writes = 64
-        self.dropped_writes = 0
+        self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
+        """Everything besides the tokens a chunk's KV depends on: weights, tokenizer and
+        config identities (computed at load), RoPE, the model's compute dtype, the KV
+        storage dtype, the chunk prefix and the tenant."""
         return KeyContext(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint,
-                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant)
+                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant,
+                          compute_dtype=compute_dtype_name(self.model.dtype), model_config=self.loaded.config_digest)
 
     def prefix_scope(self, tenant: str) -> PrefixScope:
         """Whose prefix-cache entries a request may see: its tenant's, for this model and dtype."""
-        return PrefixScope(tenant, self.loaded.fingerprint, str(self.model.dtype))
+        return PrefixScope(tenant, f"{self.loaded.fingerprint}:{self.loaded.config_digest}", str(self.model.dtype))
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
@@ -115,81 +122,85 @@ class Engine:
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents (skipping those already stored)."""
         ctx, keys = self.key_context(chunk_prefix, tenant), []
-        for doc in documents:
-            ids = tokenize_document(self.tokenizer, doc)
-            key = chunk_key(ids, ctx)
-            if ids and not self.store.contains(key):
-                self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
-            keys.append(key)
+        with self._gate.admit():
+            for doc in documents:
+                ids = tokenize_document(self.tokenizer, doc)
+                key = chunk_key(ids, ctx)
+                if ids and not self.store.contains(key):
+                    self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+                keys.append(key)
         return keys
 
     def _lookup(self, request: Request, layout: PromptLayout, timer: _Timer) -> _Chunks:
+        """Each document's chunk KV. A hit reports the tier that served it; a miss is
+        recomputed in the prompt ("computed") or, without ``recompute_misses``, computed
+        alone now and blended ("chunk"); neither, nor an empty document, is a hit. A
+        repeat within the request reports "request" and its first occurrence's hit."""
         ctx = self.key_context(self.chunk_prefix(request, layout), request.tenant)
         out, seen = _Chunks(), {}
         t = time.perf_counter()
         for i, (ids, start) in enumerate(zip(layout.docs, layout.doc_starts)):
             if not ids:
-                out.stats.append(DocStat(i, 0, True, "empty"))
+                out.stats.append(DocStat(i, 0, False, "empty"))
                 continue
             key = chunk_key(ids, ctx)
             if key in seen:
-                chunk, source = seen[key], "request"
+                chunk, hit = seen[key]
+                source = "request"
             else:
                 chunk, source = self._get(key, ids)
-                seen[key] = chunk
-            if chunk is None:
-                if not request.blend.recompute_misses:
+                hit = chunk is not None
+                if chunk is None and not request.blend.recompute_misses:
                     t = timer.add("lookup", t)
-                    chunk = seen[key] = compute_chunk_kv(self.model, ctx.chunk_prefix, ids)
+                    chunk, source = compute_chunk_kv(self.model, ctx.chunk_prefix, ids), "chunk"
                     t = timer.add("prefill", t)
-                    self.store.put(key, chunk)
-                else:
-                    out.misses[key] = ids
-                    out.stats.append(DocStat(i, len(ids), False, "computed"))
-                    continue
+                    self.writeback.submit(key, chunk)
+                seen[key] = (chunk, hit)
+            if chunk is None:
+                out.misses[key] = ids
+                out.stats.append(DocStat(i, len(ids), False, "computed"))
+                continue
             out.placed.append(PlacedChunk(start, chunk))
-            out.stats.append(DocStat(i, len(ids), True, source))
+            out.stats.append(DocStat(i, len(ids), hit, source))
         timer.add("lookup", t)
         return out
 
     def _get(self, key: ChunkKey, ids: tuple[int, ...]) -> tuple[ChunkKV | None, str]:
-        """The stored chunk and the tier that served it ("memory", "disk", "redis").
+        """The stored chunk and the tier that served it ("memory", "disk", "redis"; "store"
+        for a store without tiers); (None, "computed") on a miss.
 
         Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own."""
         lookup = getattr(self.store, "lookup", None)
         if lookup is None:
-            return self.store.get(key, ids), "store"
+            chunk = self.store.get(key, ids)
+            return chunk, "store" if chunk is not None else "computed"
         found = lookup(key, ids, borrow=True)
-        return found.chunk, found.tier or "store"
+        return found.chunk, found.tier or "computed"
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
-        """Compute missed chunks alone and store them, off the request path (bounded)."""
-        with self._pending_lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            for key, ids in misses.items():
-                if len(self._pending) >= self.max_pending_writes:
-                    self.dropped_writes += 1
-                    continue
-                job = self._writer.submit(self._compute_and_store, key, ids, chunk_prefix)
-                self._pending.append(job)
+        """Hand missed chunks to the write-back: each is computed alone on its thread, only
+        if the store admits it and it is not already pending (see ``WriteBack.submit``)."""
+        for key, ids in misses.items():
+            self.writeback.submit(key, partial(self._compute_chunk, ids, chunk_prefix))
 
-    def _compute_and_store(self, key: ChunkKey, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> None:
-        self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+    def _compute_chunk(self, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> ChunkKV:
+        return compute_chunk_kv(self.model, chunk_prefix, ids)
+
+    def writeback_stats(self) -> WriteBackStats:
+        """Write-back counters (queued, written, refused, not_admitted, deduplicated,
+        dropped, failed, pending), e.g. for a server's metrics."""
+        return self.writeback.stats()
 
     def flush(self) -> None:
         """Wait until background chunk computations and writes are done."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        self.writeback.flush()
 
     def close(self) -> None:
         """Refuse new requests (``EngineClosedError``), let those being prepared finish, then
         write back what is pending and close the store. Safe to call twice or concurrently."""
         if not self._gate.close():
             return
-        self.flush()
-        self._writer.shutdown(wait=True)
+        self.writeback.close()
         self.store.close()
 
     # ----- prefill by method ------------------------------------------------------

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvblend.eval.example import Example
+from kvblend.eval.synthetic import generate_synthetic
 
 MUSIQUE_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer "
@@ -38,27 +40,6 @@ def musique_query(question: str) -> str:
 def format_musique_passage(title: str, text: str) -> str:
     """One retrieved passage as it enters the prompt."""
     return f"{title}\n\n{text}\n\n"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One question with its documents (in prompt order) and its reference answers."""
-
-    question: str
-    documents: tuple[str, ...]
-    answers: tuple[str, ...]
-    id: str
-
-    def __post_init__(self) -> None:
-        if isinstance(self.documents, str) or isinstance(self.answers, str):
-            raise ValueError(f"example {self.id!r}: documents and answers must be sequences, not str")
-        object.__setattr__(self, "documents", tuple(self.documents))
-        object.__setattr__(self, "answers", tuple(self.answers))
-        if not isinstance(self.question, str):
-            raise ValueError(f"example {self.id!r}: question must be a string")
-        for field in ("documents", "answers"):
-            if not all(isinstance(x, str) for x in getattr(self, field)):
-                raise ValueError(f"example {self.id!r}: {field} must be strings")
 
 
 def _check_limit(limit: int | None) -> None:
@@ -210,8 +191,6 @@ def _merge_options(spec: str, from_spec: dict[str, int], kw: dict[str, Any]) -> 
 
 
 def _load_synthetic(spec: str, kw: dict[str, Any]) -> list[Example]:
-    from kvblend.eval.synthetic import generate_synthetic
-
     options = _merge_options(spec, parse_synthetic_spec(spec), kw)
     limit = options.pop("limit", None)
     _check_limit(limit)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvblend.cliargs import add_model_args, load_from_args
 from kvblend.engine import Engine, Request
 from kvblend.eval.baselines import BaselineConfig, score_baseline
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, load_dataset
@@ -265,8 +266,6 @@ def evaluate(dataset: str, out_dir: str | Path, config: EvalConfig = EvalConfig(
 # ----- command line -----------------------------------------------------------------
 def add_eval_commands(sub: Any) -> None:
     """Register ``kvblend eval`` on the CLI's subparsers."""
-    from kvblend.cli import _add_model_args
-
     p = sub.add_parser("eval", help="score methods against full prefill on a dataset; resumable")
     p.add_argument("--dataset", required=True, help="MuSiQue .json, .jsonl, or synthetic:n=..,docs=..,doc_tokens=..")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -279,16 +278,14 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--map-tokens", type=int, default=32, help="MapReduce note length")
     p.add_argument("--no-progress", action="store_true")
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from kvblend.cli import _load
-
     config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
                         not args.no_progress)
-    engine = Engine(_load(args))
+    engine = Engine(load_from_args(args))
     start = time.perf_counter()
     try:
         result = evaluate(args.dataset, args.out, config, limit=args.limit, n_docs=args.docs, engine=engine)

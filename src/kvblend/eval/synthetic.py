@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvblend.eval.datasets import Example
+from kvblend.eval.example import Example
 
 TOKENS_PER_WORD = 1.3
 

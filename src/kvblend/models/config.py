@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvblend.errors import UnsupportedModelError
@@ -139,3 +141,17 @@ def _rope_from_hf(hf: Any, head_dim: int) -> RopeConfig:
         max_position_embeddings=hf.max_position_embeddings,
         **extra,
     )
+
+
+DECODE_ONLY_FIELDS = ("bos_token_id", "eos_token_ids")  # never change a token's K/V
+
+
+def kv_config_digest(config: ModelConfig) -> str:
+    """sha256 hex of the canonical JSON of every config field that can change the KV a
+    model computes (all fields but ``DECODE_ONLY_FIELDS``: head counts, sizes, norm eps,
+    sliding window, biases, RoPE, ...). Part of every chunk key, so a store shared by
+    engines with different configs never serves one's KV to another. Fields added to
+    ``ModelConfig`` later are covered without a change here."""
+    fields = {k: v for k, v in asdict(config).items() if k not in DECODE_ONLY_FIELDS}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

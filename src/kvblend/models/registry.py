@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvblend.errors import ModelNotFoundError
+from kvblend.models.gguf import cache_home, convert_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -60,8 +61,6 @@ def _has_distribution(dist: str) -> bool:
 
 
 def _qwen_gguf() -> Path:
-    from kvblend.models.loader import cache_home
-
     target = cache_home() / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
     if target.is_file():
         return target
@@ -96,8 +95,6 @@ PACKAGED: dict[str, PackagedModel] = {
 
 def resolve_packaged(name: str) -> Path:
     """The converted model-cache folder of a packaged model (converting on first use)."""
-    from kvblend.models.loader import convert_gguf
-
     entry = PACKAGED.get(name)
     if entry is None:
         known = ", ".join(PACKAGED)

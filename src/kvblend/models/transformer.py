@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(h, cos, sin)
             keys, values = cache.write(i, start, k, v)
-            if i == last and logits_for == "last" and n > 1 and self._sees_all(start + n):
+            if i == last and logits_for == "last" and n > 1 and self.sees_all(start + n):
                 # Only the last token's output is read: its query sees every key.
                 h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             else:
@@ -206,7 +206,8 @@ class Transformer(nn.Module):
         cache.length = start + n
         return self._select_logits(h, logits_for)
 
-    def _sees_all(self, n_keys: int) -> bool:
+    def sees_all(self, n_keys: int) -> bool:
+        """Whether the last of ``n_keys`` positions attends to every key (no sliding window cuts it)."""
         return self.cfg.sliding_window is None or n_keys <= self.cfg.sliding_window
 
     def _select_logits(self, h: torch.Tensor, which: str) -> torch.Tensor:

@@ -83,7 +83,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.T
 
 
 def fingerprint_files(files: list[Path]) -> str:
-    """sha256 over the weight files' bytes (names excluded): changes when any weight does."""
+    """sha256 hex over the files' bytes in order (names excluded): a weights fingerprint
+    that changes when any weight does; given one file, that file's sha256."""
     digest = hashlib.sha256()
     for f in files:
         with open(f, "rb") as fh:

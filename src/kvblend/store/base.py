@@ -79,8 +79,10 @@ class ChunkStore(ABC):
       where the medium can corrupt); a corrupt entry is removed and reported as a miss.
     - Lookups never raise for an unavailable backend: they miss and count a warning.
     - Tenant-scoped: a key names its tenant; ``keys``/``stats``/``evict`` take a tenant and
-      never touch or reveal another tenant's entries. Capacity eviction for a put only
-      removes entries of the putting tenant.
+      never touch or reveal another tenant's entries. Capacity is shared fairly: when a
+      store's cap binds, a put evicts the least valuable entries of any tenant (global
+      LRU), so no tenant can hold the store against the others; an optional per-tenant
+      cap makes a tenant over it lose its own entries first.
     - Returned tensors are fresh CPU tensors in the store's compute dtype; the caller may
       modify them. Tensors passed to ``put`` are copied, never kept or modified.
     """
@@ -102,7 +104,7 @@ class ChunkStore(ABC):
     @abstractmethod
     def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
         """Store ``chunk`` under ``key`` (made by ``chunk_key``; replaces an existing entry),
-        evicting the tenant's least valuable entries to fit. False when not admitted, larger
+        evicting entries to fit (see the class docstring). False when not admitted, larger
         than a cap, or the backend failed; ValueError when ``chunk`` does not match ``key``."""
 
     @abstractmethod
@@ -121,6 +123,12 @@ class ChunkStore(ABC):
     def evict(self, tenant: str, target_bytes: int = 0) -> int:
         """Evict ``tenant``'s entries in eviction order until it holds at most
         ``target_bytes``; returns how many were removed."""
+
+    def sighting(self, key: ChunkKey) -> bool:
+        """Record that ``key`` was wanted and missed; True when a ``put`` of it would be
+        admitted now, so a caller computes a chunk's KV only then. The admission it grants
+        is used up by the next ``put`` of ``key``. Stores without admission always say True."""
+        return True
 
     def clear(self, tenant: str) -> int:
         """Delete all of ``tenant``'s entries; returns how many were removed."""

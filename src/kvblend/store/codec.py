@@ -40,6 +40,14 @@ def compute_dtype(name: str) -> torch.dtype:
     return COMPUTE_DTYPES[name]
 
 
+def compute_dtype_name(dtype: torch.dtype) -> str:
+    """Inverse of :func:`compute_dtype` ("fp32", "fp16", "bf16"); ValueError for others."""
+    for name, known in COMPUTE_DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"models compute in one of {sorted(COMPUTE_DTYPES)}; got {dtype}")
+
+
 def bytes_per_element(kv_dtype: str) -> int:
     return torch.empty((), dtype=storage_dtype(kv_dtype)).element_size()
 

@@ -29,8 +29,9 @@ class StoreConfig:
     namespaces the keys of one deployment. ``eviction`` names the policy (lru, lfu).
     ``kv_dtype`` is how KV is stored; loaded KV comes back as CPU tensors in
     ``compute_dtype``. ``tenant_bytes`` optionally caps each tenant in every tier.
-    ``admit_after``: store a chunk on its N-th put attempt. ``writeback_queue``: bound of
-    the background write-back queue.
+    ``admit_after``: store a chunk on its N-th sighting (a miss or a put attempt); the
+    engine computes a missed chunk's KV only once it is admitted. ``writeback_queue``:
+    how many chunks the engine's background write-back holds pending at most.
     """
 
     tiers: tuple[str, ...] = TIER_NAMES
@@ -109,4 +110,4 @@ def build_store(config: StoreConfig) -> TieredStore:
     """A TieredStore over the enabled tiers, in ``config.tiers`` order."""
     tiers = [TIER_BUILDERS[name](config) for name in config.enabled_tiers]
     return TieredStore(tiers, kv_dtype=config.kv_dtype, compute_dtype=config.compute_dtype,
-                       admission=SightingsAdmission(config.admit_after))
+                       admission=SightingsAdmission(config.admit_after), writeback_queue=config.writeback_queue)

@@ -71,8 +71,8 @@ class DiskStore(IndexedTier):
                 self._delete_locked(found.pop(0)[0])
 
     def _adopt(self, key: ChunkKey, path: Path) -> None:
-        """Index an entry another process wrote, evicting this tenant's entries to fit it
-        (if they are not enough, it stays: its writer accounted for it)."""
+        """Index an entry another process wrote, evicting entries to fit it as a put would
+        (if it is larger than a cap, it stays: its writer accounted for it)."""
         try:
             size = path.stat().st_size
         except OSError:  # removed again meanwhile
@@ -186,7 +186,7 @@ class DiskStore(IndexedTier):
             self._index.add(key, size)
         if self.fsync:
             _fsync_path(final.parent)
-        return WriteOutcome(True, len(victims))
+        return WriteOutcome(True, tuple(v.tenant for v in victims))
 
     def _remove(self, key: ChunkKey) -> bool:
         path = self.path(key)

@@ -1,7 +1,7 @@
 """A stored chunk: a self-describing header plus named storage tensors.
 
-The header carries the key's inputs (tenant, model/tokenizer fingerprints, RoPE, KV dtype,
-prefix digest, token ids), so a reader can recompute the digest and reject an entry that
+The header carries the key's inputs (tenant, model/tokenizer fingerprints, model-config
+digest, RoPE, compute and KV dtypes, prefix digest, token ids), so a reader can recompute the digest and reject an entry that
 was written for another model, tokenizer, tenant or text, plus ``base_position``, shapes
 and an xxh3 checksum per tensor. The header itself is checksummed. Tensor names:
 ``k.{layer}``, ``v.{layer}`` and, for int8, ``k.{layer}.scale``, ``v.{layer}.scale``.
@@ -28,7 +28,7 @@ from kvblend.store.codec import (
 )
 from kvblend.store.keys import ChunkKey, canonical_rope, digest_of, token_bytes
 
-FORMAT = "kvblend-chunk/1"
+FORMAT = "kvblend-chunk/2"
 
 
 class CorruptEntry(Exception):
@@ -45,6 +45,8 @@ class EntryHeader:
     tokenizer_fingerprint: str
     rope: str
     key_kv_dtype: str
+    key_compute_dtype: str
+    model_config: str
     prefix_sha256: str
     token_ids: tuple[int, ...]
     base_position: int
@@ -68,8 +70,10 @@ class EntryHeader:
         return digest_of(
             token_bytes(self.token_ids),
             model=self.model_fingerprint,
+            model_config=self.model_config,
             tokenizer=self.tokenizer_fingerprint,
             rope=canonical_rope(self.rope),
+            compute_dtype=self.key_compute_dtype,
             kv_dtype=self.key_kv_dtype,
             prefix_sha256=self.prefix_sha256,
             tenant=self.tenant,
@@ -223,7 +227,7 @@ def _header_for(key: ChunkKey, chunk: ChunkKV, kv_dtype: str) -> EntryHeader:
     header = EntryHeader(
         tenant=key.tenant, digest=key.digest, model_fingerprint=ctx.model_fingerprint,
         tokenizer_fingerprint=ctx.tokenizer_fingerprint, rope=ctx.rope, key_kv_dtype=ctx.kv_dtype,
-        prefix_sha256=ctx.prefix_sha256, token_ids=tuple(int(t) for t in chunk.token_ids),
+        key_compute_dtype=ctx.compute_dtype, model_config=ctx.model_config, prefix_sha256=ctx.prefix_sha256, token_ids=tuple(int(t) for t in chunk.token_ids),
         base_position=int(chunk.base_position), kv_dtype=kv_dtype, n_layers=chunk.n_layers,
         n_heads=int(heads), head_dim=int(head_dim), created=time.time(),
     )

@@ -16,13 +16,16 @@ from kvblend.store.policy import EvictionPolicy
 class ByteIndex:
     """Sizes of a tier's entries, totals per tenant, and the eviction order.
 
-    ``max_bytes`` caps the tier, ``tenant_bytes`` (optional) caps each tenant.
+    ``max_bytes`` caps the tier, ``tenant_bytes`` (optional) caps each tenant. Fair by
+    default: when the tier's cap binds, the policy's globally first entries go, whichever
+    tenant owns them (one tenant's old entries cannot lock the others out); a tenant over
+    its own cap loses its own first entries.
     """
 
     def __init__(self, policy: EvictionPolicy, max_bytes: int, tenant_bytes: int | None = None) -> None:
         self.policy = policy
         self.max_bytes = max_bytes
-        self.tenant_bytes = max_bytes if tenant_bytes is None else min(tenant_bytes, max_bytes)
+        self.tenant_bytes = None if tenant_bytes is None else min(tenant_bytes, max_bytes)
         self._sizes: dict[ChunkKey, int] = {}
         self._used: dict[ChunkKey, float] = {}
         self._tenant_totals: dict[str, int] = defaultdict(int)
@@ -66,22 +69,36 @@ class ByteIndex:
         return [EntryInfo(k, self._sizes[k], self._used[k]) for k in self.keys(tenant)]
 
     def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.tenant_bytes
+        """Whether an entry of ``nbytes`` can be stored at all (within both caps)."""
+        return nbytes <= self.max_bytes and (self.tenant_bytes is None or nbytes <= self.tenant_bytes)
 
     def victims_for(self, key: ChunkKey, nbytes: int) -> list[ChunkKey] | None:
-        """Keys of ``key``'s tenant to evict so that ``key`` (``nbytes``, replacing any old
-        entry) fits both caps; None when even evicting all of them is not enough."""
+        """Keys to evict, in order, so that ``key`` (``nbytes``, replacing any old entry)
+        fits both caps: first ``key``'s tenant's own entries while it is over its cap, then
+        the globally first entries of any tenant while the tier is over its cap. None when
+        the entry is larger than a cap. Costs O(victims) with LRU."""
+        if not self.fits(nbytes):
+            return None
         freed = self._sizes.get(key, 0)
         total, tenant_total = self.total - freed, self.tenant_total(key.tenant) - freed
         victims: list[ChunkKey] = []
-        candidates = (k for k in self.policy.order(key.tenant) if k != key)
-        while total + nbytes > self.max_bytes or tenant_total + nbytes > self.tenant_bytes:
-            victim = next(candidates, None)
-            if victim is None:
-                return None
-            victims.append(victim)
-            total -= self._sizes[victim]
-            tenant_total -= self._sizes[victim]
+        if self.tenant_bytes is not None:
+            for victim in self.policy.order(key.tenant):
+                if tenant_total + nbytes <= self.tenant_bytes:
+                    break
+                if victim != key:
+                    victims.append(victim)
+                    tenant_total -= self._sizes[victim]
+                    total -= self._sizes[victim]
+        chosen = set(victims)
+        for victim in self.policy.order(None):
+            if total + nbytes <= self.max_bytes:
+                break
+            if victim != key and victim not in chosen:
+                victims.append(victim)
+                total -= self._sizes[victim]
+        if total + nbytes > self.max_bytes:
+            return None  # the index and the policy disagree; never overfill
         return victims
 
     def over_target(self, tenant: str, target_bytes: int) -> list[ChunkKey]:

@@ -1,8 +1,10 @@
 """Content keys for chunk KV: sha256 over canonical bytes, stable across processes and machines.
 
 The digest covers everything that changes the KV of a chunk: its token ids, the model
-weights (fingerprint), the tokenizer, the RoPE configuration, the KV dtype, the prefix the
-chunk was computed after, and the tenant namespace. Changing any of them gives another
+weights (fingerprint), the model config (a digest of every field that shapes K/V: head
+counts, norm eps, sliding window, biases, ...), the tokenizer, the RoPE configuration, the
+dtype the KV was computed in, the KV storage dtype, the prefix the chunk was computed
+after, and the tenant namespace. Changing any of them gives another
 key, so a model update or a new tenant can only miss, never read stale or foreign KV.
 Python's ``hash()`` is never used: it is salted per process.
 """
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
 
-from kvblend.store.codec import STORAGE_DTYPES
+from kvblend.store.codec import COMPUTE_DTYPES, STORAGE_DTYPES
 
-KEY_VERSION = b"kvblend/chunk-key/v1"
+KEY_VERSION = b"kvblend/chunk-key/v2"
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_TOKEN_ID = 2**63 - 1
@@ -77,15 +79,18 @@ def _field(name: bytes, value: bytes) -> bytes:
 
 
 def digest_of(
-    tokens: bytes, *, model: str, tokenizer: str, rope: str, kv_dtype: str, prefix_sha256: str, tenant: str
+    tokens: bytes, *, model: str, model_config: str, tokenizer: str, rope: str, compute_dtype: str, kv_dtype: str,
+    prefix_sha256: str, tenant: str
 ) -> str:
     """sha256 hex over length-prefixed fields; every argument is already canonical."""
     h = hashlib.sha256(KEY_VERSION)
     for name, value in (
         (b"tenant", tenant.encode()),
         (b"model", model.encode()),
+        (b"model_config", model_config.encode()),
         (b"tokenizer", tokenizer.encode()),
         (b"rope", rope.encode()),
+        (b"compute_dtype", compute_dtype.encode()),
         (b"kv_dtype", kv_dtype.encode()),
         (b"prefix", prefix_sha256.encode()),
         (b"tokens", tokens),
@@ -99,7 +104,9 @@ class KeyContext:
     """Everything besides the tokens that a chunk's KV depends on (see the module docstring).
 
     ``rope`` is the RoPE config as JSON (canonicalised before hashing); ``kv_dtype`` is the
-    storage dtype name; ``chunk_prefix`` the token ids the chunk was prefilled after.
+    storage dtype name; ``chunk_prefix`` the token ids the chunk was prefilled after;
+    ``compute_dtype`` the dtype the model computed the KV in; ``model_config`` a digest of
+    the model config (``kvblend.models.config.kv_config_digest``; "" when none applies).
     """
 
     model_fingerprint: str
@@ -108,15 +115,21 @@ class KeyContext:
     kv_dtype: str
     chunk_prefix: tuple[int, ...] = ()
     tenant: str = "default"
+    compute_dtype: str = "fp32"
+    model_config: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model_fingerprint", "tokenizer_fingerprint"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty string")
+        if not isinstance(self.model_config, str):
+            raise ValueError("model_config must be a string (a config digest)")
         canonical_rope(self.rope)
         if self.kv_dtype not in STORAGE_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(STORAGE_DTYPES)}; got {self.kv_dtype!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
         object.__setattr__(self, "chunk_prefix", tuple(int(t) for t in self.chunk_prefix))
         token_bytes(self.chunk_prefix)
         validate_tenant(self.tenant)
@@ -161,8 +174,10 @@ def chunk_key(token_ids: Sequence[int], ctx: KeyContext) -> ChunkKey:
     digest = digest_of(
         token_bytes(token_ids),
         model=ctx.model_fingerprint,
+        model_config=ctx.model_config,
         tokenizer=ctx.tokenizer_fingerprint,
         rope=canonical_rope(ctx.rope),
+        compute_dtype=ctx.compute_dtype,
         kv_dtype=ctx.kv_dtype,
         prefix_sha256=ctx.prefix_sha256,
         tenant=ctx.tenant,

@@ -59,7 +59,7 @@ class MemoryStore(IndexedTier):
                 self._delete_locked(victim)
             self._entries[key] = owned
             self._index.add(key, nbytes)
-        return WriteOutcome(True, len(victims))
+        return WriteOutcome(True, tuple(v.tenant for v in victims))
 
     def _delete_locked(self, key: ChunkKey) -> None:
         self._entries.pop(key, None)

@@ -1,8 +1,10 @@
 """Eviction policies (small strategy objects) and admission after N sightings.
 
 A policy only orders keys; the tier that owns it decides how much to evict and holds the
-lock (policies are not thread-safe on their own). Eviction order is per tenant, because a
-tenant's put may only evict that tenant's entries.
+lock (policies are not thread-safe on their own). It orders each tenant's keys (for a
+per-tenant cap and for ``evict``) and all keys together (for the tier's cap: when the
+tier is full, the globally least valuable entry goes, whoever owns it, so no tenant can
+hold a tier against the others).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from kvblend.store.keys import ChunkKey
 
 class EvictionPolicy(ABC):
     """Orders a tier's keys for eviction. Calls: ``insert`` once per new key, ``touch`` on
-    each hit, ``remove`` when a key leaves, ``order(tenant)`` to list victims, first first."""
+    each hit, ``remove`` when a key leaves, ``order(tenant)`` to list victims, first first
+    (``order(None)``: every tenant's keys in one order)."""
 
     @abstractmethod
     def insert(self, key: ChunkKey) -> None: ...
@@ -30,34 +33,44 @@ class EvictionPolicy(ABC):
     def remove(self, key: ChunkKey) -> None: ...
 
     @abstractmethod
-    def order(self, tenant: str) -> Iterator[ChunkKey]:
-        """``tenant``'s keys, the first to evict first. Do not mutate while iterating."""
+    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
+        """``tenant``'s keys (all keys when None), the first to evict first. Lazy: do not
+        mutate the policy while iterating."""
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first. Every call is O(1); ``order`` yields lazily, so
+    picking victims costs O(victims), not O(entries)."""
 
     def __init__(self) -> None:
         self._lists: dict[str, OrderedDict[ChunkKey, None]] = defaultdict(OrderedDict)
+        self._all: OrderedDict[ChunkKey, None] = OrderedDict()
 
     def insert(self, key: ChunkKey) -> None:
-        self._lists[key.tenant][key] = None
-        self._lists[key.tenant].move_to_end(key)
-
-    def touch(self, key: ChunkKey) -> None:
-        lru = self._lists[key.tenant]
-        if key in lru:
+        for lru in (self._lists[key.tenant], self._all):
+            lru[key] = None
             lru.move_to_end(key)
 
-    def remove(self, key: ChunkKey) -> None:
-        self._lists[key.tenant].pop(key, None)
+    def touch(self, key: ChunkKey) -> None:
+        if key in self._all:
+            self._all.move_to_end(key)
+            self._lists[key.tenant].move_to_end(key)
 
-    def order(self, tenant: str) -> Iterator[ChunkKey]:
-        return iter(list(self._lists.get(tenant, ())))
+    def remove(self, key: ChunkKey) -> None:
+        self._all.pop(key, None)
+        lru = self._lists.get(key.tenant)
+        if lru is not None:
+            lru.pop(key, None)
+            if not lru:
+                del self._lists[key.tenant]
+
+    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
+        return iter(self._all if tenant is None else self._lists.get(tenant, ()))
 
 
 class LFUPolicy(EvictionPolicy):
-    """Fewest hits first; among equals, least recently used first."""
+    """Fewest hits first; among equals, least recently used first. ``order`` sorts
+    (O(n log n) per eviction): use LRU for large tiers."""
 
     def __init__(self) -> None:
         self._tick = itertools.count()
@@ -67,16 +80,23 @@ class LFUPolicy(EvictionPolicy):
         self._scores[key.tenant][key] = (0, next(self._tick))
 
     def touch(self, key: ChunkKey) -> None:
-        scores = self._scores[key.tenant]
+        scores = self._scores.get(key.tenant, {})
         if key in scores:
             scores[key] = (scores[key][0] + 1, next(self._tick))
 
     def remove(self, key: ChunkKey) -> None:
-        self._scores[key.tenant].pop(key, None)
+        scores = self._scores.get(key.tenant)
+        if scores is not None:
+            scores.pop(key, None)
+            if not scores:
+                del self._scores[key.tenant]
 
-    def order(self, tenant: str) -> Iterator[ChunkKey]:
-        scores = self._scores.get(tenant, {})
-        return iter(sorted(scores, key=scores.__getitem__))
+    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
+        if tenant is not None:
+            scores = self._scores.get(tenant, {})
+            return iter(sorted(scores, key=scores.__getitem__))
+        merged = {k: s for scores in self._scores.values() for k, s in scores.items()}
+        return iter(sorted(merged, key=merged.__getitem__))
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
@@ -90,10 +110,13 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 class SightingsAdmission:
-    """Admit a chunk on its ``admit_after``-th sighting (a put attempt). Thread-safe.
+    """Admit a chunk on its ``admit_after``-th sighting. Thread-safe.
 
-    Sightings are remembered for at most ``max_tracked`` keys (least recent forgotten),
-    so the tracker itself stays bounded. ``admit_after=1`` admits everything.
+    ``sight`` records a miss and says whether the chunk is admitted (it then stays
+    admitted until a put uses it); ``admit`` is the put's check: it uses up an admission
+    granted by ``sight``, or counts the put itself as a sighting. Sightings are remembered
+    for at most ``max_tracked`` keys (least recent forgotten), so the tracker stays
+    bounded. ``admit_after=1`` admits everything.
     """
 
     def __init__(self, admit_after: int = 1, max_tracked: int = 100_000) -> None:
@@ -104,15 +127,28 @@ class SightingsAdmission:
         self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def admit(self, key: ChunkKey) -> bool:
-        """Record a sighting of ``key``; True when it should be stored now."""
+    def sight(self, key: ChunkKey) -> bool:
+        """Record a sighting of ``key``; True once it has been seen ``admit_after`` times."""
         if self.admit_after == 1:
             return True
         with self._lock:
-            count = self._seen.pop(key, 0) + 1
+            count = min(self._seen.pop(key, 0) + 1, self.admit_after)
+            self._remember(key, count)
+        return count >= self.admit_after
+
+    def admit(self, key: ChunkKey) -> bool:
+        """For a put: True (using the admission up) when ``key`` was admitted by ``sight``
+        or this sighting admits it; counting then starts over."""
+        if self.admit_after == 1:
+            return True
+        with self._lock:
+            count = self._seen.pop(key, 0) + 1  # an admitted key already counts admit_after
             if count >= self.admit_after:
                 return True
-            self._seen[key] = count
-            while len(self._seen) > self._max:
-                self._seen.popitem(last=False)
+            self._remember(key, count)
         return False
+
+    def _remember(self, key: ChunkKey, count: int) -> None:
+        self._seen[key] = count
+        while len(self._seen) > self._max:
+            self._seen.popitem(last=False)

@@ -3,9 +3,13 @@
 Each entry is a Redis hash: ``format``/``header``/``header_xxh3`` plus one field per
 tensor (``k.3``, ``v.3``, ...), so one layer is fetched alone with HMGET. Per tenant a
 sorted set orders entries by last use, a hash holds their sizes and a counter their
-bytes; a global counter holds all bytes. Puts, deletes and evictions run as Lua scripts,
-so caps and accounting stay exact with many clients. An optional TTL expires entries
-(their index rows are swept when room is short or when listing).
+bytes; a global sorted set (members ``tenant/digest``) orders all entries by last use and
+a global counter holds all bytes. Puts, deletes and evictions run as Lua scripts, so caps
+and accounting stay exact with many clients, and every script touches only the entries it
+removes (pops from the front of a sorted set): a put never scans the store. When the
+tier's cap binds, a put evicts the globally least recently used entries of any tenant; a
+tenant over ``tenant_bytes`` loses its own first. An optional TTL expires entries; a
+sorted set by expiry time lets a put that is short of room drop their index rows first.
 
 Every Redis call has a timeout and no retries; a failure counts a warning, reads miss,
 writes return False, and the tier is skipped for ``retry_s`` before trying again.
@@ -39,51 +43,69 @@ local function num(v) return tonumber(v) or 0 end
 local function drop(t, d)
   local base = prefix .. ':' .. t
   local n = num(redis.call('HGET', base .. ':size', d))
-  local existed = redis.call('HDEL', base .. ':size', d) + redis.call('DEL', base .. ':e:' .. d)
+  local existed = redis.call('DEL', base .. ':e:' .. d)
+  local indexed = redis.call('HDEL', base .. ':size', d)
   redis.call('ZREM', base .. ':lru', d)
+  redis.call('ZREM', prefix .. ':lru', t .. '/' .. d)
+  redis.call('ZREM', prefix .. ':expiry', t .. '/' .. d)
   redis.call('DECRBY', base .. ':bytes', n)
   redis.call('DECRBY', prefix .. ':bytes', n)
-  return existed
+  return existed + indexed
+end
+local function split(member)
+  local at = string.find(member, '/', 1, true)
+  return string.sub(member, 1, at - 1), string.sub(member, at + 1)
 end
 """
 
-# KEYS: entry, lru, tenant bytes, global bytes, tenants, sizes
-# ARGV: prefix, tenant, digest, nbytes, now, ttl_ms, cap, tenant_cap, field, value, ...
+# KEYS: entry, tenant lru, tenant bytes, global bytes, tenants, sizes, global lru, expiry
+# ARGV: prefix, tenant, digest, nbytes, now, ttl_ms, cap, tenant_cap (-1: none), field, value, ...
+# Returns {stored, tenant of each evicted entry...}.
 _LUA_PUT = _LUA_COMMON + """
 local tenant, digest = ARGV[2], ARGV[3]
-local need, now, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local need, now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap, tcap = tonumber(ARGV[7]), tonumber(ARGV[8])
-local function full()
-  return num(redis.call('GET', KEYS[4])) + need > cap or num(redis.call('GET', KEYS[3])) + need > tcap
-end
-local function sweep()
-  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do
-    for _, d in ipairs(redis.call('ZRANGE', prefix .. ':' .. t .. ':lru', 0, -1)) do
-      if redis.call('EXISTS', prefix .. ':' .. t .. ':e:' .. d) == 0 then drop(t, d) end
-    end
-  end
-end
-if need > tcap or need > cap then return {0, 0} end
+local member = tenant .. '/' .. digest
+local out = {0}
+if need > cap or (tcap >= 0 and need > tcap) then return out end
 drop(tenant, digest)
-local evicted = 0
-while full() do
-  local victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-  if victim == nil then
-    sweep()
-    if full() then return {0, evicted} end
-  else
-    drop(tenant, victim)
-    evicted = evicted + 1
+local function over_tenant() return tcap >= 0 and num(redis.call('GET', KEYS[3])) + need > tcap end
+local function over_tier() return num(redis.call('GET', KEYS[4])) + need > cap end
+local function pop(zset)
+  local first = redis.call('ZRANGE', zset, 0, 0)[1]
+  if first == nil then return false end
+  local t, d = tenant, first
+  if zset == KEYS[7] then t, d = split(first) end
+  if drop(t, d) > 1 then table.insert(out, t) end
+  return true
+end
+if over_tenant() or over_tier() then  -- expired entries' index rows go first, oldest expiry first
+  while true do
+    local first = redis.call('ZRANGE', KEYS[8], 0, 0, 'WITHSCORES')
+    if first[1] == nil or tonumber(first[2]) > now * 1000 then break end
+    local t, d = split(first[1])
+    drop(t, d)
   end
+end
+while over_tenant() do
+  if not pop(KEYS[2]) then return out end
+end
+while over_tier() do
+  if not pop(KEYS[7]) then return out end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 9))
-if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('ZADD', KEYS[8], now * 1000 + ttl, member)
+end
 redis.call('HSET', KEYS[6], digest, need)
 redis.call('ZADD', KEYS[2], now, digest)
+redis.call('ZADD', KEYS[7], now, member)
 redis.call('INCRBY', KEYS[3], need)
 redis.call('INCRBY', KEYS[4], need)
 redis.call('SADD', KEYS[5], tenant)
-return {1, evicted}
+out[1] = 1
+return out
 """
 
 # ARGV: prefix, tenant, digest
@@ -115,7 +137,7 @@ class RedisStore(Tier):
         if max_bytes < 0 or timeout_s <= 0 or retry_s < 0 or (ttl_s is not None and ttl_s <= 0):
             raise ValueError("max_bytes >= 0, timeout_s > 0, retry_s >= 0 and ttl_s > 0 (or None) required")
         self.max_bytes = max_bytes
-        self.tenant_bytes = max_bytes if tenant_bytes is None else min(tenant_bytes, max_bytes)
+        self.tenant_bytes = None if tenant_bytes is None else min(tenant_bytes, max_bytes)
         self.ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
         self.prefix = validate_tenant(prefix)
         self.retry_s = retry_s
@@ -154,6 +176,12 @@ class RedisStore(Tier):
 
     # -- reads -------------------------------------------------------------------------
 
+    def _touch(self, pipe: Any, key: ChunkKey) -> None:
+        """Queue the recency update of a read (both orders; absent members stay absent)."""
+        now = time.time()
+        pipe.zadd(self._k(key.tenant, "lru"), {key.digest: now}, xx=True)
+        pipe.zadd(f"{self.prefix}:lru", {str(key): now}, xx=True)
+
     def contains(self, key: ChunkKey) -> bool:
         try:
             return bool(self._call(lambda: self._client.exists(self._entry_key(key))))
@@ -165,7 +193,7 @@ class RedisStore(Tier):
         def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.hgetall(self._entry_key(key))
-            pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
+            self._touch(pipe, key)
             return pipe.execute()
 
         fields = {name.decode(errors="replace"): value for name, value in self._call(fetch)[0].items()}
@@ -180,7 +208,7 @@ class RedisStore(Tier):
         def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.hmget(self._entry_key(key), [*HEADER_FIELDS, *names])
-            pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
+            self._touch(pipe, key)
             return pipe.execute()
 
         values = self._call(fetch)[0]
@@ -200,13 +228,15 @@ class RedisStore(Tier):
         payload = _payload(entry)
         nbytes = sum(len(v) for v in payload.values())
         keys = [self._k(h.tenant, f"e:{h.digest}"), self._k(h.tenant, "lru"), self._k(h.tenant, "bytes"),
-                f"{self.prefix}:bytes", f"{self.prefix}:tenants", self._k(h.tenant, "size")]
+                f"{self.prefix}:bytes", f"{self.prefix}:tenants", self._k(h.tenant, "size"),
+                f"{self.prefix}:lru", f"{self.prefix}:expiry"]
+        tenant_cap = -1 if self.tenant_bytes is None else self.tenant_bytes
         args: list[Any] = [self.prefix, h.tenant, h.digest, nbytes, time.time(), self.ttl_ms,
-                           self.max_bytes, self.tenant_bytes]
+                           self.max_bytes, tenant_cap]
         for name, value in payload.items():
             args += [name, value]
-        stored, evicted = self._call(lambda: self._put_script(keys=keys, args=args))
-        return WriteOutcome(bool(stored), int(evicted))
+        stored, *evicted = self._call(lambda: self._put_script(keys=keys, args=args))
+        return WriteOutcome(bool(stored), tuple(t.decode() if isinstance(t, bytes) else str(t) for t in evicted))
 
     def _remove(self, key: ChunkKey) -> bool:
         args = [self.prefix, key.tenant, key.digest]
@@ -255,10 +285,14 @@ class RedisStore(Tier):
 
             count, nbytes = self._call(one)
             return int(count), int(nbytes or 0)
-        tenants = self._call(lambda: self._client.smembers(f"{self.prefix}:tenants"))
-        total = self._call(lambda: self._client.get(f"{self.prefix}:bytes"))
-        counts = [self._occupancy(t.decode())[0] for t in tenants]
-        return sum(counts), int(total or 0)
+        def whole() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zcard(f"{self.prefix}:lru")
+            pipe.get(f"{self.prefix}:bytes")
+            return pipe.execute()
+
+        count, nbytes = self._call(whole)
+        return int(count), int(nbytes or 0)
 
     def ping(self) -> bool:
         """Whether the server answers now (ignores the back-off)."""

@@ -51,8 +51,10 @@ class LayerRead(NamedTuple):
 
 
 class WriteOutcome(NamedTuple):
+    """Whether a write stored its entry, and the tenant of each entry evicted for it."""
+
     stored: bool
-    evicted: int = 0
+    evicted: tuple[str, ...] = ()
 
 
 class Tier(ChunkStore):
@@ -106,7 +108,8 @@ class Tier(ChunkStore):
         return entry
 
     def store(self, entry: Entry) -> bool:
-        """Write an encoded entry (evicting the tenant's entries to fit); False if refused."""
+        """Write an encoded entry (evicting entries to fit: see ``ChunkStore.put``); False if
+        refused. Each eviction is counted for the tenant that lost the entry."""
         tenant = entry.header.tenant
         try:
             outcome = self._write(entry)
@@ -114,7 +117,8 @@ class Tier(ChunkStore):
             self.counters.add(tenant, "warnings")
             log.warning("%s tier: write of %s/%s failed: %s", self.name, tenant, entry.header.digest, exc)
             return False
-        self.counters.add(tenant, "evictions", outcome.evicted)
+        for victim_tenant in outcome.evicted:
+            self.counters.add(victim_tenant, "evictions")
         self.counters.add(tenant, "puts" if outcome.stored else "rejected")
         return outcome.stored
 

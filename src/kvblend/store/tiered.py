@@ -31,24 +31,30 @@ class TieredStore(ChunkStore):
       removed by the tier that found them and the lookup continues below it.
     - ``get_layer``: the first tier that has the layer; no promotion (a per-layer read
       should stay cheap).
-    - ``put``: admission first (``admit_after`` sightings); the chunk is encoded once and
-      written through to every tier; True when at least one tier stored it.
+    - ``sighting``: a miss seen by a caller that would compute the chunk; True when the
+      chunk is admitted (``admit_after`` sightings), so KV is computed only then.
+    - ``put``: admission first (uses up an admission granted by ``sighting``, else counts
+      as a sighting); the chunk is encoded once and written through to every tier; True
+      when at least one tier stored it.
     - ``delete``/``evict``/``clear``: applied to every tier.
     - ``stats``: hits/misses/puts/rejected counted here, the rest summed over tiers
       (an entry held by two tiers counts twice in entries/bytes); ``tier_stats`` per tier.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
-                 admission: SightingsAdmission | None = None) -> None:
+                 admission: SightingsAdmission | None = None, writeback_queue: int = 64) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique; got {names}")
+        if writeback_queue < 1:
+            raise ValueError("writeback_queue must be >= 1")
         self.tiers = tuple(tiers)
         self.kv_dtype = kv_dtype
         self.compute_dtype = codec.compute_dtype(compute_dtype)
         self.admission = admission or SightingsAdmission(1)
+        self.writeback_queue = writeback_queue  # bound for a WriteBack over this store (StoreConfig)
         self.counters = Counters()
 
     def tier(self, name: str) -> Tier:
@@ -70,8 +76,8 @@ class TieredStore(ChunkStore):
             entry = tier.load(key, token_ids)
             if entry is None:
                 continue
-            if [faster.store(entry) for faster in self.tiers[:depth]]:
-                entry = entry.shared()  # a faster tier may keep these tensors now
+            if any([faster.store(entry) for faster in self.tiers[:depth]]):  # every faster tier tries
+                entry = entry.shared()  # a faster tier keeps these tensors now
             self.counters.add(key.tenant, "hits")
             return Lookup(decode_entry(entry, self.compute_dtype, borrow), tier.name)
         self.counters.add(key.tenant, "misses")
@@ -91,6 +97,12 @@ class TieredStore(ChunkStore):
                 return kv[0].to(self.compute_dtype), kv[1].to(self.compute_dtype)
         self.counters.add(key.tenant, "layer_misses")
         return None
+
+    def sighting(self, key: ChunkKey) -> bool:
+        if self.admission.sight(key):
+            return True
+        self.counters.add(key.tenant, "rejected")
+        return False
 
     def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
         if not self.admission.admit(key):

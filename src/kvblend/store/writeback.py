@@ -1,4 +1,10 @@
-"""Background write-back of newly computed chunk KV, off the request's critical path."""
+"""Background write-back of newly computed chunk KV, off the request's critical path.
+
+A miss is submitted with the chunk itself or with a function that computes it; the
+function runs on the write-back thread, only once the store has said it would admit the
+chunk (``ChunkStore.sighting``) and only once per key in flight, so a document that is
+not admitted yet, or is already queued, costs no prefill.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ import logging
 import queue
 import threading
 import time
-from typing import NamedTuple
+import weakref
+from typing import Callable, NamedTuple, Union
 
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
@@ -16,56 +23,84 @@ from kvblend.store.keys import ChunkKey
 log = logging.getLogger(__name__)
 _STOP = object()
 EXIT_FLUSH_S = 30.0
+OUTCOMES = ("queued", "written", "refused", "not_admitted", "deduplicated", "dropped", "failed")
+
+ChunkSource = Union[ChunkKV, Callable[[], ChunkKV]]
 
 
 class WriteBackStats(NamedTuple):
-    submitted: int
-    written: int
-    refused: int  # the store did not admit or could not store the chunk
-    dropped: int  # the queue was full, or a put of the same key was already pending
-    failed: int  # put raised
-    pending: int
+    """Counters since the write-back started (for logs and metrics), plus what is pending."""
+
+    queued: int  # accepted for writing
+    written: int  # stored by the store
+    refused: int  # the store could not store the chunk (too large, backend failed)
+    not_admitted: int  # the store's admission said not yet (nothing computed)
+    deduplicated: int  # the same key was already pending (nothing computed twice)
+    dropped: int  # the queue was full or the write-back closed
+    failed: int  # computing or storing raised (logged)
+    pending: int  # queued or being written now
 
 
 class WriteBack:
-    """A bounded queue drained by one daemon thread that calls ``store.put``.
+    """A bounded queue drained by one daemon thread that calls ``store.put``. The thread
+    holds the write-back only weakly between chunks, so a forgotten write-back (and its
+    store) is collected and its thread ends.
 
-    ``submit`` never blocks: when the queue is full (or the key is already queued) the
-    chunk is dropped and counted. The chunk's tensors must not be modified after submit
-    (``ChunkKV`` is meant to be immutable); the store copies them when it writes.
+    ``submit`` never blocks on the store's writes: it asks the store's admission first,
+    then queues. At most ``max_queue`` keys are pending (queued or being written); beyond
+    that, chunks are dropped and counted. A chunk's tensors must not be modified after
+    submit (``ChunkKV`` is meant to be immutable); the store copies them when it writes.
     ``flush`` waits for everything submitted so far; ``close`` flushes and stops the thread;
     at interpreter exit pending chunks are flushed (up to ``EXIT_FLUSH_S``). Usable as a
-    context manager.
+    context manager. Thread-safe.
     """
 
     def __init__(self, store: ChunkStore, max_queue: int = 64) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         self.store = store
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: queue.Queue[object] = queue.Queue()
         self._cond = threading.Condition()
         self._pending: set[ChunkKey] = set()
-        self._counts = dict.fromkeys(("submitted", "written", "refused", "dropped", "failed"), 0)
+        self._counts = dict.fromkeys(OUTCOMES, 0)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvblend-writeback", daemon=True)
+        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                        name="kvblend-writeback", daemon=True)
         self._thread.start()
-        atexit.register(self._flush_at_exit)
+        stop = weakref.finalize(self, self._queue.put, _STOP)  # collected: end the thread
+        stop.atexit = False  # at exit the blocked daemon thread is simply abandoned
+        _LIVE.add(self)
 
-    def submit(self, key: ChunkKey, chunk: ChunkKV) -> bool:
-        """Queue ``chunk`` for ``store.put``; False (counted as dropped) when the queue is
-        full, the key is already queued, or the write-back is closed."""
+    def submit(self, key: ChunkKey, chunk: ChunkSource) -> bool:
+        """Queue ``chunk`` (or a function computing it, called on the write-back thread)
+        for ``store.put``. False, counted, when the key is already pending
+        (deduplicated), the store would not admit it yet (not_admitted), or the queue is
+        full or closed (dropped)."""
+        if self._refusal(key) is None and not self.store.sighting(key):
+            return self._count("not_admitted")
         with self._cond:
-            if self._closed or key in self._pending:
-                self._counts["dropped"] += 1
-                return False
-            try:
-                self._queue.put_nowait((key, chunk))
-            except queue.Full:
-                self._counts["dropped"] += 1
+            refusal = self._refusal(key)
+            if refusal is not None:
+                self._counts[refusal] += 1
                 return False
             self._pending.add(key)
-            self._counts["submitted"] += 1
+            self._counts["queued"] += 1
+            self._queue.put((key, chunk))
         return True
+
+    def _refusal(self, key: ChunkKey) -> str | None:
+        """Why ``key`` cannot be queued now (reads without the lock are only a hint)."""
+        if key in self._pending:
+            return "deduplicated"
+        if self._closed or len(self._pending) >= self.max_queue:
+            return "dropped"
+        return None
+
+    def _count(self, outcome: str) -> bool:
+        with self._cond:
+            self._counts[outcome] += 1
+        return False
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted chunk has been written; False on timeout."""
@@ -79,18 +114,15 @@ class WriteBack:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush, then stop the worker. Idempotent; later submits are dropped."""
-        flushed = self.flush(timeout)
+        """Flush, then refuse later submits (dropped). Idempotent. False when chunks were
+        still pending at ``timeout``."""
         with self._cond:
-            if self._closed:
-                return flushed
-            self._closed = True
-        atexit.unregister(self._flush_at_exit)
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            return False
-        self._thread.join(timeout)
+            closing, self._closed = not self._closed, True
+        _LIVE.discard(self)
+        flushed = self.flush(timeout)
+        if closing:
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
         return flushed
 
     def stats(self) -> WriteBackStats:
@@ -103,23 +135,12 @@ class WriteBack:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _flush_at_exit(self) -> None:
-        if not self.flush(EXIT_FLUSH_S):
-            log.warning("write-back: %d chunks not written at exit", self.stats().pending)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            key, chunk = item  # type: ignore[misc]
-            self._finish(key, self._write(key, chunk))
-
-    def _write(self, key: ChunkKey, chunk: ChunkKV) -> str:
+    def _write(self, key: ChunkKey, chunk: ChunkSource) -> str:
         try:
-            return "written" if self.store.put(key, chunk) else "refused"
-        except Exception:  # the worker must survive any store failure
-            log.exception("write-back of %s failed", key)
+            computed = chunk() if callable(chunk) else chunk
+            return "written" if self.store.put(key, computed) else "refused"
+        except Exception as exc:  # the worker must survive any failure; it is counted and logged
+            log.warning("write-back of %s failed: %s: %s", key, type(exc).__name__, exc, exc_info=True)
             return "failed"
 
     def _finish(self, key: ChunkKey, outcome: str) -> None:
@@ -127,3 +148,26 @@ class WriteBack:
             self._counts[outcome] += 1
             self._pending.discard(key)
             self._cond.notify_all()
+
+
+def _work(ref: weakref.ref[WriteBack], items: queue.Queue[object]) -> None:
+    """The worker: holds its write-back only while writing one chunk."""
+    while True:
+        item = items.get()
+        wb = ref()
+        if item is _STOP or wb is None:
+            return
+        key, chunk = item  # type: ignore[misc]
+        wb._finish(key, wb._write(key, chunk))
+        del wb, item, chunk
+
+
+_LIVE: weakref.WeakSet[WriteBack] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Write what is pending in every live write-back (up to ``EXIT_FLUSH_S`` each)."""
+    for wb in list(_LIVE):
+        if not wb.flush(EXIT_FLUSH_S):
+            log.warning("write-back: %d chunks not written at exit", wb.stats().pending)

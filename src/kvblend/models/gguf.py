@@ -1,0 +1,91 @@
+"""GGUF files converted once into the local model cache.
+
+A GGUF is read once through transformers (slow: it dequantises every tensor) and
+converted into the local model cache (safetensors + tokenizer files, keyed by the
+GGUF's sha256). Later starts read that folder. Below the loader and the packaged-model
+registry, which both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvblend.errors import KvblendError, ModelNotFoundError, UnsupportedModelError
+from kvblend.models.weights import fingerprint_files
+
+META_FILE = "kvblend.json"
+
+
+def cache_home() -> Path:
+    """Root of kvblend's local caches: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
+    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend")
+
+
+def _progress(message: str) -> None:
+    print(f"kvblend: {message}", file=sys.stderr, flush=True)
+
+
+def _write_converted(gguf: Path, out: Path, name: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _progress(f"reading tokenizer from {gguf.name}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _progress("dequantising weights (one time)")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"))
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(out))
+    meta = {"name": name, "source": str(gguf), "fingerprint": fingerprint_files([out / "model.safetensors"])}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def gguf_digest(gguf: Path) -> str:
+    """sha256 of a GGUF, remembered per (path, size, mtime) so warm starts skip re-hashing."""
+    st = gguf.stat()
+    memo = cache_home() / "gguf-digests.json"
+    stamp = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    known = json.loads(memo.read_text()) if memo.exists() else {}
+    if stamp not in known:
+        known[stamp] = fingerprint_files([gguf])
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    return known[stamp]
+
+
+def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
+    """Convert a GGUF file into the model cache once; return the cached folder."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf} does not exist")
+    folder = cache_home() / "models" / gguf_digest(gguf)[:24]
+    if (folder / META_FILE).exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    try:
+        _write_converted(gguf, tmp, name or gguf.stem)
+        tmp.rename(folder)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, KvblendError):
+            raise
+        raise UnsupportedModelError(f"cannot convert {gguf}: {exc}") from exc
+    _progress(f"converted model cached in {folder}")
+    return folder
