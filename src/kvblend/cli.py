@@ -14,11 +14,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from kvblend.models.registry import DEFAULT_MODEL
+    from kvblend.settings import model_defaults
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, HF folder or .gguf (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)")
+    s = model_defaults()  # one source of defaults: KVBLEND_* environment, KVBLEND_CONFIG file, built-ins
+    p.add_argument("--model", default=s.model, help="packaged name, HF folder or .gguf (default: %(default)s)")
+    p.add_argument("--device", default=s.device, help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default=s.dtype, choices=DTYPES, help="compute dtype (default: %(default)s)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +148,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvblend.settings import Settings
+
+    flags = {"host": args.host, "port": args.port, "model": args.model, "device": args.device, "dtype": args.dtype,
+             "served_model_name": args.served_model_name, "log_level": args.log_level}
+    settings = Settings.load(args.config, **flags)
+    if args.print_config:
+        print(json.dumps(settings.redacted(), indent=2))
+        return 0
+    from kvblend.server.main import serve
+
+    return serve(settings)
+
+
+def _add_serve_command(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible RAG server (documents field, tenants, metrics)")
+    p.add_argument("--config", default=None, help="YAML settings file (flags > KVBLEND_* env > file > defaults)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--model", default=None, help="packaged name, HF folder or .gguf (default smollm2-135m)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default float32)")
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--print-config", action="store_true", help="print the merged settings (keys hidden) and exit")
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=0.15)
     p.set_defaults(func=cmd_demo)
 
+    _add_serve_command(sub)
     _add_optional_commands(sub)
     return parser
 
@@ -194,8 +224,8 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: invalid KVBLEND_* defaults are a clear error
         return args.func(args)
     except KvblendError as exc:
         print(f"kvblend: error: {exc}", file=sys.stderr)
