@@ -46,8 +46,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "body"}
+
+
+def _is_field(part: Any) -> bool:
+    """Loc parts that name fields or indexes, not pydantic's union/validator tags."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text not in _TYPE_TAGS and "[" not in text and not text[:1].isupper()
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc if p not in ("body",)) or "body"
+    return ".".join(str(p) for p in loc if _is_field(p)) or "body"
 
 
 def from_validation(exc: ValidationError | Any, prefix: tuple[Any, ...] = ()) -> APIError:

@@ -78,6 +78,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode up to max_tokens even past EOS (load tests)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -187,6 +187,6 @@ def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, conte
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-                              stop=tuple(body.stop_list()))
+                              stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos)
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from None
