@@ -5,12 +5,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvblend.store.localredis import LocalRedis
 from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess, save_tiny_model
 
 MAIN_CONFIG = {
     "api_keys": {ALICE: "alice", BOB: "bob"},
     "admin_key": ADMIN,
-    "store": {"tiers": ["memory"], "memory_bytes": "64MiB"},
+    "store": {"tiers": ["memory", "redis"], "memory_bytes": "64MiB"},
     "limits": {"max_documents": 4, "max_document_bytes": 4000, "max_document_tokens": 300,
                "max_body_bytes": 65536, "max_tokens": 2000, "max_stop": 4},
     "scheduler": {"max_running": 2, "max_queued": 2},
@@ -24,8 +25,19 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), MAIN_CONFIG)
+def redis_url():
+    with LocalRedis() as r:
+        yield r.url
+
+
+def main_config(redis_url: str) -> dict:
+    return {**MAIN_CONFIG, "store": {**MAIN_CONFIG["store"], "redis_url": redis_url}}
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory, redis_url):
+    """The shared server: keys for tenants alice and bob, memory + redis tiers."""
+    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), main_config(redis_url))
     yield proc
     proc.stop()
 

@@ -33,7 +33,7 @@ class ServerProcess:
     """``kvblend serve`` with a YAML config; ``url``; ``stop()`` sends SIGTERM and returns
     the exit status; ``log()`` is what it wrote to stderr/stdout."""
 
-    def __init__(self, model: str, workdir: Path, config: dict, ready_s: float = 90.0) -> None:
+    def __init__(self, model: str, workdir: Path, config: dict, ready_s: float | None = 90.0) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -46,16 +46,18 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvblend", "serve", "--model", model, "--port", str(self.port),
                  "--config", str(self.config_file)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(ready_s)
+        if ready_s is not None:
+            self.wait_ready(ready_s)
 
-    def _wait_ready(self, ready_s: float) -> None:
+    def wait_ready(self, ready_s: float = 90.0) -> ServerProcess:
+        """Block until /health answers 200 (start several servers first, then wait)."""
         deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
+                    return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
