@@ -11,6 +11,7 @@ or ids.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -161,39 +162,62 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         return _error_response(err)
 
 
+def _answers_errors(fn):
+    """Route wrapper: an unexpected exception becomes the bare 500 APIError (cause logged)
+    here, so it is answered by the APIError handler instead of escaping to the ASGI server."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except (APIError, StarletteHTTPException, RequestValidationError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped, logged, never sent
+            raise from_exception(exc) from None
+
+    return wrapper
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
 
     @app.get("/health")
+    @_answers_errors
     async def health() -> Response:
         ok = state.scheduler.alive and not state.draining and not state.scheduler.draining
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")
+    @_answers_errors
     async def metrics() -> Response:
         data = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
+    @_answers_errors
     async def models() -> dict[str, Any]:
         card = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "kvblend",
                 "max_model_len": state.context_length}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
+    @_answers_errors
     async def chat(request: HTTPRequest) -> Response:
         return await _complete(request, state, ChatCompletionRequest)
 
     @app.post("/v1/completions")
+    @_answers_errors
     async def completions(request: HTTPRequest) -> Response:
         return await _complete(request, state, CompletionRequest)
 
     @app.post("/v1/documents")
+    @_answers_errors
     async def post_document(request: HTTPRequest) -> dict[str, Any]:
         body = parse(DocumentCreate, await read_json(request, settings.limits.max_body_bytes))
         return await _store_document(state, tenant_of(request), body)
 
     @app.get("/v1/documents")
+    @_answers_errors
     async def list_documents(request: HTTPRequest, limit: int = 100, after: str | None = None) -> dict[str, Any]:
         if not 1 <= limit <= 1000:
             raise APIError(400, "limit must be within 1..1000", "limit")
@@ -203,12 +227,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "last_id": rows[-1].id if rows else None}
 
     @app.get("/v1/documents/{doc_id}")
+    @_answers_errors
     async def get_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         record = _own_document(state, tenant_of(request), doc_id)
         tiers = await anyio.to_thread.run_sync(_tiers_holding, state.engine, record.chunk_key)
         return record.public(tiers)
 
     @app.delete("/v1/documents/{doc_id}")
+    @_answers_errors
     async def delete_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         tenant = tenant_of(request)
         record = _own_document(state, tenant, doc_id)
