@@ -51,6 +51,8 @@ def test_chat_with_documents_through_the_openai_client(client, model_id) -> None
     assert 1 <= first.usage.completion_tokens <= 6
     block = first.model_extra["kvblend"]
     assert block["method"] == "blend" and len(block["documents"]) == 2
+    for doc in DOCS:  # wait for the misses' background write-back: storing is idempotent and synchronous
+        assert client.post("/documents", body={"text": doc}, cast_to=object)["tokens"] > 0
     again = client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0,
         extra_body={"documents": DOCS})

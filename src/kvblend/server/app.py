@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
@@ -39,7 +39,7 @@ from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
-from kvblend.server.responses import Outcome, Shape, run_to_end, sse_stream
+from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, parse, sampling_params, utf8_len,
 )
@@ -322,9 +322,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
 
     if body.stream:
         out = Outcome()
-        return StreamingResponse(sse_stream(handle, shape, include_usage, out, finish),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
+        return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
+                           headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
     out = await run_to_end(handle, http)
     finish(out)
     if out.error is not None:

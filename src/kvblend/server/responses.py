@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
 
 from kvblend.engine import RequestStats
 from kvblend.engine.scheduler import RequestHandle
@@ -35,6 +36,7 @@ class Outcome:
     stats: RequestStats | None = None
     error: APIError | None = None
     disconnected: bool = False
+    ended: bool = False  # set once the request was accounted for
 
     def add(self, item: StreamEvent | RequestStats) -> None:
         if isinstance(item, RequestStats):
@@ -154,4 +156,25 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
         if not handle.done:
             handle.cancel()
             out.disconnected = out.disconnected or out.error is None
+        out.ended = True
         on_end(out)
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that cancels its request however the response ends — also when
+    the client leaves before the body generator ever started (its ``finally`` never runs)."""
+
+    def __init__(self, handle: RequestHandle, out: Outcome, on_end: Callable[[Outcome], None],
+                 body: AsyncIterator[str], headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.handle, self.out, self.on_end = handle, out, on_end
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()
+            if not self.out.ended:
+                self.out.disconnected, self.out.ended = True, True
+                self.on_end(self.out)
