@@ -115,8 +115,10 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if state.scheduler._thread is None:
+        try:
             state.scheduler.start()
+        except RuntimeError:  # a scheduler handed in already running
+            pass
         yield
         state.draining = True
         if not state.scheduler.draining:
