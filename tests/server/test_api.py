@@ -66,7 +66,8 @@ def test_chat_with_documents_through_the_openai_client(client, model_id) -> None
 def test_chat_streaming_with_usage_through_the_openai_client(client, model_id) -> None:
     stream = client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"documents": DOCS})
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"documents": DOCS, "kvblend": {"method": "full"}})  # full: the same KV both times
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -77,20 +78,20 @@ def test_chat_streaming_with_usage_through_the_openai_client(client, model_id) -
     text = "".join(c.choices[0].delta.content or "" for c in body)
     whole = client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,
-        extra_body={"documents": DOCS})
+        extra_body={"documents": DOCS, "kvblend": {"method": "full"}})
     assert text == whole.choices[0].message.content  # greedy: streamed == non-streamed
 
 
 def test_completions_with_documents(alice, model_id, client) -> None:
     body = {"model": model_id, "prompt": "the doctor works in", "documents": DOCS, "max_tokens": 5,
-            "temperature": 0}
+            "temperature": 0, "kvblend": {"method": "full"}}
     r = alice.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["object"] == "text_completion" and isinstance(data["choices"][0]["text"], str)
     assert data["usage"]["prompt_tokens"] > sum(len(d.split()) for d in DOCS)
     streamed = client.completions.create(model=model_id, prompt="the doctor works in", max_tokens=5, temperature=0,
-                                         stream=True, extra_body={"documents": DOCS})
+                                         stream=True, extra_body={"documents": DOCS, "kvblend": {"method": "full"}})
     chunks = list(streamed)
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == data["choices"][0]["text"]
@@ -159,3 +160,17 @@ def test_sampling_options_are_applied(alice, model_id) -> None:
     capped = alice.post("/v1/chat/completions", json=chat_body(model_id, max_completion_tokens=3,
                                                                ignore_eos=True)).json()
     assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_end_the_answer_before_them(alice, model_id) -> None:
+    full = {"method": "full"}  # the same prompt KV both times (blend's reuse would differ between miss and hit)
+    whole = alice.post("/v1/chat/completions", json=chat_body(model_id, max_tokens=8, ignore_eos=True,
+                                                              kvblend=full)).json()
+    text = whole["choices"][0]["message"]["content"]
+    words = text.split()
+    assert len(words) >= 4, text
+    stop = " " + words[2]
+    cut = alice.post("/v1/chat/completions", json=chat_body(model_id, max_tokens=8, ignore_eos=True, kvblend=full,
+                                                            stop=[stop])).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == text[: text.index(stop)]
