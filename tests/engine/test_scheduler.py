@@ -15,7 +15,7 @@ from kvblend.engine.scheduler import (
     DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, Scheduler,
     SchedulerObserver, WorkerDeadError,
 )
-from kvblend.errors import ContextLengthError
+from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
 from tests.conftest import make_loaded
 
@@ -246,3 +246,15 @@ def test_submitters_on_many_threads_all_get_their_answers() -> None:
         t.join(30)
     assert got == {i: want[i % 5] for i in range(15)}
     sched.drain(5)
+
+
+def test_invalid_scheduler_settings_and_deadlines_are_refused() -> None:
+    eng = Engine(make_loaded())
+    for bad in (dict(max_running=0), dict(max_queued=-1), dict(deadline_s=0)):
+        with pytest.raises(ValueError):
+            Scheduler(eng, **bad)
+    sched = Scheduler(eng)
+    assert not sched.started and not sched.alive
+    with pytest.raises(InvalidRequestError):
+        sched.submit(_requests()[0], SamplingParams(), deadline_s=-1)
+    assert sched.num_waiting == 0

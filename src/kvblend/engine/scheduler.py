@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
-from kvblend.errors import KvblendError
+from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.generation.batch import DecodeSlot, decode_batch
 from kvblend.generation.sampling import SamplingParams
 from kvblend.generation.stream import StreamEvent, collect
@@ -266,6 +266,11 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
+    def started(self) -> bool:
+        """``start()`` was called (the worker may since have stopped: see ``alive``)."""
+        return self._thread is not None
+
+    @property
     def draining(self) -> bool:
         return self._draining
 
@@ -288,7 +293,7 @@ class Scheduler:
     def submit(self, request: Request, sampling: SamplingParams, deadline_s: float | None = None) -> RequestHandle:
         """Queue a request; returns at once. ``deadline_s`` overrides the default deadline."""
         if deadline_s is not None and deadline_s <= 0:
-            raise DeadlineExceededError(f"the deadline must be > 0 s, got {deadline_s}")
+            raise InvalidRequestError(f"the deadline must be > 0 s, got {deadline_s}")
         handle = RequestHandle(request, sampling, deadline_s if deadline_s is not None else self.deadline_s)
         with self._cond:
             if self._dead is not None:
@@ -299,8 +304,8 @@ class Scheduler:
                 raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting",
                                      self._retry_after())
             self._waiting.append(handle)
+            self._notify("on_queued", handle)  # before the worker can see it
             self._cond.notify()
-        self._notify("on_queued", handle)
         return handle
 
     def drain(self, timeout_s: float) -> None:
