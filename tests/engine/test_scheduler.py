@@ -15,7 +15,7 @@ from kvblend.engine.scheduler import (
     DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, Scheduler,
     SchedulerObserver, WorkerDeadError,
 )
-from kvblend.errors import ContextLengthError, InvalidRequestError
+from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
 from kvblend.generation import SamplingParams
 from tests.conftest import make_loaded
 
@@ -86,10 +86,10 @@ def test_batched_requests_equal_one_at_a_time(engine: Engine, sampling: Sampling
     for got, want in zip(results, expected):
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
         assert got.stats.docs == want.stats.docs and got.stats.prompt_tokens == want.stats.prompt_tokens
+    sched.drain(5)  # joins the worker: every hook has run
     assert max(rec.batch_sizes) == 3 and min(rec.batch_sizes) < 3
     assert all(o.status == "ok" for o in rec.outcomes.values()) and len(rec.outcomes) == 5
     assert rec.tokens == sum(len(r.token_ids) for r in results)
-    sched.drain(5)
 
 
 def test_stats_follow_the_first_token_and_count_the_queue(engine: Engine) -> None:
@@ -114,9 +114,9 @@ def test_cancel_frees_the_slot_within_one_step(engine: Engine) -> None:
         list(events)
     assert long.completion_tokens <= at_cancel + 1
     assert waiting.result().token_ids  # the freed slot served the next request
+    sched.drain(5)
     assert rec.outcomes[long.id].status == "cancelled"
     assert sched.num_running == 0 and sched.num_waiting == 0
-    sched.drain(5)
 
 
 def test_cancel_while_queued_never_runs() -> None:
@@ -128,8 +128,8 @@ def test_cancel_while_queued_never_runs() -> None:
     sched.start()
     with pytest.raises(RequestCancelledError):
         handle.result()
-    assert rec.outcomes[handle.id].completion_tokens == 0 and rec.tokens == 0
     sched.drain(5)
+    assert rec.outcomes[handle.id].completion_tokens == 0 and rec.tokens == 0
 
 
 def test_full_queue_refuses_with_retry_after_then_serves() -> None:
@@ -155,9 +155,9 @@ def test_deadline_ends_running_and_queued_requests() -> None:
     with pytest.raises(DeadlineExceededError):
         queued.result()
     assert other.result().token_ids
+    sched.drain(5)
     assert rec.outcomes[running.id].status == "deadline" and rec.outcomes[running.id].completion_tokens < 200
     assert rec.outcomes[queued.id].completion_tokens == 0
-    sched.drain(5)
 
 
 def test_drain_finishes_accepted_work_then_refuses() -> None:
@@ -258,3 +258,23 @@ def test_invalid_scheduler_settings_and_deadlines_are_refused() -> None:
     with pytest.raises(InvalidRequestError):
         sched.submit(_requests()[0], SamplingParams(), deadline_s=-1)
     assert sched.num_waiting == 0
+
+
+def test_an_internal_prefill_failure_ends_that_request_as_internal(monkeypatch) -> None:
+    eng = Engine(make_loaded())
+    real = eng.prepare
+
+    def flaky(request, extra_capacity=0):
+        if request.question == "hello":
+            raise RuntimeError("simulated bug")
+        return real(request, extra_capacity)
+
+    monkeypatch.setattr(eng, "prepare", flaky)
+    rec = Recorder()
+    sched = _started(eng, observer=rec)
+    bad, good = sched.submit(_requests()[4], SamplingParams()), sched.submit(_requests()[0], SamplingParams(max_tokens=3))
+    with pytest.raises(scheduler_mod.InternalRequestError):
+        bad.result()
+    assert good.result().token_ids and sched.alive
+    sched.drain(5)
+    assert rec.outcomes[bad.id].status == "error" and not isinstance(rec.outcomes[bad.id].error, KvblendError)

@@ -26,8 +26,9 @@ How the worker runs:
   rules as ``Engine.stream``).
 * A cancelled request leaves the queue at once, or the batch before the next step; a
   request past its deadline (queued time included) ends with ``DeadlineExceededError``.
-* A request's own error (too long, invalid) ends that request only. Anything that
-  escapes the batched step kills the worker: ``alive`` turns False and every pending
+* A request's own error (too long, invalid) ends that request only; so does an
+  unexpected error in its prefill (``InternalRequestError``). Anything that escapes
+  the batched step kills the worker: ``alive`` turns False and every pending
   request gets ``WorkerDeadError``.
 
 Observers (metrics) get callbacks on the worker thread; they must be quick and
@@ -81,6 +82,11 @@ class RequestCancelledError(KvblendError):
     read after ``cancel()``."""
 
 
+class InternalRequestError(RuntimeError):
+    """One request failed on an unexpected error (a bug, not the client's doing: HTTP
+    500; the traceback is logged). Deliberately not a KvblendError."""
+
+
 class WorkerDeadError(KvblendError):
     """The model worker stopped on an internal error; nothing more will be served
     (HTTP 503; the cause is logged on the server)."""
@@ -100,7 +106,7 @@ class Outcome(NamedTuple):
     queue_s: float
     e2e_s: float  # submit -> end
     stats: RequestStats | None
-    error: KvblendError | None
+    error: Exception | None
 
 
 class SchedulerObserver:
@@ -128,7 +134,7 @@ class SchedulerObserver:
 
 # ----- handle -------------------------------------------------------------------------------
 class _End(NamedTuple):
-    error: KvblendError | None
+    error: Exception | None
 
 
 _ids = itertools.count(1)
@@ -191,7 +197,8 @@ class RequestHandle:
 
     # -- the consumer side
     def events(self) -> Iterator[StreamEvent | RequestStats]:
-        """Blocking iterator over the request's items (see the class docstring)."""
+        """Blocking iterator over the request's items (see the class docstring); raises the
+        request's KvblendError, or InternalRequestError."""
         while True:
             item = self._items.get()
             if isinstance(item, _End):
@@ -379,19 +386,15 @@ class Scheduler:
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
         try:
-            prepared = self.engine.prepare(handle.request, handle.sampling.max_tokens)
-            slot = DecodeSlot(self.engine.tokenizer, prepared.cache, handle.sampling, self.engine.loaded.eos_token_ids,
-                              self.engine.model.cfg.context_length)
-            event = slot.next_event(prepared.logits)
+            slot, event, stats = self._prefill(handle)
         except KvblendError as exc:
             self._end(handle, "error", None, exc)
             return
-        except Exception as exc:  # noqa: BLE001 - one request's internal failure ends that request
+        except Exception:  # noqa: BLE001 - one request's internal failure ends that request only
             log.exception("request %s failed in prefill", handle.id)
-            self._end(handle, "error", None, KvblendError(f"internal error while preparing request {handle.id}"))
-            del exc
+            self._end(handle, "error", None, InternalRequestError(f"request {handle.id} failed on an internal error"))
             return
-        handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted)
+        handle.stats = stats._replace(ttft_s=time.perf_counter() - handle.submitted)
         self._emit(handle, event)
         handle._push(handle.stats)
         self._notify("on_first_token", handle, handle.stats)
@@ -400,6 +403,13 @@ class Scheduler:
         else:
             with self._cond:
                 self._running.append(_Running(handle, slot))
+
+    def _prefill(self, handle: RequestHandle) -> tuple[DecodeSlot, StreamEvent, RequestStats]:
+        """The request's prompt cache (by its method) and its first token."""
+        prepared = self.engine.prepare(handle.request, handle.sampling.max_tokens)
+        slot = DecodeSlot(self.engine.tokenizer, prepared.cache, handle.sampling, self.engine.loaded.eos_token_ids,
+                          self.engine.model.cfg.context_length)
+        return slot, slot.next_event(prepared.logits), prepared.stats
 
     def _step(self) -> None:
         """One batched decode step for every running request."""
@@ -425,7 +435,7 @@ class Scheduler:
         handle._push(event)
         self._notify("on_token", handle, event, time.perf_counter())
 
-    def _end(self, handle: RequestHandle, status: str, reason: str | None, error: KvblendError | None) -> None:
+    def _end(self, handle: RequestHandle, status: str, reason: str | None, error: Exception | None) -> None:
         e2e = time.perf_counter() - handle.submitted
         if status == "ok":
             self._service_s = 0.8 * self._service_s + 0.2 * (e2e - handle.queue_s)
