@@ -18,7 +18,7 @@ from pydantic_settings import (
     BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource,
 )
 
-from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
+from kvblend.blend.config import BlendConfig
 from kvblend.errors import KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.store.config import TIER_NAMES, StoreConfig
@@ -221,4 +221,4 @@ def model_defaults() -> ModelSettings:
 
 
 __all__ = ["BlendSettings", "DTYPES", "LimitSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
-           "StoreSettings", "model_defaults", "CHUNK_PREFIXES", "METHODS", "SIGNALS"]
+           "StoreSettings", "model_defaults"]

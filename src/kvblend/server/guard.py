@@ -17,7 +17,6 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvblend.errors import KvblendError
 from kvblend.server.errors import APIError
 
 DEFAULT_TENANT = "default"
@@ -122,4 +121,4 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
-__all__ = ["DEFAULT_TENANT", "Guard", "KvblendError", "read_json", "tenant_for", "tenant_of"]
+__all__ = ["DEFAULT_TENANT", "Guard", "read_json", "tenant_for", "tenant_of"]
