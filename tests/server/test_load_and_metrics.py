@@ -65,6 +65,7 @@ def test_metrics_need_the_admin_key_and_parse(server, alice, model_id) -> None:
     assert after["kvblend:inter_token_latency_seconds_count"] - before["kvblend:inter_token_latency_seconds_count"] \
         == 4
     assert after["kvblend:recompute_fraction_count"] > before.get("kvblend:recompute_fraction_count", 0)
+    assert after["kvblend:request_decode_time_seconds_count"] - before["kvblend:request_decode_time_seconds_count"] == 2
     assert after["kvblend:request_queue_time_seconds_count"] > before["kvblend:request_queue_time_seconds_count"]
     hits = "kvblend:document_lookups_total{outcome=hit,tier=memory}"
     assert after[hits] - before.get(hits, 0) >= 4  # each request hit both documents

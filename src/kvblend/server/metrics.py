@@ -71,6 +71,7 @@ class ServerMetrics:
         self.queue = hist("request_queue_time_seconds", "Time a request waited for the model worker",
                           QUEUE_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "Prefill / fusion time of a request", LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
         self.recompute = hist("recompute_fraction", "Share of token-layers recomputed per request",
                               FRACTION_BUCKETS)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
@@ -99,6 +100,7 @@ class ServerMetrics:
             self.recompute.observe(stats.recompute_frac)
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(cached)
+            self.decode.observe(max(0.0, e2e_s - stats.ttft_s))
         self.queue.observe(queue_s)
         self.e2e.observe(e2e_s)
         self.generation_tokens.inc(generated)
