@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvblend.cliargs import add_model_args as _add_model_args
+from kvblend.cliargs import DTYPES
 from kvblend.cliargs import load_from_args as _load
 from kvblend.errors import KvblendError
 
@@ -134,6 +135,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvblend.settings import Settings
+
+    flags = {"host": args.host, "port": args.port, "model": args.model, "device": args.device, "dtype": args.dtype,
+             "served_model_name": args.served_model_name, "log_level": args.log_level}
+    settings = Settings.load(args.config, **flags)
+    if args.print_config:
+        print(json.dumps(settings.redacted(), indent=2))
+        return 0
+    from kvblend.server.main import serve
+
+    return serve(settings)
+
+
+def _add_serve_command(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible RAG server (documents field, tenants, metrics)")
+    p.add_argument("--config", default=None, help="YAML settings file (flags > KVBLEND_* env > file > defaults)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--model", default=None, help="packaged name, HF folder or .gguf (default smollm2-135m)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default float32)")
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--print-config", action="store_true", help="print the merged settings (keys hidden) and exit")
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=0.15)
     p.set_defaults(func=cmd_demo)
 
+    _add_serve_command(sub)
     _add_optional_commands(sub)
     return parser
 
@@ -181,8 +211,8 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: invalid KVBLEND_* defaults are a clear error
         return args.func(args)
     except KvblendError as exc:
         print(f"kvblend: error: {exc}", file=sys.stderr)

@@ -12,11 +12,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--device`` and ``--dtype``."""
-    from kvblend.models.registry import DEFAULT_MODEL
+    from kvblend.settings import model_defaults
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, HF folder or .gguf (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)")
+    s = model_defaults()  # one source of defaults: KVBLEND_* environment, KVBLEND_CONFIG file, built-ins
+    p.add_argument("--model", default=s.model, help="packaged name, HF folder or .gguf (default: %(default)s)")
+    p.add_argument("--device", default=s.device, help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default=s.dtype, choices=DTYPES, help="compute dtype (default: %(default)s)")
 
 
 def load_from_args(args: argparse.Namespace) -> Any:

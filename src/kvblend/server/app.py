@@ -1,0 +1,361 @@
+"""``create_app(engine_or_scheduler, settings)``: the OpenAI-compatible FastAPI app.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST|GET /v1/documents``, ``GET|DELETE /v1/documents/{id}``, ``GET /health``,
+``GET /metrics``. The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
+or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
+Ray Serve deployment. Every request is scoped by the tenant its API key maps to
+(``guard.Guard``); one JSON log line per completion request never holds document text
+or ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HTTPRequest
+
+from kvblend.blend.layout import tokenize_document
+from kvblend.engine import Engine, Request
+from kvblend.engine.scheduler import RequestHandle, Scheduler
+from kvblend.errors import KvblendError
+from kvblend.models.loader import cache_home
+from kvblend.server.documents import DocumentRegistry, default_id, new_record, text_sha256
+from kvblend.server.errors import APIError, from_exception, from_validation
+from kvblend.server.guard import Guard, read_json, tenant_of
+from kvblend.server.metrics import ServerMetrics
+from kvblend.server.observer import MetricsObserver
+from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
+from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
+from kvblend.server.translate import (
+    build_request, check_common, check_lengths, parse, sampling_params, utf8_len,
+)
+from kvblend.server.usage import cached_tokens
+from kvblend.settings import Settings
+from kvblend.store.keys import ChunkKey
+
+log = logging.getLogger("kvblend.server")
+access = logging.getLogger("kvblend.server.requests")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share."""
+
+    settings: Settings
+    engine: Engine
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    registry: DocumentRegistry
+    model_id: str
+    model_ids: tuple[str, ...]
+    started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.loaded.config.context_length
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.engine.model.layers)
+
+
+def _registry_path(settings: Settings) -> Path:
+    root = Path(settings.state_dir) if settings.state_dir else cache_home() / "server"
+    return root / "documents.sqlite"
+
+
+def _tier_stats(engine: Engine) -> dict[str, Any]:
+    fn = getattr(engine.store, "tier_stats", None)
+    if fn is None:
+        return {"store": engine.store.stats()}
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a scrape must not fail because a tier is down
+        log.warning("store statistics unavailable", exc_info=True)
+        return {}
+
+
+def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
+    if isinstance(target, Scheduler):
+        scheduler, engine = target, target.engine
+    else:
+        engine = target
+        sch = settings.scheduler
+        scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
+                              deadline_s=sch.request_deadline_s)
+    model_id = settings.model_id
+    metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
+                            lambda: _tier_stats(engine))
+    scheduler.observer = MetricsObserver(metrics, scheduler.observer)
+    registry = DocumentRegistry(_registry_path(settings))
+    ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
+    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids)
+
+
+def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> FastAPI:
+    """The app over an engine (a scheduler is built from ``settings.scheduler``) or over a
+    scheduler. The scheduler's worker starts with the app; app shutdown drains it."""
+    settings = settings or Settings.load()
+    state = build_state(target, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            state.scheduler.start()
+        except RuntimeError:  # a scheduler handed in already running
+            pass
+        yield
+        state.draining = True
+        if not state.scheduler.draining:
+            await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
+        state.registry.close()
+
+    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvblend = state
+    app.add_middleware(Guard, api_keys=settings.api_keys, admin_key=settings.admin_key,
+                       max_body_bytes=settings.limits.max_body_bytes,
+                       draining=lambda: state.draining or state.scheduler.draining)
+    _install_error_handlers(app, state)
+    _add_routes(app, state)
+    return app
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def _api(request: HTTPRequest, exc: APIError) -> JSONResponse:
+        state.metrics.error(exc.type)
+        access.info(json.dumps({"event": "request", "path": request.url.path, "tenant": tenant_of(request),
+                                "status": exc.status, "error": exc.type, "param": exc.param}))
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        err = from_validation(exc)
+        state.metrics.error(err.type)
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        err = from_exception(exc)  # logs the cause
+        state.metrics.error(err.type)
+        return _error_response(err)
+
+
+def _answers_errors(fn):
+    """Route wrapper: an unexpected exception becomes the bare 500 APIError (cause logged)
+    here, so it is answered by the APIError handler instead of escaping to the ASGI server."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except (APIError, StarletteHTTPException, RequestValidationError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped, logged, never sent
+            raise from_exception(exc) from None
+
+    return wrapper
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    @app.get("/health")
+    @_answers_errors
+    async def health() -> Response:
+        ok = state.scheduler.alive and not state.draining and not state.scheduler.draining
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    @_answers_errors
+    async def metrics() -> Response:
+        data = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    @_answers_errors
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "kvblend",
+                "max_model_len": state.context_length}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    @_answers_errors
+    async def chat(request: HTTPRequest) -> Response:
+        return await _complete(request, state, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    @_answers_errors
+    async def completions(request: HTTPRequest) -> Response:
+        return await _complete(request, state, CompletionRequest)
+
+    @app.post("/v1/documents")
+    @_answers_errors
+    async def post_document(request: HTTPRequest) -> dict[str, Any]:
+        body = parse(DocumentCreate, await read_json(request, settings.limits.max_body_bytes))
+        return await _store_document(state, tenant_of(request), body)
+
+    @app.get("/v1/documents")
+    @_answers_errors
+    async def list_documents(request: HTTPRequest, limit: int = 100, after: str | None = None) -> dict[str, Any]:
+        if not 1 <= limit <= 1000:
+            raise APIError(400, "limit must be within 1..1000", "limit")
+        rows = state.registry.list(tenant_of(request), limit, after)
+        data = [r.public() for r in rows]
+        return {"object": "list", "data": data, "has_more": len(rows) == limit,
+                "last_id": rows[-1].id if rows else None}
+
+    @app.get("/v1/documents/{doc_id}")
+    @_answers_errors
+    async def get_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
+        record = _own_document(state, tenant_of(request), doc_id)
+        tiers = await anyio.to_thread.run_sync(_tiers_holding, state.engine, record.chunk_key)
+        return record.public(tiers)
+
+    @app.delete("/v1/documents/{doc_id}")
+    @_answers_errors
+    async def delete_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        record = _own_document(state, tenant, doc_id)
+        await anyio.to_thread.run_sync(state.engine.store.delete, ChunkKey.parse(record.chunk_key))
+        state.registry.delete(tenant, doc_id)
+        return {"id": doc_id, "object": "document", "deleted": True}
+
+
+# ----- documents ----------------------------------------------------------------------------
+def _own_document(state: ServerState, tenant: str, doc_id: str):
+    try:
+        check_doc_id(doc_id)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "id") from None
+    record = state.registry.get(tenant, doc_id)
+    if record is None:  # the same answer whether another tenant has this id or nobody does
+        raise APIError(404, f"no stored document with id {doc_id!r}", "id", "NotFoundError")
+    return record
+
+
+def _tiers_holding(engine: Engine, key_text: str) -> list[str]:
+    key = ChunkKey.parse(key_text)
+    tiers = getattr(engine.store, "tiers", None)
+    if tiers is None:
+        return ["store"] if engine.store.contains(key) else []
+    return [t.name for t in tiers if t.contains(key)]
+
+
+def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...]:
+    """The chunk prefix a chat request with the server's defaults computes documents after."""
+    probe = Request(documents=(), messages=[{"role": "user", "content": "?"}], blend=settings.blend.blend_config())
+    return engine.chunk_prefix(probe, engine.layout(probe))
+
+
+async def _store_document(state: ServerState, tenant: str, body: DocumentCreate) -> dict[str, Any]:
+    limits = state.settings.limits
+    size = utf8_len(body.text, "text")
+    if size > limits.max_document_bytes:
+        raise APIError(413, f"the document has {size} bytes; the limit is {limits.max_document_bytes}", "text")
+    if not body.text.strip():
+        raise APIError(400, "the document text is empty", "text")
+    doc_id = body.id or default_id(body.text)
+    existing = state.registry.get(tenant, doc_id)
+    if existing is not None and existing.sha256 != text_sha256(body.text):
+        raise APIError(409, f"document {doc_id!r} exists with other text; delete it first", "id")
+    if existing is None and state.registry.count(tenant) >= limits.max_stored_documents:
+        raise APIError(400, f"at most {limits.max_stored_documents} stored documents per tenant", "id")
+
+    def warm() -> tuple[int, str, list[str]]:
+        ids = tokenize_document(state.engine.tokenizer, body.text)
+        if len(ids) > limits.max_document_tokens:
+            raise APIError(413, f"the document has {len(ids)} tokens; the limit is {limits.max_document_tokens}",
+                           "text")
+        prefix = _document_chunk_prefix(state.engine, state.settings)
+        (key,) = state.engine.warm([ids], prefix, tenant)
+        return len(ids), str(key), _tiers_holding(state.engine, str(key))
+
+    tokens, key, tiers = await anyio.to_thread.run_sync(warm)
+    record = existing if existing is not None else new_record(doc_id, body.text, tokens, key, body.metadata)
+    if existing is None or existing.metadata != body.metadata:
+        record = record._replace(metadata=dict(body.metadata))
+        state.registry.put(tenant, record)
+    return record.public(tiers)
+
+
+# ----- completions --------------------------------------------------------------------------
+async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Response:
+    settings = state.settings
+    tenant = tenant_of(http)
+    started = time.perf_counter()
+    body = parse(model, await read_json(http, settings.limits.max_body_bytes))
+    check_common(body, settings, state.model_ids)
+    request = build_request(body, settings, state.registry, tenant, state.num_layers)
+    prompt_tokens = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
+    sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
+    try:
+        handle = state.scheduler.submit(request, sampling)
+    except KvblendError as exc:
+        raise from_exception(exc) from None
+    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def finish(out: Outcome) -> None:
+        _account(state, handle, tenant, shape, out, started)
+
+    if body.stream:
+        out = Outcome()
+        return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
+                           headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
+    out = await run_to_end(handle, http)
+    finish(out)
+    if out.error is not None:
+        return _error_response(out.error)
+    if out.disconnected:
+        return Response(status_code=499)
+    return JSONResponse(shape.completion(out, handle.queue_s), headers={"X-Request-Id": shape.object_id})
+
+
+def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
+             started: float) -> None:
+    """Metrics for what only the HTTP layer sees, and the request's one log line."""
+    if out.disconnected:
+        state.metrics.disconnects.inc()
+    if out.error is not None:
+        state.metrics.error(out.error.type)
+    status = 499 if out.disconnected else (out.error.status if out.error else 200)
+    stats = out.stats
+    line = {
+        "event": "request", "id": shape.object_id, "tenant": tenant, "route": "chat" if shape.chat else "completions",
+        "status": status, "method": handle.request.method,
+        "prompt_tokens": stats.prompt_tokens if stats else None, "completion_tokens": out.tokens,
+        "cached_tokens": cached_tokens(stats) if stats else None,
+        "doc_hits": sum(1 for d in stats.docs if d.hit and d.source not in ("computed", "empty")) if stats else None,
+        "docs": len(handle.request.documents), "recompute_fraction": round(stats.recompute_frac, 4) if stats else None,
+        "queue_s": round(handle.queue_s, 4), "ttft_s": round(stats.ttft_s, 4) if stats else None,
+        "e2e_s": round(time.perf_counter() - started, 4), "finish_reason": out.finish_reason,
+        "error": out.error.type if out.error else None,
+    }
+    access.info(json.dumps(line))
+
+
+__all__ = ["ServerState", "create_app"]

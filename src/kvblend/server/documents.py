@@ -1,0 +1,111 @@
+"""The per-tenant registry of documents stored through ``/v1/documents``.
+
+One SQLite file (``documents.sqlite`` under the server's state directory) maps
+``(tenant, id)`` to the document's text, token count, chunk key and metadata, so that
+requests may name a stored document by id and the KV can be deleted from every tier.
+Every query takes the tenant: one tenant can never read, list, count or delete another's
+rows. Thread-safe (one connection behind a lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS documents (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, sha256 TEXT NOT NULL, text TEXT NOT NULL,
+    tokens INTEGER NOT NULL, chunk_key TEXT NOT NULL, metadata TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (tenant, id)
+)
+"""
+
+
+class DocumentRecord(NamedTuple):
+    id: str
+    sha256: str
+    text: str
+    tokens: int
+    chunk_key: str
+    metadata: dict[str, Any]
+    created: float
+
+    def public(self, tiers: list[str] | None = None) -> dict[str, Any]:
+        """What the API returns for the owner (never the text)."""
+        out = {"id": self.id, "object": "document", "tokens": self.tokens, "created": int(self.created),
+               "metadata": self.metadata}
+        if tiers is not None:
+            out["tiers"] = tiers
+            out["tier"] = tiers[0] if tiers else None
+        return out
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def default_id(text: str) -> str:
+    """A stable id from the text, so that re-posting the same text is idempotent."""
+    return "doc-" + text_sha256(text)[:24]
+
+
+class DocumentRegistry:
+    """``(tenant, id) -> DocumentRecord`` persisted in SQLite (``path=None``: in memory)."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        target = ":memory:"
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            target = str(path)
+        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
+        self._db.execute(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def get(self, tenant: str, doc_id: str) -> DocumentRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, sha256, text, tokens, chunk_key, metadata, created FROM documents "
+                "WHERE tenant = ? AND id = ?", (tenant, doc_id)).fetchone()
+        return _record(row) if row else None
+
+    def list(self, tenant: str, limit: int = 1000, after: str | None = None) -> list[DocumentRecord]:
+        """The tenant's documents ordered by id, at most ``limit``, starting after ``after``."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, sha256, text, tokens, chunk_key, metadata, created FROM documents "
+                "WHERE tenant = ? AND id > ? ORDER BY id LIMIT ?", (tenant, after or "", limit)).fetchall()
+        return [_record(r) for r in rows]
+
+    def count(self, tenant: str) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM documents WHERE tenant = ?", (tenant,)).fetchone()[0])
+
+    def put(self, tenant: str, record: DocumentRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
+                 json.dumps(record.metadata), record.created))
+
+    def delete(self, tenant: str, doc_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def new_record(doc_id: str, text: str, tokens: int, chunk_key: str, metadata: dict[str, Any]) -> DocumentRecord:
+    return DocumentRecord(doc_id, text_sha256(text), text, tokens, chunk_key, dict(metadata), time.time())
+
+
+def _record(row: tuple[Any, ...]) -> DocumentRecord:
+    return DocumentRecord(row[0], row[1], row[2], int(row[3]), row[4], json.loads(row[5]), float(row[6]))

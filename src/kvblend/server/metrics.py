@@ -1,0 +1,110 @@
+"""Prometheus metrics of one app, named after vLLM's with a ``kvblend:`` prefix.
+
+Each app owns its ``CollectorRegistry`` (several apps may live in one process, as in
+tests or replicas). The only label besides the model name is a bounded enum (tier,
+outcome, error type, finish reason): never a tenant's document id or text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvblend.engine.request import RequestStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+P = "kvblend:"
+
+
+class StoreCollector(Collector):
+    """Reads the chunk store's per-tier counters at scrape time: bytes and entries held,
+    and document lookups by tier and outcome (hit, miss, corrupt)."""
+
+    def __init__(self, tier_stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self.tier_stats = tier_stats
+        self.model_name = model_name
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+        stats = self.tier_stats()
+        size = GaugeMetricFamily(P + "store_bytes", "Bytes of chunk KV held per store tier",
+                                 labels=["model_name", "tier"])
+        entries = GaugeMetricFamily(P + "store_entries", "Chunk KV entries held per store tier",
+                                    labels=["model_name", "tier"])
+        lookups = CounterMetricFamily(P + "document_lookups", "Chunk lookups per store tier and outcome",
+                                      labels=["model_name", "tier", "outcome"])
+        for tier, s in stats.items():
+            size.add_metric([self.model_name, tier], s.bytes)
+            entries.add_metric([self.model_name, tier], s.entries)
+            for outcome, value in (("hit", s.hits), ("miss", s.misses), ("corrupt", s.errors)):
+                lookups.add_metric([self.model_name, tier, outcome], value)
+        yield size
+        yield entries
+        yield lookups
+
+
+class ServerMetrics:
+    """The app's metrics; ``observe_request`` records one finished request."""
+
+    def __init__(self, model_name: str, running: Callable[[], float], waiting: Callable[[], float],
+                 tier_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        reg, lab = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(P + name, doc, lab, buckets=buckets, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time a request waited for the model worker",
+                          QUEUE_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Prefill / fusion time of a request", LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
+        self.recompute = hist("recompute_fraction", "Share of token-layers recomputed per request",
+                              FRACTION_BUCKETS)
+        Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
+            model_name).set_function(running)
+        Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
+            model_name).set_function(waiting)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", lab,
+                                     registry=reg).labels(model_name)
+        self.cached_tokens = Counter(P + "cached_prompt_tokens", "Prompt tokens whose KV was reused", lab,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", lab,
+                                         registry=reg).labels(model_name)
+        self._success = Counter(P + "request_success", "Finished requests by finish reason",
+                                lab + ["finished_reason"], registry=reg)
+        self._errors = Counter(P + "request_errors", "Failed requests by error type", lab + ["type"],
+                               registry=reg)
+        self.disconnects = Counter(P + "client_disconnects", "Requests cancelled because the client left",
+                                   lab, registry=reg).labels(model_name)
+        reg.register(StoreCollector(tier_stats, model_name))
+
+    def observe_request(self, stats: RequestStats | None, cached: int, generated: int, finish_reason: str,
+                        queue_s: float, e2e_s: float) -> None:
+        if stats is not None:
+            self.ttft.observe(stats.ttft_s)
+            self.prefill.observe(stats.prefill_s)
+            self.recompute.observe(stats.recompute_frac)
+            self.prompt_tokens.inc(stats.prompt_tokens)
+            self.cached_tokens.inc(cached)
+            self.decode.observe(max(0.0, e2e_s - stats.ttft_s))
+        self.queue.observe(queue_s)
+        self.e2e.observe(e2e_s)
+        self.generation_tokens.inc(generated)
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def error(self, type_: str) -> None:
+        self._errors.labels(self.model_name, type_).inc()

@@ -1,0 +1,170 @@
+"""Request bodies of the OpenAI-compatible API, with kvblend's ``documents`` and ``kvblend``.
+
+Models accept unknown fields (OpenAI clients send many; they are logged and ignored),
+but every option that would change the answer and is not implemented is refused by
+``unsupported`` with the field's name, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_DOC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+def check_doc_id(value: str) -> str:
+    if not _DOC_ID.fullmatch(value):
+        raise ValueError("document ids are 1-128 of letters, digits, '_', '.', ':', '-' starting with a letter or digit")
+    return value
+
+
+class DocumentRef(BaseModel):
+    """``{"text": ...}`` (optionally with an ``id``) or ``{"id": ...}`` naming a stored document."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    id: str | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str | None) -> str | None:
+        return None if v is None else check_doc_id(v)
+
+    @model_validator(mode="after")
+    def _text_or_id(self) -> DocumentRef:
+        if self.text is None and self.id is None:
+            raise ValueError("a document needs text or id")
+        return self
+
+
+class KvblendOptions(BaseModel):
+    """Per-request overrides of the server's blend defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["full", "prefix", "reuse", "blend"] | None = None
+    ratio: float | None = Field(None, ge=0.0, le=1.0)
+    check_layers: list[int] | None = Field(None, min_length=1, max_length=256)
+    schedule: list[float] | None = Field(None, min_length=1, max_length=256)
+    signal: Literal["v", "k", "kv"] | None = None
+    chunk_prefix: Literal["bos", "prompt"] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    documents: list[str | DocumentRef] | None = None
+    kvblend: KvblendOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode up to max_tokens even past EOS (load tests)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, where: str) -> str:
+        """The message's text; content parts other than text are refused (400 by the caller)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for i, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.content.{i}: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class DocumentCreate(BaseModel):
+    """Body of ``POST /v1/documents``."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    id: str | None = None
+    metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str | None) -> str | None:
+        return None if v is None else check_doc_id(v)
+
+
+def unsupported(body: _Common) -> tuple[str, str] | None:
+    """(field, reason) of the first option that would change the answer and is not
+    implemented, or None. Default-valued options (n=1, penalties 0, ...) are accepted."""
+    extra = body.model_extra or {}
+    checks: list[tuple[str, bool, str]] = [
+        ("n", body.n not in (None, 1), "only n=1 is supported"),
+        ("logprobs", body.logprobs not in (None, False, 0), "logprobs are not supported"),
+        ("top_logprobs", body.top_logprobs not in (None, 0), "top_logprobs are not supported"),
+        ("presence_penalty", body.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported"),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+    ]
+    for name in ("tools", "functions"):
+        checks.append((name, bool(extra.get(name)), f"{name} (function calling) are not supported"))
+    for name in ("tool_choice", "function_call"):
+        checks.append((name, extra.get(name) not in (None, "none"), f"{name} is not supported"))
+    fmt = extra.get("response_format")
+    checks.append(("response_format", fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"),
+                   "only response_format type 'text' is supported"))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "audio", "prediction"):
+        checks.append((name, extra.get(name) is not None, f"{name} is not supported"))
+    checks.append(("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"))
+    if isinstance(body, CompletionRequest):
+        checks += [
+            ("echo", bool(body.echo), "echo is not supported"),
+            ("suffix", bool(body.suffix), "suffix is not supported"),
+            ("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
+        ]
+    for name, bad, reason in checks:
+        if bad:
+            return name, reason
+    return None
+
+
+def ignored_fields(body: BaseModel) -> list[str]:
+    """Unknown fields of a body (logged, then ignored)."""
+    return sorted((body.model_extra or {}).keys())

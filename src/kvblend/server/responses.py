@@ -1,0 +1,180 @@
+"""Completion objects and SSE chunks in OpenAI's shapes (chat and text completions).
+
+``run_to_end`` collects a request while watching for the client leaving (vLLM's race
+against ``http.disconnect``); ``sse_stream`` turns a request's events into SSE lines,
+ending with ``data: [DONE]`` — after an error event when the request fails mid-stream.
+A stream that is cancelled (the client left) cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
+
+from kvblend.engine import RequestStats
+from kvblend.engine.scheduler import RequestHandle
+from kvblend.generation import StreamEvent
+from kvblend.server.errors import APIError, from_exception
+from kvblend.server.usage import kvblend_block, usage
+
+
+@dataclass
+class Outcome:
+    """What the HTTP layer saw of one request, for its response and log line."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    error: APIError | None = None
+    disconnected: bool = False
+    ended: bool = False  # set once the request was accounted for
+
+    def add(self, item: StreamEvent | RequestStats) -> None:
+        if isinstance(item, RequestStats):
+            self.stats = item
+            return
+        self.tokens += 1
+        self.text.append(item.text)
+        self.finish_reason = item.finish_reason or self.finish_reason
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Which object family a route answers with."""
+
+    chat: bool
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def base(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.object_id, "object": kind, "created": self.created, "model": self.model}
+
+    def choice(self, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if not chunk:
+            return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+                    "finish_reason": finish_reason}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def completion(self, out: Outcome, queue_s: float) -> dict[str, Any]:
+        body = self.base(chunk=False)
+        body["choices"] = [self.choice("".join(out.text), out.finish_reason or "stop", chunk=False)]
+        body["usage"] = usage(out.stats, out.tokens)
+        body["system_fingerprint"] = None
+        body["kvblend"] = kvblend_block(out.stats, queue_s)
+        return body
+
+
+async def _collect(handle: RequestHandle, out: Outcome) -> None:
+    async for item in handle.aevents():
+        out.add(item)
+
+
+async def _wait_disconnect(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_to_end(handle: RequestHandle, request: HTTPRequest) -> Outcome:
+    """Collect the request, racing it against the client's disconnect; on a disconnect
+    the request is cancelled (its slot freed) and ``disconnected`` is set."""
+    out = Outcome()
+    work = asyncio.ensure_future(_collect(handle, out))
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            handle.cancel()
+            work.cancel()
+    if work in done:
+        exc = work.exception()
+        if exc is not None:
+            out.error = from_exception(exc)
+        return out
+    out.disconnected = True
+    return out
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, out: Outcome,
+                     on_end: Callable[[Outcome], None]) -> AsyncIterator[str]:
+    """SSE lines of one request; ``on_end`` runs exactly once when the stream ends for any
+    reason (finished, failed, or cancelled by the client leaving)."""
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        yield sse({**shape.base(True), "choices": [shape.choice("", None, True, first=True)], **usage_field})
+        async for item in handle.aevents():
+            out.add(item)
+            if isinstance(item, RequestStats):
+                continue
+            if item.finish_reason is None:
+                if item.text:
+                    yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field})
+                continue
+            last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
+                    **usage_field, "kvblend": kvblend_block(out.stats, handle.queue_s)}
+            yield sse(last)
+        if include_usage:
+            yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
+                       "kvblend": kvblend_block(out.stats, handle.queue_s)})
+        yield sse("[DONE]")
+    except asyncio.CancelledError:
+        out.disconnected = True
+        handle.cancel()
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        out.error = from_exception(exc)
+        yield sse(out.error.body())
+        yield sse("[DONE]")
+    finally:
+        if not handle.done:
+            handle.cancel()
+            out.disconnected = out.disconnected or out.error is None
+        out.ended = True
+        on_end(out)
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that cancels its request however the response ends — also when
+    the client leaves before the body generator ever started (its ``finally`` never runs)."""
+
+    def __init__(self, handle: RequestHandle, out: Outcome, on_end: Callable[[Outcome], None],
+                 body: AsyncIterator[str], headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.handle, self.out, self.on_end = handle, out, on_end
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()
+            if not self.out.ended:
+                self.out.disconnected, self.out.ended = True, True
+                self.on_end(self.out)

@@ -1,0 +1,192 @@
+"""From an OpenAI-style body to an engine ``Request`` and ``SamplingParams``, with every
+bound checked before anything is tokenized or allocated (counts and bytes first, then
+token counts and the context)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.layout import tokenize_document
+from kvblend.engine import Engine, Request
+from kvblend.errors import InvalidRequestError
+from kvblend.generation import SamplingParams
+from kvblend.server.documents import DocumentRegistry
+from kvblend.server.errors import APIError, bad_request, from_validation
+from kvblend.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported,
+)
+from kvblend.settings import Settings
+
+log = logging.getLogger("kvblend.server")
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request ready to submit."""
+
+    request: Request
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int
+
+
+def parse(model: type[BaseModel], data: dict) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def utf8_len(text: str, param: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise bad_request("the text is not valid Unicode (lone surrogate escape)", param) from None
+
+
+def check_common(body: _Common, settings: Settings, model_ids: tuple[str, ...]) -> None:
+    """Model, refused options, and ignored fields (logged)."""
+    if body.model not in model_ids:
+        raise APIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
+    refused = unsupported(body)
+    if refused is not None:
+        raise bad_request(refused[1], refused[0])
+    extra = ignored_fields(body)
+    if extra:
+        log.info("ignored unknown request fields: %s", ", ".join(extra[:20]))
+    stops = body.stop_list()
+    if len(stops) > settings.limits.max_stop:
+        raise bad_request(f"at most {settings.limits.max_stop} stop strings are allowed", "stop")
+    for i, s in enumerate(stops):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"stop strings must have 1-{MAX_STOP_CHARS} characters", f"stop.{i}")
+
+
+def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegistry, tenant: str) -> list[str]:
+    """Texts of the request's documents (stored ones looked up in the caller's registry),
+    with count and byte limits applied before any tokenization."""
+    docs = body.documents or []
+    limits = settings.limits
+    if len(docs) > limits.max_documents:
+        raise bad_request(f"at most {limits.max_documents} documents per request; got {len(docs)}", "documents")
+    texts = []
+    for i, doc in enumerate(docs):
+        if isinstance(doc, DocumentRef) and doc.text is None:
+            record = registry.get(tenant, doc.id)
+            if record is None:
+                raise APIError(404, f"no stored document with id {doc.id!r}", f"documents.{i}.id", "NotFoundError")
+            texts.append(record.text)
+            continue
+        text = doc.text if isinstance(doc, DocumentRef) else doc
+        size = utf8_len(text, f"documents.{i}")
+        if size > limits.max_document_bytes:
+            raise APIError(413, f"document {i} has {size} bytes; the limit is {limits.max_document_bytes}",
+                           f"documents.{i}")
+        texts.append(text)
+    return texts
+
+
+def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[str, BlendConfig]:
+    base = settings.blend
+    opts = body.kvblend
+    if opts is None:
+        return base.method, base.blend_config()
+    values = base.model_dump()
+    values.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    if opts.check_layers is not None and opts.schedule is None:
+        values["schedule"] = None
+    layers = values["check_layers"]
+    if max(layers) >= num_layers:
+        raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")
+    try:
+        cfg = BlendConfig(ratio=values["ratio"], check_layers=tuple(layers),
+                          schedule=tuple(values["schedule"]) if values["schedule"] is not None else None,
+                          signal=values["signal"], chunk_prefix=values["chunk_prefix"])
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "kvblend") from None
+    return values["method"], cfg
+
+
+def chat_messages(body: ChatCompletionRequest, settings: Settings) -> list[dict[str, str]]:
+    if len(body.messages) > settings.limits.max_messages:
+        raise bad_request(f"at most {settings.limits.max_messages} messages per request", "messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        try:
+            text = m.text(f"messages.{i}")
+        except ValueError as exc:
+            raise bad_request(str(exc), f"messages.{i}.content") from None
+        utf8_len(text, f"messages.{i}.content")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+def build_request(body: _Common, settings: Settings, registry: DocumentRegistry, tenant: str,
+                  num_layers: int) -> Request:
+    documents = resolve_documents(body, settings, registry, tenant)
+    method, blend = blend_options(body, settings, num_layers)
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            return Request(documents=documents, messages=chat_messages(body, settings), method=method,
+                           blend=blend, tenant=tenant)
+        assert isinstance(body, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise bad_request("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        utf8_len(prompt, "prompt")
+        return Request(documents=documents, question=prompt, method=method, blend=blend, tenant=tenant,
+                       use_chat_template=False)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt") from None
+
+
+def check_lengths(engine: Engine, request: Request, settings: Settings) -> int:
+    """Tokenize (bounded inputs only) and check document tokens and the context. Returns
+    the prompt's token count. Runs off the event loop."""
+    limit = settings.limits.max_document_tokens
+    for i, doc in enumerate(request.documents):
+        n = len(tokenize_document(engine.tokenizer, doc))
+        if n > limit:
+            raise APIError(413, f"document {i} has {n} tokens; the limit is {limit}", f"documents.{i}")
+    try:
+        layout = engine.layout(request)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "messages") from None
+    n = len(layout)
+    context = engine.loaded.config.context_length
+    if n + 1 > context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, your request has "
+                            f"{n} input tokens. Please reduce the length of the input messages or documents.",
+                       "input_tokens", "BadRequestError")
+    return n
+
+
+def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
+    """OpenAI defaults (temperature 1) with the server's cap on max_tokens; a requested
+    max_tokens that does not fit the context is a 400 (vLLM's behaviour)."""
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    cap = settings.limits.max_tokens
+    room = context - prompt_tokens
+    if asked is not None and asked > cap:
+        raise bad_request(f"{param} is {asked}; this server allows at most {cap}", param)
+    if asked is not None and asked > room:
+        raise bad_request(f"'{param}' is too large: {asked}. This model's maximum context length is {context} "
+                          f"tokens and your request has {prompt_tokens} input tokens ({asked} > {context} - "
+                          f"{prompt_tokens}).", param)
+    max_tokens = asked if asked is not None else max(1, min(cap, settings.limits.default_max_tokens, room))
+    top_k = body.top_k if body.top_k not in (None, -1) else 0
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+                              stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from None

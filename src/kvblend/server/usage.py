@@ -1,0 +1,44 @@
+"""OpenAI ``usage`` and kvblend's per-request accounting block, from ``RequestStats``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvblend.engine.request import RequestStats
+
+_NOT_REUSED = ("computed", "empty")
+
+
+def cached_tokens(stats: RequestStats) -> int:
+    """Prompt tokens whose KV was reused: the exact prefix hit plus every document whose
+    chunk KV came from the store (or from an earlier copy in the same request)."""
+    docs = sum(d.tokens for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
+    return stats.prefix_hit_tokens + docs
+
+
+def usage(stats: RequestStats | None, completion_tokens: int) -> dict[str, Any]:
+    prompt = stats.prompt_tokens if stats is not None else 0
+    cached = cached_tokens(stats) if stats is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
+    """Method, document hits by tier, recompute fraction and the time breakdown."""
+    if stats is None:
+        return {"queue_s": round(queue_s, 6)}
+    hits = Counter(d.source for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
+    return {
+        "method": stats.method,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "documents": [{"index": d.index, "tokens": d.tokens, "source": d.source} for d in stats.docs],
+        "doc_hits": dict(hits),
+        "doc_misses": sum(1 for d in stats.docs if d.source == "computed"),
+        "recompute_fraction": round(stats.recompute_frac, 6),
+        "queue_s": round(queue_s, 6),
+        "lookup_s": round(stats.lookup_s, 6),
+        "load_s": round(stats.load_s, 6),
+        "prefill_s": round(stats.prefill_s, 6),
+        "ttft_s": round(stats.ttft_s, 6),
+    }

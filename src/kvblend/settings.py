@@ -1,0 +1,224 @@
+"""One typed source of defaults for the CLI and the server.
+
+Precedence, highest first: explicit values (command-line flags) > ``KVBLEND_*``
+environment variables (nested with ``__``: ``KVBLEND_STORE__REDIS_URL``) > the YAML file
+given by ``--config`` (or ``KVBLEND_CONFIG``) > the defaults written here. Sizes accept
+units (``"1GiB"``, ``"512MB"``). ``Settings.load`` merges them; ``redacted()`` is what
+``kvblend serve --print-config`` prints (keys hidden).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource,
+)
+
+from kvblend.blend.config import BlendConfig
+from kvblend.errors import KvblendError
+from kvblend.models.registry import DEFAULT_MODEL
+from kvblend.store.config import TIER_NAMES, StoreConfig
+from kvblend.store.keys import validate_tenant
+from kvblend.store.plan import parse_size
+
+DTYPES = ("float32", "float16", "bfloat16")
+GiB = 1024**3
+MiB = 1024**2
+
+
+class SettingsError(KvblendError):
+    """A configuration value (flag, environment variable or YAML entry) that is invalid."""
+
+
+def _size(value: Any) -> Any:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreSettings(_Section):
+    """Chunk KV store tiers (see ``kvblend.store.config.StoreConfig``)."""
+
+    tiers: tuple[Literal["memory", "disk", "redis"], ...] = TIER_NAMES
+    memory_bytes: Size = 1 * GiB
+    disk_dir: str | None = None
+    disk_bytes: Size = 10 * GiB
+    redis_url: str | None = None
+    redis_bytes: Size = 10 * GiB
+    redis_ttl_s: float | None = None
+    redis_prefix: str = "kvblend"
+    kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    tenant_bytes: Size | None = None
+    prefix_cache_bytes: Size = 512 * MiB
+
+    def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
+        return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_dir,
+                           disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
+                           redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix, kv_dtype=self.kv_dtype,
+                           compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
+
+
+class BlendSettings(_Section):
+    """Server-wide defaults of the per-request ``kvblend`` options."""
+
+    method: Literal["full", "prefix", "reuse", "blend"] = "blend"
+    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    check_layers: tuple[int, ...] = (1,)
+    schedule: tuple[float, ...] | None = None
+    signal: Literal["v", "k", "kv"] = "v"
+    chunk_prefix: Literal["bos", "prompt"] = "bos"
+
+    @model_validator(mode="after")
+    def _valid(self) -> BlendSettings:
+        self.blend_config()  # InvalidRequestError is a ValueError: pydantic reports it
+        return self
+
+    def blend_config(self) -> BlendConfig:
+        return BlendConfig(ratio=self.ratio, check_layers=self.check_layers, schedule=self.schedule,
+                           signal=self.signal, chunk_prefix=self.chunk_prefix)
+
+
+class LimitSettings(_Section):
+    """Bounds on what one request may send; checked before tokenizing or allocating."""
+
+    max_body_bytes: Size = Field(8 * MiB, gt=0)
+    max_documents: int = Field(32, ge=0)
+    max_document_bytes: Size = Field(256 * 1024, gt=0)
+    max_document_tokens: int = Field(8192, gt=0)
+    max_messages: int = Field(256, gt=0)
+    max_tokens: int = Field(4096, gt=0)  # cap on max_tokens a client may ask for
+    default_max_tokens: int = Field(256, gt=0)  # when the client gives none
+    max_stop: int = Field(8, ge=0)
+    max_stored_documents: int = Field(10_000, ge=0)  # per tenant, documents API
+
+
+class SchedulerSettings(_Section):
+    max_running: int = Field(8, gt=0)
+    max_queued: int = Field(64, ge=0)
+    request_deadline_s: float | None = Field(300.0, gt=0)
+
+
+class ModelSettings(BaseSettings):
+    """The model arguments every command shares (``--model``, ``--device``, ``--dtype``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVBLEND_", env_nested_delimiter="__", extra="ignore",
+                                      frozen=True)
+
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = settings_cls.model_config.get("yaml_file")
+        sources = [init_settings, env_settings]
+        if yaml_file:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any):  # noqa: ANN206 - returns cls
+        """Merge flags (``overrides``; None values are ignored) > env > YAML > defaults.
+
+        Raises SettingsError naming the offending setting."""
+        config_file = config_file or os.environ.get("KVBLEND_CONFIG")
+        explicit = {k: v for k, v in overrides.items() if v is not None}
+        target = cls
+        if config_file:
+            path = Path(config_file)
+            if not path.is_file():
+                raise SettingsError(f"config file {path} does not exist")
+            _check_yaml(path)
+            target = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "yaml_file": str(path)}})
+        try:
+            return target(**explicit)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc)) from None
+
+
+class Settings(ModelSettings):
+    """Everything ``kvblend serve`` reads (the model arguments included)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None  # id in /v1/models; default: the name the model was loaded by
+    store: StoreSettings = StoreSettings()
+    blend: BlendSettings = BlendSettings()
+    limits: LimitSettings = LimitSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    api_keys: dict[str, str] = Field(default_factory=dict)  # key -> tenant; empty: no auth, tenant "default"
+    admin_key: str | None = None  # when set, /metrics needs `Authorization: Bearer <admin_key>`
+    drain_timeout_s: float = Field(30.0, ge=0)
+    state_dir: str | None = None  # documents registry; default $KVBLEND_HOME/server
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("api_keys")
+    @classmethod
+    def _tenants(cls, keys: dict[str, str]) -> dict[str, str]:
+        for key, tenant in keys.items():
+            if len(key) < 8:
+                raise ValueError("each API key needs at least 8 characters")
+            validate_tenant(tenant)
+        return keys
+
+    @property
+    def model_id(self) -> str:
+        """The id clients use in ``model``: the served name, or the name the model was loaded by."""
+        return self.served_model_name or self.model
+
+    def redacted(self) -> dict[str, Any]:
+        """The merged settings as plain data with API and admin keys hidden."""
+        data = self.model_dump(mode="json")
+        data["api_keys"] = {f"{_mask(k)}#{i}": t for i, (k, t) in enumerate(self.api_keys.items())}
+        data["admin_key"] = _mask(self.admin_key) if self.admin_key else None
+        return data
+
+
+def _mask(key: str) -> str:
+    return key[:3] + "..." if len(key) > 6 else "***"
+
+
+def _check_yaml(path: Path) -> None:
+    """Unknown top-level keys in the YAML file are typos: refuse them (env is more lenient)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of settings")
+    unknown = sorted(set(data) - set(Settings.model_fields))
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(map(str, unknown))}")
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid settings: " + "; ".join(parts)
+
+
+def model_defaults() -> ModelSettings:
+    """Model, device and dtype from the environment (and ``KVBLEND_CONFIG``), for the
+    model arguments of every command."""
+    return ModelSettings.load()
+
+
+__all__ = ["BlendSettings", "DTYPES", "LimitSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
+           "StoreSettings", "model_defaults"]

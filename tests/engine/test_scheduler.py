@@ -1,0 +1,280 @@
+"""The scheduler: batched requests equal one-at-a-time requests; queue, cancel, deadline,
+drain and worker death behave as the contract says."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kvblend.engine import Engine, Request, RequestStats
+from kvblend.engine import scheduler as scheduler_mod
+from kvblend.engine.scheduler import (
+    DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, Scheduler,
+    SchedulerObserver, WorkerDeadError,
+)
+from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
+from kvblend.generation import SamplingParams
+from tests.conftest import make_loaded
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+def _requests() -> list[Request]:
+    """Different prompt lengths and methods, sharing some documents."""
+    docs = ["the city river is in paris .", "alpha beta gamma delta " * 3, "the doctor led the project ."]
+    return [
+        Request(documents=docs[:1], question="where is the river ?", method="full"),
+        Request(documents=docs, question="who led the project ?", method="blend"),
+        Request(documents=docs[1:], question="what was approved ?", method="prefix"),
+        Request(documents=docs[::-1] * 2, question="who works in rome ?", method="blend"),
+        Request(documents=(), question="hello", method="full"),
+    ]
+
+
+class Recorder(SchedulerObserver):
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.outcomes: dict[str, Outcome] = {}
+        self.batch_sizes: list[int] = []
+        self.tokens = 0
+
+    def on_token(self, handle, event, now) -> None:
+        self.tokens += 1
+        time.sleep(self.delay_s)
+
+    def on_step(self, batch_size, seconds) -> None:
+        self.batch_sizes.append(batch_size)
+
+    def on_finish(self, handle, outcome) -> None:
+        assert handle.id not in self.outcomes
+        self.outcomes[handle.id] = outcome
+
+
+def _reference(engine: Engine, requests: list[Request], sampling: SamplingParams):
+    """One-at-a-time results once the chunk store and prefix cache hold everything (so a
+    later run hits exactly as this one did)."""
+    for r in requests:
+        engine.generate(r, sampling)
+    return [engine.generate(r, sampling) for r in requests]
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def engine(request) -> Engine:
+    return Engine(make_loaded(request.param))
+
+
+def _started(engine: Engine, **kw) -> Scheduler:
+    sched = Scheduler(engine, **kw)
+    sched.start()
+    return sched
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=24, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.2, top_p=0.9, seed=3, stop=("river",)),
+])
+def test_batched_requests_equal_one_at_a_time(engine: Engine, sampling: SamplingParams) -> None:
+    requests = _requests()
+    expected = _reference(engine, requests, sampling)
+    rec = Recorder()
+    sched = _started(engine, max_running=3, observer=rec)  # 5 requests: later ones join running batches
+    handles = [sched.submit(r, sampling) for r in requests]
+    results = [h.result() for h in handles]
+    for got, want in zip(results, expected):
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert got.stats.docs == want.stats.docs and got.stats.prompt_tokens == want.stats.prompt_tokens
+    sched.drain(5)  # joins the worker: every hook has run
+    assert max(rec.batch_sizes) == 3 and min(rec.batch_sizes) < 3
+    assert all(o.status == "ok" for o in rec.outcomes.values()) and len(rec.outcomes) == 5
+    assert rec.tokens == sum(len(r.token_ids) for r in results)
+
+
+def test_stats_follow_the_first_token_and_count_the_queue(engine: Engine) -> None:
+    sched = _started(engine, max_running=1)
+    first, second = (sched.submit(r, SamplingParams(max_tokens=5, ignore_eos=True)) for r in _requests()[:2])
+    items = list(second.events())
+    assert isinstance(items[1], RequestStats) and sum(isinstance(i, RequestStats) for i in items) == 1
+    assert second.queue_s > 0 and items[1].ttft_s >= second.queue_s
+    assert first.result().finish_reason == "length"
+    sched.drain(5)
+
+
+def test_cancel_frees_the_slot_within_one_step(engine: Engine) -> None:
+    rec = Recorder(delay_s=0.001)
+    sched = _started(engine, max_running=1, observer=rec)
+    long, waiting = sched.submit(_requests()[0], LONG), sched.submit(_requests()[1], SamplingParams(max_tokens=4))
+    events = long.events()
+    next(events)
+    long.cancel()
+    at_cancel = long.completion_tokens
+    with pytest.raises(RequestCancelledError):
+        list(events)
+    assert long.completion_tokens <= at_cancel + 1
+    assert waiting.result().token_ids  # the freed slot served the next request
+    sched.drain(5)
+    assert rec.outcomes[long.id].status == "cancelled"
+    assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_cancel_while_queued_never_runs() -> None:
+    eng = Engine(make_loaded())
+    rec = Recorder()
+    sched = Scheduler(eng, observer=rec)
+    handle = sched.submit(_requests()[0], LONG)
+    handle.cancel()
+    sched.start()
+    with pytest.raises(RequestCancelledError):
+        handle.result()
+    sched.drain(5)
+    assert rec.outcomes[handle.id].completion_tokens == 0 and rec.tokens == 0
+
+
+def test_full_queue_refuses_with_retry_after_then_serves() -> None:
+    sched = Scheduler(Engine(make_loaded()), max_running=2, max_queued=3)  # not started: nothing leaves the queue
+    handles = [sched.submit(_requests()[0], SamplingParams(max_tokens=3)) for _ in range(3)]
+    with pytest.raises(QueueFullError) as err:
+        sched.submit(_requests()[0], SamplingParams(max_tokens=3))
+    assert err.value.retry_after_s >= 1 and sched.num_waiting == 3
+    sched.start()
+    assert all(h.result().token_ids for h in handles)
+    sched.submit(_requests()[0], SamplingParams(max_tokens=3)).result()  # room again
+    sched.drain(5)
+
+
+def test_deadline_ends_running_and_queued_requests() -> None:
+    rec = Recorder(delay_s=0.004)  # >= 0.8 s for 200 tokens
+    sched = _started(Engine(make_loaded()), max_running=1, observer=rec)
+    running = sched.submit(_requests()[0], LONG, deadline_s=0.3)
+    queued = sched.submit(_requests()[1], SamplingParams(max_tokens=4), deadline_s=0.05)
+    other = sched.submit(_requests()[2], SamplingParams(max_tokens=4))
+    with pytest.raises(DeadlineExceededError):
+        running.result()
+    with pytest.raises(DeadlineExceededError):
+        queued.result()
+    assert other.result().token_ids
+    sched.drain(5)
+    assert rec.outcomes[running.id].status == "deadline" and rec.outcomes[running.id].completion_tokens < 200
+    assert rec.outcomes[queued.id].completion_tokens == 0
+
+
+def test_drain_finishes_accepted_work_then_refuses() -> None:
+    eng = Engine(make_loaded())
+    sched = _started(eng, max_running=2)
+    blend = Request(documents=["north south east west city"], question="where ?", method="blend")
+    handles = [sched.submit(r, SamplingParams(max_tokens=6)) for r in (*_requests(), blend)]
+    sched.drain(timeout_s=30)
+    assert all(h.result().token_ids for h in handles)
+    assert not sched.alive and sched.draining
+    with pytest.raises(DrainingError):
+        sched.submit(_requests()[0], SamplingParams())
+    assert eng.writeback.stats().pending == 0  # background chunk writes were flushed
+
+
+def test_drain_timeout_ends_what_is_left() -> None:
+    rec = Recorder(delay_s=0.002)
+    sched = _started(Engine(make_loaded()), max_running=1, observer=rec)
+    handles = [sched.submit(r, LONG) for r in _requests()[:3]]
+    next(handles[0].events())
+    t = time.perf_counter()
+    sched.drain(timeout_s=0.05)
+    assert time.perf_counter() - t < 2
+    for h in handles:
+        with pytest.raises(DrainingError):
+            h.result()
+    assert {o.status for o in rec.outcomes.values()} == {"drained"}
+
+
+def test_a_request_error_ends_only_that_request() -> None:
+    sched = _started(Engine(make_loaded(max_position_embeddings=64)))
+    too_long = sched.submit(Request(documents=["the city river " * 30], question="?"), SamplingParams())
+    fine = sched.submit(_requests()[4], SamplingParams(max_tokens=3))
+    with pytest.raises(ContextLengthError):
+        too_long.result()
+    assert fine.result().token_ids and sched.alive
+    sched.drain(5)
+
+
+def test_worker_crash_fails_pending_requests_and_marks_dead(monkeypatch) -> None:
+    def broken(*args, **kw):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(scheduler_mod, "decode_batch", broken)
+    sched = _started(Engine(make_loaded()), max_running=1)
+    handles = [sched.submit(r, SamplingParams(max_tokens=5, ignore_eos=True)) for r in _requests()[:3]]
+    for h in handles:
+        with pytest.raises(WorkerDeadError):
+            h.result()
+    sched._thread.join(5)
+    assert not sched.alive
+    with pytest.raises(WorkerDeadError):
+        sched.submit(_requests()[0], SamplingParams())
+
+
+def test_async_events_equal_blocking_events() -> None:
+    eng = Engine(make_loaded())
+    sched = _started(eng, max_running=4)
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = [r.token_ids for r in _reference(eng, _requests()[:3], sampling)]
+
+    async def read(handle) -> list[int]:
+        return [i.token_id async for i in handle.aevents() if not isinstance(i, RequestStats)]
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(read(sched.submit(r, sampling)) for r in _requests()[:3]))
+
+    assert asyncio.run(main()) == expected
+    sched.drain(5)
+
+
+def test_submitters_on_many_threads_all_get_their_answers() -> None:
+    eng = Engine(make_loaded())
+    sched = _started(eng, max_running=4, max_queued=64)
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = {i: r.token_ids for i, r in enumerate(_reference(eng, _requests(), sampling))}
+    got: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        got[i] = sched.submit(_requests()[i % 5], sampling).result().token_ids
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(15)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {i: want[i % 5] for i in range(15)}
+    sched.drain(5)
+
+
+def test_invalid_scheduler_settings_and_deadlines_are_refused() -> None:
+    eng = Engine(make_loaded())
+    for bad in (dict(max_running=0), dict(max_queued=-1), dict(deadline_s=0)):
+        with pytest.raises(ValueError):
+            Scheduler(eng, **bad)
+    sched = Scheduler(eng)
+    assert not sched.started and not sched.alive
+    with pytest.raises(InvalidRequestError):
+        sched.submit(_requests()[0], SamplingParams(), deadline_s=-1)
+    assert sched.num_waiting == 0
+
+
+def test_an_internal_prefill_failure_ends_that_request_as_internal(monkeypatch) -> None:
+    eng = Engine(make_loaded())
+    real = eng.prepare
+
+    def flaky(request, extra_capacity=0):
+        if request.question == "hello":
+            raise RuntimeError("simulated bug")
+        return real(request, extra_capacity)
+
+    monkeypatch.setattr(eng, "prepare", flaky)
+    rec = Recorder()
+    sched = _started(eng, observer=rec)
+    bad, good = sched.submit(_requests()[4], SamplingParams()), sched.submit(_requests()[0], SamplingParams(max_tokens=3))
+    with pytest.raises(scheduler_mod.InternalRequestError):
+        bad.result()
+    assert good.result().token_ids and sched.alive
+    sched.drain(5)
+    assert rec.outcomes[bad.id].status == "error" and not isinstance(rec.outcomes[bad.id].error, KvblendError)

@@ -1,0 +1,93 @@
+"""Batched decode equals one-request decode; DecodeSlot follows stream_from's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblend.generation import SamplingParams, prefill, stream_from
+from kvblend.generation.batch import DecodeSlot, decode_batch
+from tests.conftest import make_loaded
+
+# (prompt length, step at which the request joins the batch)
+JOINS = ((3, 0), (11, 2), (6, 3), (19, 5))
+STEPS = 12
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 40, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mistral", {"sliding_window": 8}),  # decode past the window takes the masked plan
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16}),
+])
+def test_batched_decode_equals_single_request_decode(arch, overrides) -> None:
+    model = make_loaded(arch, **overrides).model
+    single, batched = [], []
+    for i, (n, _) in enumerate(JOINS):
+        ids = _prompt(n, i)
+        single.append(list(prefill(model, ids, STEPS)))
+        batched.append(list(prefill(model, ids, STEPS)))
+    tokens = [int(s[1].argmax()) for s in single]
+    for step in range(STEPS):
+        members = [i for i, (_, join) in enumerate(JOINS) if join <= step]
+        out = decode_batch(model, [tokens[i] for i in members], [batched[i][0] for i in members])  # (B, V)
+        for row, i in zip(out, members):
+            ref = model(torch.tensor([tokens[i]]), single[i][0])[0]  # (V,)
+            assert torch.allclose(row, ref, atol=1e-4, rtol=0), (arch, step, i, (row - ref).abs().max())
+            assert int(row.argmax()) == int(ref.argmax())
+            assert batched[i][0].length == single[i][0].length
+            tokens[i] = int(ref.argmax())
+    for (cache_b, _), (cache_s, _) in zip(batched, single):
+        for layer in range(cache_s.num_layers):
+            kb, vb = cache_b.view(layer)
+            ks, vs = cache_s.view(layer)
+            assert torch.allclose(kb, ks, atol=1e-5) and torch.allclose(vb, vs, atol=1e-5)
+
+
+def test_decode_batch_rejects_mismatched_or_shared_caches() -> None:
+    model = make_loaded().model
+    cache, _ = prefill(model, [1, 5, 6], 4)
+    with pytest.raises(ValueError, match="one token per cache"):
+        decode_batch(model, [5, 6], [cache])
+    with pytest.raises(ValueError, match="twice"):
+        decode_batch(model, [5, 6], [cache, cache])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=20, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=1.3, top_k=12, top_p=0.9, seed=4),
+    SamplingParams(max_tokens=30, temperature=1.0, seed=9, stop=("river",)),
+    SamplingParams(max_tokens=30, temperature=1.0, seed=2),  # stops at EOS sooner or later
+])
+def test_decode_slot_yields_what_stream_from_yields(params) -> None:
+    loaded = make_loaded()
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok("the city river is in paris . who led the project ?")["input_ids"]
+    eos = [tok.eos_token_id, 7]  # a frequent word as extra EOS so that EOS paths run
+    cache, logits = prefill(model, ids, params.max_tokens)
+    expected = list(stream_from(model, tok, cache, logits, params, eos))
+    cache, logits = prefill(model, ids, params.max_tokens)
+    slot, got = DecodeSlot(tok, cache, params, eos, model.cfg.context_length), []
+    while not slot.finished:
+        got.append(slot.next_event(logits))
+        if not slot.finished:
+            logits = decode_batch(model, [slot.last_token], [cache])[0]
+    assert got == expected
+    assert got[-1].finish_reason in ("stop", "length")
+
+
+def test_decode_slot_caps_tokens_to_the_context_left() -> None:
+    loaded = make_loaded(max_position_embeddings=16)
+    cache, logits = prefill(loaded.model, list(range(3, 13)), 100)
+    slot = DecodeSlot(loaded.tokenizer, cache, SamplingParams(max_tokens=100, ignore_eos=True), [], 16)
+    assert slot.params.max_tokens == 6
+    with pytest.raises(RuntimeError):
+        while True:
+            event = slot.next_event(logits)
+            logits = decode_batch(loaded.model, [event.token_id], [cache])[0] if not slot.finished else logits
+    assert event.finish_reason == "length" and slot.count == 6

@@ -1,0 +1,54 @@
+"""One tiny-model server shared by the API tests (started once per session)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvblend.store.localredis import LocalRedis
+from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess, save_tiny_model
+
+MAIN_CONFIG = {
+    "api_keys": {ALICE: "alice", BOB: "bob"},
+    "admin_key": ADMIN,
+    "store": {"tiers": ["memory", "redis"], "memory_bytes": "64MiB"},
+    "limits": {"max_documents": 4, "max_document_bytes": 4000, "max_document_tokens": 300,
+               "max_body_bytes": 65536, "max_tokens": 2000, "max_stop": 4},
+    "scheduler": {"max_running": 2, "max_queued": 2},
+    "drain_timeout_s": 10,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with LocalRedis() as r:
+        yield r.url
+
+
+def main_config(redis_url: str) -> dict:
+    return {**MAIN_CONFIG, "store": {**MAIN_CONFIG["store"], "redis_url": redis_url}}
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory, redis_url):
+    """The shared server: keys for tenants alice and bob, memory + redis tiers."""
+    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), main_config(redis_url))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def alice(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def bob(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {BOB}"}, timeout=60) as c:
+        yield c

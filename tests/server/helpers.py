@@ -1,0 +1,78 @@
+"""Start a real ``kvblend serve`` in a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from kvblend.store.localredis import free_port
+
+ALICE, BOB, ADMIN = "key-alice-0001", "key-bob-00001", "key-admin-001"
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """The tests' tiny random Llama with the word-level ChatML tokenizer, as an HF folder
+    (2048-token context, so that long generations and over-long prompts are cheap)."""
+    from tests.conftest import make_hf_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_hf_model("llama", vocab_size=len(tok), max_position_embeddings=2048)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+class ServerProcess:
+    """``kvblend serve`` with a YAML config; ``url``; ``stop()`` sends SIGTERM and returns
+    the exit status; ``log()`` is what it wrote to stderr/stdout."""
+
+    def __init__(self, model: str, workdir: Path, config: dict, ready_s: float | None = 90.0) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {"state_dir": str(workdir / "state"), **config}
+        self.config_file = workdir / "kvblend.yaml"
+        self.config_file.write_text(yaml.safe_dump(cfg))
+        self.log_file = workdir / "server.log"
+        env = {**os.environ, "KVBLEND_HOME": os.environ.get("KVBLEND_HOME", str(Path.home() / ".cache" / "kvblend"))}
+        with open(self.log_file, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvblend", "serve", "--model", model, "--port", str(self.port),
+                 "--config", str(self.config_file)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        if ready_s is not None:
+            self.wait_ready(ready_s)
+
+    def wait_ready(self, ready_s: float = 90.0) -> ServerProcess:
+        """Block until /health answers 200 (start several servers first, then wait)."""
+        deadline = time.monotonic() + ready_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {ready_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,72 @@
+"""Failures that a healthy server cannot be made to show from outside, on the app built
+in-process by ``create_app`` over a tiny engine: an internal error is a bare 500 (cause
+logged, never sent), an error after a stream started is sent in-band before [DONE], and
+a dead model worker turns /health and new requests into 503."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from starlette.testclient import TestClient
+
+import kvblend.engine.scheduler as scheduler_module
+from kvblend.engine import Engine
+from kvblend.server import create_app
+from kvblend.settings import Settings
+from tests.conftest import make_loaded
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "who is the doctor ?"}],
+        "documents": ["the doctor works in paris ."], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def app_client(tmp_path):
+    settings = Settings.load(model="tiny", state_dir=str(tmp_path))
+    app = create_app(Engine(make_loaded()), settings)
+    with TestClient(app) as client:  # raises if an exception escapes the app
+        yield client, app.state.kvblend
+
+
+def test_an_internal_error_is_a_bare_500_and_is_logged(app_client, monkeypatch, caplog) -> None:
+    client, state = app_client
+
+    def broken(request):
+        raise RuntimeError("secret detail /etc/passwd")
+
+    monkeypatch.setattr(state.engine, "layout", broken)
+    with caplog.at_level(logging.ERROR, logger="kvblend.server"):
+        r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == 500 and err["type"] == "InternalServerError"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert any("RuntimeError" in rec.getMessage() or rec.exc_info for rec in caplog.records)
+    monkeypatch.undo()
+    assert client.post("/v1/chat/completions", json={**BODY, "max_tokens": 2}).status_code == 200
+
+
+def test_an_error_after_the_stream_started_is_sent_in_band_then_done(app_client, monkeypatch) -> None:
+    client, state = app_client
+    real, calls = scheduler_module.decode_batch, []
+
+    def dies_on_the_fourth_step(model, tokens, caches):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("the accelerator fell over")
+        return real(model, tokens, caches)
+
+    monkeypatch.setattr(scheduler_module, "decode_batch", dies_on_the_fourth_step)
+    with client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "fell over" not in error["message"]
+    contents = [json.loads(line[6:])["choices"][0]["delta"].get("content") for line in lines[1:-2]]
+    assert any(contents)  # tokens did stream before the failure
+    # the worker is dead: the server says so instead of hanging
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503

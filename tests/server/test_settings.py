@@ -1,0 +1,83 @@
+"""One typed source of defaults: flags > KVBLEND_* environment > YAML file > defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblend.cli import build_parser, main
+from kvblend.settings import Settings, SettingsError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KVBLEND_") and name != "KVBLEND_HOME":
+            monkeypatch.delenv(name)
+
+
+def write_yaml(tmp_path, text: str):
+    path = tmp_path / "kvblend.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = Settings.load()
+    assert (s.host, s.port, s.model, s.device, s.dtype) == ("127.0.0.1", 8000, "smollm2-135m", "cpu", "float32")
+    assert s.model_id == "smollm2-135m" and s.api_keys == {} and s.admin_key is None
+    assert s.blend.blend_config().ratio == 0.15 and s.store.store_config().memory_bytes == 1024**3
+
+
+def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
+    cfg = write_yaml(tmp_path, "port: 9001\nhost: 0.0.0.0\nmodel: from-yaml\nstore:\n  memory_bytes: 2GiB\n"
+                               "  disk_dir: /tmp/d\nblend:\n  ratio: 0.3\n")
+    monkeypatch.setenv("KVBLEND_PORT", "9002")
+    monkeypatch.setenv("KVBLEND_MODEL", "from-env")
+    monkeypatch.setenv("KVBLEND_STORE__MEMORY_BYTES", "512MiB")
+    s = Settings.load(cfg, model="from-flag", port=None)  # None: the flag was not given
+    assert s.model == "from-flag"  # flag beats env and file
+    assert s.port == 9002  # env beats file
+    assert s.host == "0.0.0.0" and s.blend.ratio == 0.3  # file beats defaults
+    assert s.store.memory_bytes == 512 * 1024**2 and s.store.disk_dir == "/tmp/d"  # nested sections merge
+
+
+@pytest.mark.parametrize("yaml_text,env,needle", [
+    ("prot: 1\n", {}, "unknown setting(s) prot"),
+    ("blend:\n  ratio: 3\n", {}, "blend.ratio"),
+    ("blend:\n  check_layers: [2, 1]\n", {}, "strictly increasing"),
+    ("", {"KVBLEND_PORT": "eighty"}, "port"),
+    ("api_keys:\n  short: alice\n", {}, "at least 8 characters"),
+    ("api_keys:\n  long-enough-key: 'bad tenant!'\n", {}, "tenant must be"),
+    ("store:\n  memory_bytes: lots\n", {}, "not a size"),
+])
+def test_invalid_settings_are_named(tmp_path, monkeypatch, yaml_text, env, needle) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SettingsError) as info:
+        Settings.load(write_yaml(tmp_path, yaml_text))
+    assert needle in str(info.value)
+
+
+def test_print_config_shows_the_merged_result_with_keys_hidden(tmp_path, monkeypatch, capsys) -> None:
+    cfg = write_yaml(tmp_path, "api_keys:\n  sk-very-secret-1: alice\nadmin_key: admin-secret-9\nport: 9100\n")
+    monkeypatch.setenv("KVBLEND_SCHEDULER__MAX_RUNNING", "3")
+    assert main(["serve", "--config", str(cfg), "--port", "9200", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert data["port"] == 9200 and data["scheduler"]["max_running"] == 3
+    assert list(data["api_keys"].values()) == ["alice"]
+    assert "very-secret" not in out and "admin-secret" not in out
+
+
+def test_cli_model_arguments_come_from_the_same_source(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVBLEND_DEVICE", "cuda:1")
+    monkeypatch.setenv("KVBLEND_MODEL", "my-model")
+    args = build_parser().parse_args(["generate", "hi"])
+    assert (args.model, args.device, args.dtype) == ("my-model", "cuda:1", "float32")
+    monkeypatch.setenv("KVBLEND_DTYPE", "float64")
+    assert main(["models"]) == 2  # an invalid default is a clear error, not a traceback
+    assert "dtype" in capsys.readouterr().err
