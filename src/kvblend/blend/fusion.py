@@ -83,11 +83,14 @@ def _write_prefix(cache: KVCache, plan: FusionPlan) -> None:
 def _rotations(model: Transformer, plan: FusionPlan) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per placed chunk, the cos/sin moving its keys to their new start (None: already there).
 
-    One table per chunk serves every layer (the shift is the same for all of them)."""
-    cfg, out = model.cfg.rope, []
+    One table per chunk serves every layer (the shift is the same for all of them). A
+    chunk's keys were rotated in a sequence of ``base_position + n_tokens`` tokens, the
+    prompt's in one of ``len(ids)``: dynamic NTK rotates those two with different
+    frequencies, so the table then un-rotates and re-rotates token by token."""
+    cfg, out, n = model.cfg.rope, [], plan.ids.shape[0]
     for p in plan.placed:
-        delta = p.start - p.chunk.base_position
-        out.append(rope_lib.rotation_tables(delta, p.chunk.n_tokens, cfg, model.dtype, model.device) if delta else None)
+        made = (p.chunk.base_position, p.chunk.base_position + p.chunk.n_tokens)
+        out.append(rope_lib.reposition_tables(cfg, p.chunk.n_tokens, made, (p.start, n), model.dtype, model.device))
     return out
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
@@ -52,6 +53,7 @@ class _Built(NamedTuple):
     docs: list[DocStat]
     recomputed: list[int]
     candidates: int
+    fallback: str | None = None
 
 
 @dataclass
@@ -196,9 +198,18 @@ class Engine:
         cache.length = hit.length
         timer.add("load", t)
 
+    def _prefix_cache_exact(self, n: int) -> bool:
+        """Whether the prefix cache is lossless for a prompt of ``n`` tokens. Dynamic NTK
+        RoPE past ``max_position_embeddings`` rotates with frequencies that depend on the
+        prompt's length, so KV cached from another prompt is not this prompt's (the
+        entries are all made at base frequencies: prompts past it neither read nor add)."""
+        return not rope_lib.length_dependent(self.loaded.config.rope, n)
+
     def _prefill_exact(self, layout: PromptLayout, ids: torch.Tensor, use_prefix: bool, extra: int,
                        timer: _Timer) -> _Built:
         """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest)."""
+        fallback = "dynamic-rope" if use_prefix and not self._prefix_cache_exact(ids.shape[0]) else None
+        use_prefix = use_prefix and fallback is None
         hit = self.prefix_cache.lookup(ids, max_len=ids.shape[0] - 1) if use_prefix else None
         cache = self.model.new_cache(ids.shape[0] + extra)
         if hit is not None:
@@ -210,12 +221,14 @@ class Engine:
             self.prefix_cache.insert(ids, cache, ids.shape[0])
         done = hit.length if hit else 0
         docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
-        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0)
+        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer) -> _Built:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute."""
         n_prefix = len(layout.prefix)
+        fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
+        n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
         hit = self.prefix_cache.lookup(ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
         cfg = request.blend
@@ -227,7 +240,8 @@ class Engine:
         if n_prefix and (hit is None or hit.length < n_prefix):
             self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
-        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates)
+        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
+                      fallback)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -247,7 +261,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed)
+                             elapsed, built.fallback)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -62,6 +62,8 @@ class RequestStats(NamedTuple):
     load_s: float
     prefill_s: float  # full prefill or fusion/recompute
     ttft_s: float  # request start -> first token sampled
+    fallback: str | None = None  # why reuse the method allows was skipped, e.g. "dynamic-rope":
+    # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed
 
     @property
     def recompute_frac(self) -> float:
