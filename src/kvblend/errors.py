@@ -19,3 +19,7 @@ class ContextLengthError(KvblendError):
 
 class InvalidRequestError(KvblendError, ValueError):
     """A request whose fields are out of range or inconsistent."""
+
+
+class ModelCheckError(KvblendError):
+    """A model that failed kvblend's self-check, asked for a method that reuses KV."""

@@ -27,6 +27,7 @@ from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
 from kvblend.engine.request import DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
+from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.store.base import ChunkStore
@@ -80,11 +81,14 @@ class _Chunks:
 
 class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
-    per-request state lives in request-scoped objects, shared state in the caches."""
+    per-request state lives in request-scoped objects, shared state in the caches.
+
+    ``self_check``: run (or read) the model's self-check at construction; a model that
+    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.guard.selfcheck``)."""
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | None = None, self_check: bool = True,
     ) -> None:
         if loaded.model.device.type == "cpu":
             keep_freed_memory()
@@ -99,6 +103,7 @@ class Engine:
         self._pending_lock = threading.Lock()
         self.max_pending_writes = 64
         self.dropped_writes = 0
+        self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -251,6 +256,8 @@ class Engine:
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
         timer = _Timer()
+        if self.self_check is not None:
+            self.self_check.require(request.method, any(request.documents))
         layout = self.layout(request)
         self._check_length(len(layout))
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
