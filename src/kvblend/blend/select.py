@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 
@@ -34,3 +37,29 @@ def select_tokens(dev: torch.Tensor, k: int) -> torch.Tensor:
 def kept_count(ratio: float, n_candidates: int) -> int:
     """How many of ``n_candidates`` document tokens a ratio keeps (rounded to nearest)."""
     return int(round(ratio * n_candidates))
+
+
+class SelectionStats(NamedTuple):
+    """What one check layer saw and kept: for request stats and the quality guard."""
+
+    layer: int
+    candidates: int  # cached document tokens still active at this layer
+    kept: int
+    mean_score: float  # deviation over the candidates (0.0 when there are none)
+    max_score: float
+    kept_per_span: tuple[int, ...]  # kept tokens inside each (start, end) span, in order
+
+
+def selection_stats(
+    layer: int, dev: torch.Tensor, kept_positions: torch.Tensor, spans: Sequence[tuple[int, int]]
+) -> SelectionStats:
+    """Summarise a check: ``dev`` (T,) deviations of the candidates, ``kept_positions``
+    (K,) prompt positions kept, ``spans`` the documents' [start, end) position ranges."""
+    n = dev.shape[0]
+    mean, top = (dev.mean().item(), dev.max().item()) if n else (0.0, 0.0)
+    if not spans:
+        return SelectionStats(layer, n, kept_positions.shape[0], mean, top, ())
+    bounds = torch.tensor(spans, device=kept_positions.device)  # (S, 2)
+    pos = kept_positions[:, None]  # (K, 1)
+    inside = (pos >= bounds[:, 0]) & (pos < bounds[:, 1])  # (K, S)
+    return SelectionStats(layer, n, kept_positions.shape[0], mean, top, tuple(inside.sum(0).tolist()))

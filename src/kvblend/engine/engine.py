@@ -20,11 +20,11 @@ import torch
 
 from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
-from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
+from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
-from kvblend.engine.request import DocStat, Request, RequestStats, Result
+from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
 from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
@@ -55,6 +55,20 @@ class _Built(NamedTuple):
     recomputed: list[int]
     candidates: int
     fallback: str | None = None
+    checks: tuple[CheckStat, ...] = ()
+
+
+def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk]) -> tuple[CheckStat, ...]:
+    """Fusion's per-check selection, with kept tokens counted per request document."""
+    doc_at = {start: i for i, (start, d) in enumerate(zip(layout.doc_starts, layout.docs)) if d}
+    where = [doc_at[p.start] for p in placed]
+    result = []
+    for c in out.checks:
+        per_doc = [0] * len(layout.docs)
+        for doc, n in zip(where, c.kept_per_span):
+            per_doc[doc] += n
+        result.append(CheckStat(c.layer, c.candidates, c.kept, c.mean_score, c.max_score, per_doc))
+    return tuple(result)
 
 
 @dataclass
@@ -246,7 +260,7 @@ class Engine:
             self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback)
+                      fallback, _doc_checks(out, layout, chunks.placed))
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -268,7 +282,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed, built.fallback)
+                             elapsed, built.fallback, built.checks)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

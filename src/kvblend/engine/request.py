@@ -51,6 +51,27 @@ class DocStat(NamedTuple):
     # recomputed in full), "request" (a repeat within this request) or "empty"
 
 
+class CheckStat(NamedTuple):
+    """One check layer of a blend: deviation (selection score) over its candidates, how
+    many it kept for recompute, and how the kept tokens fall on the request's documents."""
+
+    layer: int
+    candidates: int  # cached document tokens still active at this layer
+    selected: int
+    mean_score: float
+    max_score: float
+    doc_selected: list[int]  # kept tokens per request document (indexed like ``docs``)
+
+    @property
+    def doc_share(self) -> list[float]:
+        """Each document's share of the kept document tokens (all 0.0 when none were kept)."""
+        total = sum(self.doc_selected)
+        return [n / total if total else 0.0 for n in self.doc_selected]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._asdict(), "doc_share": self.doc_share}
+
+
 class RequestStats(NamedTuple):
     method: str
     prompt_tokens: int
@@ -64,6 +85,7 @@ class RequestStats(NamedTuple):
     ttft_s: float  # request start -> first token sampled
     fallback: str | None = None  # why reuse the method allows was skipped, e.g. "dynamic-rope":
     # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed
+    checks: tuple[CheckStat, ...] = ()  # blend's check layers, in order
 
     @property
     def recompute_frac(self) -> float:
@@ -76,6 +98,7 @@ class RequestStats(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         out = self._asdict()
         out["docs"] = [d._asdict() for d in self.docs]
+        out["checks"] = [c.to_dict() for c in self.checks]
         out["recompute_frac"] = self.recompute_frac
         return out
 
