@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -268,8 +268,10 @@ class Engine:
                              request.system, request.use_chat_template)
 
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
-        """Build the prompt's KV cache by the request's method; nothing is decoded yet."""
+        """Build the prompt's KV cache by the request's method; nothing is decoded yet.
+        ``auto`` reaching the engine (no guard decided) is blend."""
         timer = _Timer()
+        request = replace(request, method="blend") if request.method == "auto" else request
         if self.self_check is not None:
             self.self_check.require(request.method, any(request.documents))
         layout = self.layout(request)

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
 
+REQUEST_METHODS = (*METHODS, "auto")  # "auto": a quality guard decides (kvblend.guard.quality)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -16,7 +18,8 @@ class Request:
 
     Documents are texts or token-id lists; each is tokenized alone and placed, in
     order, at the start of the last user turn. ``method`` is one of full, prefix,
-    reuse, blend; ``blend`` holds the selective-recompute knobs.
+    reuse, blend, or auto (a ``QualityGuard`` picks; without one it is blend);
+    ``blend`` holds the selective-recompute knobs.
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -29,8 +32,8 @@ class Request:
     use_chat_template: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidRequestError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.method not in REQUEST_METHODS:
+            raise InvalidRequestError(f"method must be one of {', '.join(REQUEST_METHODS)}; got {self.method!r}")
         if isinstance(self.documents, str):
             raise InvalidRequestError("documents must be a list of texts or token-id lists, not one string")
         object.__setattr__(self, "documents", tuple(
