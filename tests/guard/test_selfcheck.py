@@ -118,3 +118,17 @@ def test_an_unreadable_stored_result_is_checked_again(tmp_path: Path) -> None:
     path.write_text("{not json")
     assert Engine(loaded).self_check.passed
     assert selfcheck.SelfCheckResult.from_json(path.read_text()).passed
+
+
+def test_the_far_check_catches_shift_only_rerotation_under_dynamic_ntk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #10's defect (keys moved by a shift at base frequencies) is invisible inside
+    the window, where the built-in prompt sits, and caught at the far end."""
+
+    def shift_only(cfg, n, old, new, dtype=torch.float32, device="cpu"):
+        return rope.rotation_tables(new[0] - old[0], n, cfg, dtype, device) if new[0] != old[0] else None
+
+    monkeypatch.setattr(rope, "reposition_tables", shift_only)
+    dynamic = {"max_position_embeddings": 32, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    result = selfcheck.run_checks(unique(seed=3, **dynamic))
+    assert result.failed == ("rerotation-far",)
+    assert selfcheck.run_checks(unique(seed=3)).passed  # default RoPE: a shift is exact

@@ -6,6 +6,9 @@ question, 24 tokens), three exact invariants are measured on the model itself:
 
 * ``rerotation``: cached layer-0 keys moved to their place in the prompt equal the keys
   a full prefill computes there (layer 0's K depends only on token and position);
+* ``rerotation-far``: the same for the document moved to the end of the longest prompt
+  the model serves, computed on the document alone (scaled RoPE types and dynamic NTK
+  differ most there; no long prefill is run);
 * ``blend-ratio-1``: blend recomputing every document token gives full prefill's logits;
 * ``ratio-0-reuse``: blend keeping no document token gives full reuse's logits.
 
@@ -34,12 +37,13 @@ from pathlib import Path
 import torch
 
 import kvblend
+from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.errors import ModelCheckError
 from kvblend.models.loader import LoadedModel, cache_home
 
-CHECKS = ("rerotation", "blend-ratio-1", "ratio-0-reuse")
+CHECKS = ("rerotation", "rerotation-far", "blend-ratio-1", "ratio-0-reuse")
 # Largest |difference| allowed, relative to max(1, the reference's largest |value|).
 # Measured gaps: fp32 ~1e-6 relative (tiny models and SmolLM2); bf16 ~1e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
@@ -135,12 +139,30 @@ def _gap(got: torch.Tensor, want: torch.Tensor, rel: float, name: str) -> CheckO
     return CheckOutcome(name, (got.float() - want.float()).abs().max().item(), rel * scale)
 
 
+def _far_rerotation(loaded: LoadedModel, doc: tuple[int, ...], base: int, rel: float) -> CheckOutcome:
+    """Layer-0 keys of ``doc`` made after ``base`` tokens, moved as fusion moves them to
+    the end of a prompt of ``context_length - 1`` tokens, against keys made there."""
+    model, n = loaded.model, len(doc)
+    end = loaded.config.context_length - 1
+    h = model.embed(torch.tensor(doc, dtype=torch.long, device=model.device))  # (n, D)
+
+    def keys_at(start: int) -> torch.Tensor:  # (Hkv, n, d), in a sequence ending with the document
+        cos, sin = model.rope_tables(torch.arange(start, start + n, device=model.device))
+        return model.layers[0].project_kv(h, cos, sin)[0]
+
+    made, cfg = keys_at(base), model.cfg.rope
+    tables = rope_lib.reposition_tables(cfg, n, (base, base + n), (end - n, end), model.dtype, model.device)
+    moved = made if tables is None else rope_lib.apply_rope(made, *tables, cfg.interleaved)
+    return _gap(moved, keys_at(end - n), rel, "rerotation-far")
+
+
+@torch.inference_mode()
 def run_checks(loaded: LoadedModel) -> SelfCheckResult:
-    """Measure the three invariants on the built-in input (private caches only).
+    """Measure the four checks on the built-in input (private caches only).
 
     Five passes over the model: the document's chunk KV (computed after the sink token,
     placed after the whole prefix), a full prefill, and fusion at ratio 1, ratio 0 and
-    full reuse."""
+    full reuse; plus two layer-0 projections of the document for ``rerotation-far``."""
     model, dtype = loaded.model, loaded.model.dtype
     spans = _spans(loaded)
     if spans is None or len(model.layers) < 2:
@@ -157,6 +179,7 @@ def run_checks(loaded: LoadedModel) -> SelfCheckResult:
     return SelfCheckResult(loaded.name, str(dtype), (
         # layer 0 keeps the re-rotated cached keys of document tokens (they project only queries)
         _gap(ratio0.cache.keys[0][:, slots], full_cache.keys[0][:, slots], rel, "rerotation"),
+        _far_rerotation(loaded, doc, 1, rel),
         _gap(fused(1.0).logits, full, rel, "blend-ratio-1"),
         _gap(ratio0.logits, fused(0.0, reuse=True).logits, rel, "ratio-0-reuse"),
     ))
