@@ -40,6 +40,8 @@ def test_config_bounds_are_validated() -> None:
         GuardConfig(shadow_fraction=1.5)
     with pytest.raises(ValueError, match="max_kl"):
         GuardConfig(max_kl=-1.0)
+    with pytest.raises(ValueError, match="band_factor"):
+        GuardConfig(calibration=4, band_factor=0.5)
 
 
 def test_low_agreement_switches_to_full_and_back(caplog: pytest.LogCaptureFixture) -> None:
@@ -186,3 +188,25 @@ def test_the_runner_never_blocks_the_answer(eng: Engine, monkeypatch: pytest.Mon
         release.set()
         runner.close()
     assert guard.state("m", "default").samples == 1
+
+
+def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_checks(eng: Engine) -> None:
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, probe_fraction=1.0, window=2, min_samples=2,
+                                     min_f1=None, max_kl=0.4, calibration=3))
+    for q in QUESTIONS[:3]:
+        serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
+    state = guard.state("tiny-llama", "default")
+    assert state.band is not None and state.samples == 0 and not state.fallback
+    good = corrupt(eng, 3.0)
+    try:
+        for q in QUESTIONS[:2]:  # no shadow check runs: the scores alone say it
+            assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.checks
+        state = guard.state("tiny-llama", "default")
+        assert state.fallback and state.samples == 0 and guard.switches[("tiny-llama", "default", "fallback")] == 1
+    finally:
+        for key, chunk in good.items():
+            eng.store.put(key, chunk)
+    for q in QUESTIONS[2:]:  # probes: good agreement and in-band scores
+        assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "full"
+    state = guard.state("tiny-llama", "default")
+    assert not state.fallback and state.switches == 2

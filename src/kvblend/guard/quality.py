@@ -16,9 +16,19 @@ unless ``GuardConfig.override_explicit`` is off) by full prefill or by blend at
 shadow check judges, so that the guard sees when blending recovers. ``record`` adds a
 ``ShadowResult`` to the rolling window; once ``min_samples`` results are in and the
 window's mean F1, first-token agreement rate or mean KL leaves its bound, the key
-switches to fallback; it switches back when a fresh window is within all bounds. Each
-switch is logged on the ``kvblend.guard`` logger (with model and tenant) and counted
-in ``switches``; ``state``/``snapshot`` expose the rolling values for metrics.
+switches to fallback.
+
+A second, free signal needs no shadow check: ``observe(model, tenant, stats)`` takes
+each served blend's mean selection score at its first check layer (``stats.checks``).
+The first ``calibration`` of them set the key's band ``[min / band_factor, max *
+band_factor]``; when more than ``max_out_of_band`` of a window of later scores fall
+outside it (e.g. a corrupted chunk that passes its checksums deviates wildly), the key
+falls back too. Probes report their blended prompt's score as well.
+
+A key in fallback switches back when a fresh window of probe results is within every
+bound (and its scores, if banded, are in band). Each switch is logged on the
+``kvblend.guard`` logger (with model and tenant) and counted in ``switches``;
+``state``/``snapshot`` expose the rolling values for metrics.
 ``serve`` is the reference composition of these calls; ``ShadowRunner`` runs shadow
 checks on one background thread with a bounded queue (a full queue drops, counted).
 """
@@ -35,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvblend.engine.engine import Engine
-from kvblend.engine.request import Request, Result
+from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.generation import SamplingParams
-from kvblend.guard.shadow import ShadowResult, shadow_check
+from kvblend.guard.shadow import ShadowResult, first_score, shadow_check
 
 log = logging.getLogger("kvblend.guard")
 GUARDED = ("auto", "blend", "reuse")
@@ -58,6 +68,9 @@ class GuardConfig:
     min_first_token: float | None = None
     max_kl: float | None = None
     fallback_ratio: float | None = None
+    calibration: int = 0  # served blends whose selection scores set the band (0: no band)
+    band_factor: float = 4.0
+    max_out_of_band: float = 0.5  # share of the score window outside the band that fails
     override_explicit: bool = True  # also fall back for explicit blend/reuse requests
     max_keys: int = 4096  # (model, tenant) pairs tracked; the least recently used go first
     seed: int | None = None
@@ -76,6 +89,8 @@ class GuardConfig:
                 raise ValueError(f"{name} must be within [0, 1] or None")
         if self.max_kl is not None and self.max_kl < 0:
             raise ValueError("max_kl must be >= 0 or None")
+        if self.calibration < 0 or self.band_factor < 1 or not 0 <= self.max_out_of_band < 1:
+            raise ValueError("calibration must be >= 0, band_factor >= 1, max_out_of_band within [0, 1)")
 
 
 class GuardState(NamedTuple):
@@ -87,6 +102,8 @@ class GuardState(NamedTuple):
     first_token: float | None
     kl: float | None
     switches: int
+    band: tuple[float, float] | None = None  # calibrated selection-score band
+    out_of_band: float | None = None  # share of the score window outside it
 
 
 class Routing(NamedTuple):
@@ -101,8 +118,17 @@ class Routing(NamedTuple):
 @dataclass
 class _Track:
     results: deque[ShadowResult]
+    scores: deque[float]
+    calibration: list[float] = field(default_factory=list)
+    band: tuple[float, float] | None = None
     fallback: bool = False
     switches: int = 0
+
+    def out_of_band(self) -> float | None:
+        if self.band is None or not self.scores:
+            return None
+        lo, hi = self.band
+        return sum(not lo <= s <= hi for s in self.scores) / len(self.scores)
 
 
 @dataclass
@@ -121,7 +147,7 @@ class QualityGuard:
         key = (model, tenant)
         track = self._tracks.get(key)
         if track is None:
-            track = self._tracks[key] = _Track(deque(maxlen=self.config.window))
+            track = self._tracks[key] = _Track(deque(maxlen=self.config.window), deque(maxlen=self.config.window))
             while len(self._tracks) > self.config.max_keys:
                 self._tracks.popitem(last=False)
         self._tracks.move_to_end(key)
@@ -150,23 +176,61 @@ class QualityGuard:
         return dataclasses.replace(blended, method="blend", blend=raised)
 
     def record(self, result: ShadowResult) -> GuardState:
-        """Add one shadow-check result; switch the key's state if its window says so."""
+        """Add one shadow-check result; switch the key's state if its windows say so."""
         with self._lock:
             track = self._track(result.model, result.tenant)
             track.results.append(result)
-            if len(track.results) >= self.config.min_samples and self._failing(track) != track.fallback:
-                self._switch(result.model, result.tenant, track)
-            return self._state(track)
+            if result.score is not None and track.band is not None:
+                track.scores.append(result.score)
+            return self._judge(result.model, result.tenant, track)
 
-    def _failing(self, track: _Track) -> bool:
+    def observe(self, model: str, tenant: str, stats: RequestStats) -> GuardState:
+        """Take a served blend's first-check-layer selection score: calibrate, or judge."""
+        with self._lock:
+            track = self._track(model, tenant)
+            score = first_score(stats)
+            if score is None or self.config.calibration == 0:
+                return self._state(track)
+            if track.band is None:
+                track.calibration.append(score)
+                if len(track.calibration) >= self.config.calibration:
+                    f = self.config.band_factor
+                    track.band = (min(track.calibration) / f, max(track.calibration) * f)
+                    log.info("selection-score band for model %s tenant %s: [%.4g, %.4g]", model, tenant, *track.band)
+                return self._state(track)
+            track.scores.append(score)
+            return self._judge(model, tenant, track)
+
+    def _judge(self, model: str, tenant: str, track: _Track) -> GuardState:
+        quality, band = self._quality_failing(track), self._band_failing(track)
+        if track.fallback:
+            switch = quality is False and band is not True
+        else:
+            switch = quality is True or band is True
+        if switch:
+            self._switch(model, tenant, track)
+        return self._state(track)
+
+    def _quality_failing(self, track: _Track) -> bool | None:
+        """None until ``min_samples`` shadow results are in."""
+        if len(track.results) < self.config.min_samples:
+            return None
         f1, first, kl = _means(track.results)
         cfg = self.config
         return ((cfg.min_f1 is not None and f1 < cfg.min_f1)
                 or (cfg.min_first_token is not None and first < cfg.min_first_token)
                 or (cfg.max_kl is not None and kl > cfg.max_kl))
 
+    def _band_failing(self, track: _Track) -> bool | None:
+        """None without a band or before ``min_samples`` scores."""
+        share = track.out_of_band()
+        if share is None or len(track.scores) < self.config.min_samples:
+            return None
+        return share > self.config.max_out_of_band
+
     def _switch(self, model: str, tenant: str, track: _Track) -> None:
-        f1, first, kl = _means(track.results)
+        f1, first, kl = _means(track.results) if track.results else (float("nan"),) * 3
+        share = track.out_of_band()
         track.fallback = not track.fallback
         track.switches += 1
         kind = "fallback" if track.fallback else "recover"
@@ -174,14 +238,18 @@ class QualityGuard:
         to = ("full prefill" if self.config.fallback_ratio is None else f"ratio {self.config.fallback_ratio}")
         message = (f"blending for model {model} tenant {tenant}: "
                    + (f"falling back to {to}" if track.fallback else "recovered, blending again")
-                   + f" (over {len(track.results)} shadow checks: f1 {f1:.3f}, first-token {first:.3f}, kl {kl:.4f})")
+                   + f" (over {len(track.results)} shadow checks: f1 {f1:.3f}, first-token {first:.3f}, kl {kl:.4f}"
+                   + ("" if share is None else f"; {share:.0%} of {len(track.scores)} selection scores out of band")
+                   + ")")
         (log.warning if track.fallback else log.info)(message, extra={"model": model, "tenant": tenant,
                                                                       "guard_switch": kind})
         track.results.clear()  # the next verdict rests on fresh evidence
+        track.scores.clear()
 
     def _state(self, track: _Track) -> GuardState:
         f1, first, kl = _means(track.results) if track.results else (None, None, None)
-        return GuardState(track.fallback, len(track.results), f1, first, kl, track.switches)
+        return GuardState(track.fallback, len(track.results), f1, first, kl, track.switches, track.band,
+                          track.out_of_band())
 
     def state(self, model: str, tenant: str) -> GuardState:
         with self._lock:
@@ -245,6 +313,7 @@ def serve(engine: Engine, guard: QualityGuard, request: Request, sampling: Sampl
     (``runner``) or, without one, inline after the answer is complete."""
     routing = guard.route(engine.loaded.name, request)
     result = engine.generate(routing.request, sampling)
+    guard.observe(engine.loaded.name, request.tenant, result.stats)
     if routing.fallback is not None:
         result = result._replace(stats=result.stats._replace(fallback=routing.fallback))
     if routing.shadow:

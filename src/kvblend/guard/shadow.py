@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kvblend.engine.engine import Engine
-from kvblend.engine.request import Request, Result
+from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.errors import InvalidRequestError
 from kvblend.eval.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams
@@ -47,18 +47,25 @@ class ShadowResult(NamedTuple):
     first_token_agree: bool
     kl: float  # nats, mean over the compared answer tokens
     tokens: int  # served answer tokens compared
+    score: float | None = None  # the blended prompt's mean selection score at its first check layer
 
 
 @torch.inference_mode()
-def teacher_forced(engine: Engine, request: Request, answer: list[int]) -> torch.Tensor:
+def teacher_forced(engine: Engine, request: Request, answer: list[int]) -> tuple[torch.Tensor, RequestStats]:
     """Next-token logits (T, V) before each of ``answer``'s T tokens, the prompt built by
-    the request's method and then fed the answer's tokens."""
+    the request's method and then fed the answer's tokens; and the prompt's stats."""
     prepared = engine.prepare(request, extra_capacity=len(answer))
     rows = [prepared.logits.reshape(1, -1)]  # (1, V)
     if len(answer) > 1:
         ids = torch.tensor(answer[:-1], dtype=torch.long, device=engine.model.device)
         rows.append(engine.model(ids, prepared.cache, logits_for="all"))  # (T-1, V)
-    return torch.cat(rows).float()
+    return torch.cat(rows).float(), prepared.stats
+
+
+def first_score(stats: RequestStats) -> float | None:
+    """Mean selection score at the first check layer (over every cached document token,
+    before any selection, so it does not depend on the ratio); None without checks."""
+    return stats.checks[0].mean_score if stats.checks else None
 
 
 def _roles(request: Request, probe: Request | None) -> tuple[Request, Request, bool]:
@@ -79,8 +86,8 @@ def shadow_check(engine: Engine, request: Request, served: Result, probe: Reques
     if not answer:  # nothing was served to compare along: only the other side's answer
         return ShadowResult(engine.loaded.name, request.tenant, blended_req.method,
                             token_f1(served.text, other.text), False, 0.0, 0)
-    full_logits = teacher_forced(engine, full_req, answer)  # (T, V)
-    blended_logits = teacher_forced(engine, blended_req, answer)  # (T, V)
+    full_logits, _ = teacher_forced(engine, full_req, answer)  # (T, V)
+    blended_logits, stats = teacher_forced(engine, blended_req, answer)  # (T, V)
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
     return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, token_f1(served.text, other.text),
-                        agree, kl_divergence(full_logits, blended_logits), len(answer))
+                        agree, kl_divergence(full_logits, blended_logits), len(answer), first_score(stats))
