@@ -180,8 +180,8 @@ class QualityGuard:
         with self._lock:
             track = self._track(result.model, result.tenant)
             track.results.append(result)
-            if result.score is not None and track.band is not None:
-                track.scores.append(result.score)
+            if result.score is not None and track.band is not None and track.fallback:
+                track.scores.append(result.score)  # a probe's; served blends' come through observe
             return self._judge(result.model, result.tenant, track)
 
     def observe(self, model: str, tenant: str, stats: RequestStats) -> GuardState:
