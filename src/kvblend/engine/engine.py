@@ -65,9 +65,9 @@ def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChun
     result = []
     for c in out.checks:
         per_doc = [0] * len(layout.docs)
-        for doc, n in zip(where, c.kept_per_span):
+        for doc, n in zip(where, c.kept_per_span.tolist()):
             per_doc[doc] += n
-        result.append(CheckStat(c.layer, c.candidates, c.kept, c.mean_score, c.max_score, per_doc))
+        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc))
     return tuple(result)
 
 
