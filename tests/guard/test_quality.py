@@ -60,9 +60,11 @@ def test_low_agreement_switches_to_full_and_back(caplog: pytest.LogCaptureFixtur
         for f1 in (0.9, 0.2):
             assert guard.record(shadow(f1=f1)).fallback  # judged on fresh results only: too few yet
         assert not guard.record(shadow(f1=0.9)).fallback  # mean 0.67 >= 0.5: recovered
-    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
-    assert "falling back to full prefill" in caplog.records[0].getMessage()
-    assert "tenant acme" in caplog.records[0].getMessage() and caplog.records[0].tenant == "acme"
+    switches = [r for r in caplog.records if hasattr(r, "guard_switch")]
+    assert [r.levelname for r in switches] == ["WARNING", "INFO"]
+    assert "falling back to full prefill" in switches[0].getMessage()
+    assert "tenant acme" in switches[0].getMessage() and switches[0].tenant == "acme"
+    assert sum("shadow check for model m tenant acme" in r.getMessage() for r in caplog.records) == 6
     assert guard.switches == {("m", "acme", "fallback"): 1, ("m", "acme", "recover"): 1}
     assert not guard.state("m", "acme").fallback and guard.route("m", request()).request.method == "blend"
 

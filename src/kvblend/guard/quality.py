@@ -180,6 +180,10 @@ class QualityGuard:
         with self._lock:
             track = self._track(result.model, result.tenant)
             track.results.append(result)
+            log.info("shadow check for model %s tenant %s (%s): f1 %.3f, first token %s, kl %.4f over %d tokens",
+                     result.model, result.tenant, result.method, result.answer_f1,
+                     "agrees" if result.first_token_agree else "differs", result.kl, result.tokens,
+                     extra={"model": result.model, "tenant": result.tenant})
             if result.score is not None and track.band is not None and track.fallback:
                 track.scores.append(result.score)  # a probe's; served blends' come through observe
             return self._judge(result.model, result.tenant, track)
