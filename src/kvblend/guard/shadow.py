@@ -17,8 +17,9 @@ learning whether blending has recovered.
 
 A shadow check never changes a served answer: it runs after it, on its own caches
 (``Engine.prepare`` of a full request touches no cache; re-preparing the blended
-request adds only what serving it already added). It costs two prefills, two
-teacher-forced passes over the answer and one greedy decode.
+request adds only what serving it already added). It costs one full prefill, one
+blended prompt, a greedy decode and two teacher-forced passes over the answer (the
+other side's own answer is decoded from the same prefill as its teacher forcing).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.errors import InvalidRequestError
 from kvblend.eval.metrics import kl_divergence, token_f1
-from kvblend.generation import SamplingParams
+from kvblend.generation import SamplingParams, collect, stream_from
 
 BLENDED = ("reuse", "blend")
 
@@ -51,15 +52,24 @@ class ShadowResult(NamedTuple):
 
 
 @torch.inference_mode()
-def teacher_forced(engine: Engine, request: Request, answer: list[int]) -> tuple[torch.Tensor, RequestStats]:
+def teacher_forced(engine: Engine, request: Request, answer: list[int],
+                   own_answer: bool = False) -> tuple[torch.Tensor, RequestStats, str | None]:
     """Next-token logits (T, V) before each of ``answer``'s T tokens, the prompt built by
-    the request's method and then fed the answer's tokens; and the prompt's stats."""
+    the request's method and then fed the answer's tokens; the prompt's stats; and, with
+    ``own_answer``, the prompt's own greedy answer of up to T tokens, decoded first from
+    the same prefill (the cache is then cut back to the prompt)."""
     prepared = engine.prepare(request, extra_capacity=len(answer))
+    n, text = prepared.cache.length, None
+    if own_answer:
+        events = stream_from(engine.model, engine.tokenizer, prepared.cache, prepared.logits,
+                             SamplingParams(max_tokens=len(answer)), engine.loaded.eos_token_ids)
+        text = collect(events, n).text
+        prepared.cache.truncate(n)
     rows = [prepared.logits.reshape(1, -1)]  # (1, V)
     if len(answer) > 1:
         ids = torch.tensor(answer[:-1], dtype=torch.long, device=engine.model.device)
         rows.append(engine.model(ids, prepared.cache, logits_for="all"))  # (T-1, V)
-    return torch.cat(rows).float(), prepared.stats
+    return torch.cat(rows).float(), prepared.stats, text
 
 
 def first_score(stats: RequestStats) -> float | None:
@@ -81,13 +91,11 @@ def shadow_check(engine: Engine, request: Request, served: Result, probe: Reques
     """Compare the blended and full-prefill answers to ``request`` (see the module doc)."""
     full_req, blended_req, served_blended = _roles(request, probe)
     answer = list(served.token_ids)
-    other_req = full_req if served_blended else blended_req
-    other = engine.generate(other_req, SamplingParams(max_tokens=max(1, len(answer))))
-    if not answer:  # nothing was served to compare along: only the other side's answer
-        return ShadowResult(engine.loaded.name, request.tenant, blended_req.method,
-                            token_f1(served.text, other.text), False, 0.0, 0)
-    full_logits, _ = teacher_forced(engine, full_req, answer)  # (T, V)
-    blended_logits, stats = teacher_forced(engine, blended_req, answer)  # (T, V)
+    if not answer:
+        raise InvalidRequestError("the served answer is empty: there is nothing to compare along")
+    full_logits, _, full_text = teacher_forced(engine, full_req, answer, own_answer=served_blended)  # (T, V)
+    blended_logits, stats, blended_text = teacher_forced(engine, blended_req, answer, own_answer=not served_blended)
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
-    return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, token_f1(served.text, other.text),
-                        agree, kl_divergence(full_logits, blended_logits), len(answer), first_score(stats))
+    f1 = token_f1(served.text, full_text if served_blended else blended_text)
+    return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, f1, agree,
+                        kl_divergence(full_logits, blended_logits), len(answer), first_score(stats))
