@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kvblend.rope import RopeConfig, apply_rope, attention_scaling, cos_sin, inv_freq, rotate
+from kvblend.rope import (RopeConfig, apply_rope, attention_scaling, cos_sin, inv_freq, length_dependent,
+                          reposition_tables, rotate)
 
 CONFIGS = {
     "default": RopeConfig(head_dim=64, theta=1e5, max_position_embeddings=8192),
@@ -50,6 +51,37 @@ def test_rotate_accepts_per_token_offsets() -> None:
     deltas = torch.arange(10) * 7
     moved = rotate(rope_at(k, pos, cfg), deltas, cfg)
     assert torch.allclose(moved, rope_at(k, pos + deltas, cfg), atol=2e-5)
+
+
+def rope_in(k: torch.Tensor, start: int, seq_len: int, cfg: RopeConfig) -> torch.Tensor:
+    """k rotated at positions start.. inside a sequence of seq_len tokens."""
+    cos, sin = cos_sin(cfg, torch.arange(start, start + k.shape[-2]), k.dtype, seq_len=seq_len)
+    return apply_rope(k, cos, sin, cfg.interleaved)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_reposition_moves_keys_between_sequence_lengths(name: str) -> None:
+    cfg = CONFIGS[name]
+    k = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    long = cfg.max_position_embeddings * 3 // 2  # past the window: dynamic NTK rescales
+    for old, new in (((1, 41), (5000, long)), ((3, 43), (3, long)), ((7, 100), (900, 2000))):
+        made, want = rope_in(k, *old, cfg), rope_in(k, *new, cfg)
+        tables = reposition_tables(cfg, 40, old, new)  # None: the keys are already there
+        moved = made if tables is None else apply_rope(made, *tables, cfg.interleaved)
+        assert (moved - want).abs().max().item() < 2e-5, (name, old, new)
+    assert reposition_tables(cfg, 40, (3, 43), (3, 50)) is None
+    assert (reposition_tables(cfg, 40, (3, 43), (3, long)) is None) == (cfg.rope_type != "dynamic")
+
+
+def test_dynamic_keys_from_a_short_sequence_need_more_than_a_shift() -> None:
+    cfg = CONFIGS["dynamic"]
+    long = cfg.max_position_embeddings + 4000
+    assert length_dependent(cfg, long) and not length_dependent(cfg, cfg.max_position_embeddings)
+    k = torch.randn(1, 30, 64, generator=torch.Generator().manual_seed(2))
+    shifted = rotate(rope_in(k, 1, 31, cfg), 6000, cfg)
+    assert (shifted - rope_in(k, 6001, long, cfg)).abs().max().item() > 0.1
+    for other in ("default", "linear", "llama3", "yarn"):
+        assert not length_dependent(CONFIGS[other], long)
 
 
 def test_partial_rotary_leaves_tail_untouched() -> None:

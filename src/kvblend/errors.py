@@ -21,5 +21,9 @@ class InvalidRequestError(KvblendError, ValueError):
     """A request whose fields are out of range or inconsistent."""
 
 
+class ModelCheckError(KvblendError):
+    """A model that failed kvblend's self-check, asked for a method that reuses KV."""
+
+
 class EngineClosedError(KvblendError):
     """A request sent to an engine after ``close`` (a server answers 503)."""

@@ -4,6 +4,9 @@ RoPE rotates each pair of key/query dimensions by an angle ``position * inv_freq
 A post-RoPE key can therefore be moved to another position by one more rotation:
 ``rotate(rope(k, p), d) == rope(k, p + d)``. That identity is what lets a document's
 cached keys be reused at any position in a prompt (CacheBlend's position recovery).
+Dynamic NTK past ``max_position_embeddings`` is the exception: its frequencies depend on
+the sequence's length, so keys made in a sequence of another length are un-rotated with
+their own frequencies and re-rotated with the new ones (``reposition_tables``).
 
 Angles are computed in float64 and cast at the end, so composing rotations is exact to
 float32 rounding even at large positions (float32 angles would drift ~1e-3 rad at 8k).
@@ -220,6 +223,39 @@ def rotation_tables(
     return _angles_cos_sin(angles, 1.0, dtype)
 
 
+def length_dependent(cfg: RopeConfig, seq_len: int) -> bool:
+    """Whether a sequence of ``seq_len`` tokens is rotated with other frequencies than a
+    short one: dynamic NTK past ``max_position_embeddings``. Keys made at another
+    length then differ from this sequence's even at the same position."""
+    return cfg.rope_type == "dynamic" and seq_len > cfg.max_position_embeddings
+
+
+def reposition_tables(
+    cfg: RopeConfig,
+    n: int,
+    old: tuple[int, int],
+    new: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos/sin (n or 1, rd/2) that move ``n`` consecutive post-RoPE keys made at
+    ``old = (start, seq_len)`` to ``new = (start, seq_len)``; None when nothing moves.
+
+    ``seq_len`` is the length of the sequence the keys were (or are to be) rotated in,
+    which only dynamic NTK reads. With equal frequencies this is ``rotation_tables`` of
+    the shift. Otherwise each token's angle is un-rotated with the old frequencies and
+    rotated with the new ones: ``(new_start + t) * f_new - (old_start + t) * f_old``,
+    which a single shift cannot express.
+    """
+    f_old, f_new = inv_freq(cfg, old[1]), inv_freq(cfg, new[1])
+    if torch.equal(f_old, f_new):
+        delta = new[0] - old[0]
+        return rotation_tables(delta, n, cfg, dtype, device, old[1]) if delta else None
+    t = torch.arange(n, dtype=torch.float64)[:, None]
+    angles = (new[0] + t) * f_new[None, :] - (old[0] + t) * f_old[None, :]  # (n, rd/2)
+    return _angles_cos_sin(angles.to(device), 1.0, dtype)
+
+
 def rotate(
     k: torch.Tensor,
     delta: int | torch.Tensor,
@@ -230,7 +266,8 @@ def rotate(
 
     ``delta`` is an int or a (T,) tensor of per-token offsets, so that
     ``rotate(rope(k, p), d) == rope(k, p + d)``. For dynamic NTK this holds while both
-    positions use the same frequencies (inside ``max_position_embeddings``).
+    positions use the same frequencies (inside ``max_position_embeddings``); keys made
+    at another sequence length need ``reposition_tables``.
     """
     cos, sin = rotation_tables(delta, k.shape[-2], cfg, k.dtype, k.device, seq_len)
     return apply_rope(k, cos, sin, cfg.interleaved)

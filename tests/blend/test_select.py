@@ -29,6 +29,19 @@ def test_kept_count_rounds_the_ratio() -> None:
     assert [kept_count(r, 200) for r in (0.0, 0.15, 0.5, 1.0)] == [0, 30, 100, 200]
 
 
+def test_selection_stats_count_kept_tokens_per_span() -> None:
+    from kvblend.blend.select import selection_stats
+
+    dev = torch.tensor([1.0, 5.0, 3.0, 0.0])
+    stats = selection_stats(2, dev, torch.tensor([4, 11, 12]), [(3, 7), (10, 20), (20, 22)])
+    assert stats.layer == 2 and stats.candidates == 4 and stats.kept == 3
+    assert float(stats.mean_score) == 2.25 and float(stats.max_score) == 5.0
+    assert stats.kept_per_span.tolist() == [1, 2, 0]
+    empty = selection_stats(1, torch.empty(0), torch.empty(0, dtype=torch.long), [])
+    assert empty[:3] == (1, 0, 0) and float(empty.mean_score) == float(empty.max_score) == 0.0
+    assert empty.kept_per_span.tolist() == []
+
+
 def test_ties_keep_the_earlier_tokens() -> None:
     assert torch.equal(select_tokens(torch.zeros(5000), 700), torch.arange(700))
     alternating = torch.tensor([1.0, 0.0] * 500)

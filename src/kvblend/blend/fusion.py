@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from kvblend import rope as rope_lib
-from kvblend.blend.select import deviation, kept_count, select_tokens
+from kvblend.blend.select import SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
@@ -59,6 +59,7 @@ class FusionOutput(NamedTuple):
     logits: torch.Tensor  # (V,) next-token logits after the prompt
     recomputed: list[int]  # tokens computed at each layer
     candidates: int  # document tokens that had cached KV
+    checks: tuple[SelectionStats, ...] = ()  # per check layer; spans are ``plan.placed`` in order
 
 
 def _prefix_len(plan: FusionPlan) -> int:
@@ -83,11 +84,14 @@ def _write_prefix(cache: KVCache, plan: FusionPlan) -> None:
 def _rotations(model: Transformer, plan: FusionPlan) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per placed chunk, the cos/sin moving its keys to their new start (None: already there).
 
-    One table per chunk serves every layer (the shift is the same for all of them)."""
-    cfg, out = model.cfg.rope, []
+    One table per chunk serves every layer (the shift is the same for all of them). A
+    chunk's keys were rotated in a sequence of ``base_position + n_tokens`` tokens, the
+    prompt's in one of ``len(ids)``: dynamic NTK rotates those two with different
+    frequencies, so the table then un-rotates and re-rotates token by token."""
+    cfg, out, n = model.cfg.rope, [], plan.ids.shape[0]
     for p in plan.placed:
-        delta = p.start - p.chunk.base_position
-        out.append(rope_lib.rotation_tables(delta, p.chunk.n_tokens, cfg, model.dtype, model.device) if delta else None)
+        made = (p.chunk.base_position, p.chunk.base_position + p.chunk.n_tokens)
+        out.append(rope_lib.reposition_tables(cfg, p.chunk.n_tokens, made, (p.start, n), model.dtype, model.device))
     return out
 
 
@@ -109,8 +113,10 @@ def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, la
 def _select(
     layer: DecoderLayer, h: torch.Tensor, active: torch.Tensor, is_cand: torch.Tensor,
     rope_tables: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer_idx: int, keep: int, signal: str,
-) -> torch.Tensor:
-    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates.
+    spans: list[tuple[int, int]],
+) -> tuple[torch.Tensor, SelectionStats]:
+    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates,
+    and what the check saw (per document ``spans``).
 
     Fresh K/V are projected for the candidates only, and K only when the signal uses it:
     queries are computed afterwards, for the tokens that stay."""
@@ -122,7 +128,8 @@ def _select(
     cached_k = cache.keys[layer_idx][:, pos] if use_k else None
     dev = deviation(k, v, cached_k, cache.values[layer_idx][:, pos], signal)
     chosen = cand_idx[select_tokens(dev, keep)]
-    return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values
+    stats = selection_stats(layer_idx, dev, active[chosen], spans)
+    return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values, stats
 
 
 @torch.inference_mode()
@@ -144,15 +151,17 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         keep = (~is_cand_all[active]).nonzero().squeeze(1)
         active, h = active[keep], h[keep]
     checks = dict(zip(plan.check_layers, plan.ratios))
-    recomputed, last = [], len(model.layers) - 1
+    recomputed, last, seen = [], len(model.layers) - 1, []
+    spans = [(p.start, p.start + p.chunk.n_tokens) for p in plan.placed]
     attn_plan: AttentionPlan | None = None  # both rebuilt only when the active set changes
     active_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
         _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
-            keep = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
-                           kept_count(checks[layer_idx], n_cand), plan.signal)
+            keep, check = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
+                                  kept_count(checks[layer_idx], n_cand), plan.signal, spans)
+            seen.append(check)
             active, h = active[keep], h[keep]
             attn_plan = active_rope = None
         active_rope = active_rope or (cos[active], sin[active])
@@ -174,4 +183,4 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
                                                heads_per_kv=model.cfg.heads_per_kv)
         h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
     cache.length = n
-    return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand)
+    return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand, tuple(seen))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 
@@ -36,3 +39,30 @@ def select_tokens(dev: torch.Tensor, k: int) -> torch.Tensor:
 def kept_count(ratio: float, n_candidates: int) -> int:
     """How many of ``n_candidates`` document tokens a ratio keeps (rounded to nearest)."""
     return int(round(ratio * n_candidates))
+
+
+class SelectionStats(NamedTuple):
+    """What one check layer saw and kept: for request stats and the quality guard.
+
+    The score and span fields are tensors left on the model's device, so that fusion
+    never waits for the device to report them; read them (``float``, ``tolist``) after."""
+
+    layer: int
+    candidates: int  # cached document tokens still active at this layer
+    kept: int
+    mean_score: torch.Tensor  # () deviation over the candidates (0 when there are none)
+    max_score: torch.Tensor  # ()
+    kept_per_span: torch.Tensor  # (S,) kept tokens inside each (start, end) span, in order
+
+
+def selection_stats(
+    layer: int, dev: torch.Tensor, kept_positions: torch.Tensor, spans: Sequence[tuple[int, int]]
+) -> SelectionStats:
+    """Summarise a check: ``dev`` (T,) deviations of the candidates, ``kept_positions``
+    (K,) prompt positions kept, ``spans`` the documents' [start, end) position ranges."""
+    n = dev.shape[0]
+    mean, top = (dev.mean(), dev.max()) if n else (dev.new_zeros(()), dev.new_zeros(()))
+    bounds = torch.tensor(spans, dtype=torch.long).reshape(-1, 2).to(kept_positions.device)  # (S, 2)
+    pos = kept_positions[:, None]  # (K, 1)
+    inside = (pos >= bounds[:, 0]) & (pos < bounds[:, 1])  # (K, S)
+    return SelectionStats(layer, n, kept_positions.shape[0], mean, top, inside.sum(0))

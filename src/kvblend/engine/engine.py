@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NamedTuple
 
 import torch
 
+from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
-from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
+from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
-from kvblend.engine.request import DocStat, Request, RequestStats, Result
+from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
+from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.store.base import ChunkStore
@@ -56,6 +58,21 @@ class _Built(NamedTuple):
     docs: list[DocStat]
     recomputed: list[int]
     candidates: int
+    fallback: str | None = None
+    checks: tuple[CheckStat, ...] = ()
+
+
+def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk]) -> tuple[CheckStat, ...]:
+    """Fusion's per-check selection, with kept tokens counted per request document."""
+    doc_at = {start: i for i, (start, d) in enumerate(zip(layout.doc_starts, layout.docs)) if d}
+    where = [doc_at[p.start] for p in placed]
+    result = []
+    for c in out.checks:
+        per_doc = [0] * len(layout.docs)
+        for doc, n in zip(where, c.kept_per_span.tolist()):
+            per_doc[doc] += n
+        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc))
+    return tuple(result)
 
 
 @dataclass
@@ -84,13 +101,16 @@ class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
     per-request state lives in request-scoped objects, shared state in the caches.
 
+    ``self_check``: run (or read) the model's self-check at construction; a model that
+    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.guard.selfcheck``).
+
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
     store admits it, once per key in flight; ``writeback_stats()`` counts the outcomes."""
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | None = None, self_check: bool = True,
     ) -> None:
         if loaded.model.device.type == "cpu":
             keep_freed_memory()
@@ -102,6 +122,7 @@ class Engine:
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
         self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
+        self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -217,10 +238,19 @@ class Engine:
         cache.length = hit.length
         timer.add("load", t)
 
+    def _prefix_cache_exact(self, n: int) -> bool:
+        """Whether the prefix cache is lossless for a prompt of ``n`` tokens. Dynamic NTK
+        RoPE past ``max_position_embeddings`` rotates with frequencies that depend on the
+        prompt's length, so KV cached from another prompt is not this prompt's (the
+        entries are all made at base frequencies: prompts past it neither read nor add)."""
+        return not rope_lib.length_dependent(self.loaded.config.rope, n)
+
     def _prefill_exact(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer) -> _Built:
         """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest)."""
         use_prefix, scope = request.method == "prefix", self.prefix_scope(request.tenant)
+        fallback = "dynamic-rope" if use_prefix and not self._prefix_cache_exact(ids.shape[0]) else None
+        use_prefix = use_prefix and fallback is None
         hit = self.prefix_cache.lookup(scope, ids, max_len=ids.shape[0] - 1) if use_prefix else None
         cache = self.model.new_cache(ids.shape[0] + extra)
         if hit is not None:
@@ -232,12 +262,14 @@ class Engine:
             self.prefix_cache.insert(scope, ids, cache, ids.shape[0])
         done = hit.length if hit else 0
         docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
-        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0)
+        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer) -> _Built:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute."""
         n_prefix, scope = len(layout.prefix), self.prefix_scope(request.tenant)
+        fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
+        n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
         hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
         cfg = request.blend
@@ -249,7 +281,8 @@ class Engine:
         if n_prefix and (hit is None or hit.length < n_prefix):
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
-        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates)
+        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
+                      fallback, _doc_checks(out, layout, chunks.placed))
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -258,6 +291,7 @@ class Engine:
 
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet.
+        ``auto`` reaching the engine (no guard decided) is blend.
 
         The cache holds the prompt plus ``extra_capacity`` positions, never more than the
         model's context: a client's ``max_tokens`` does not size an allocation. Raises
@@ -267,6 +301,9 @@ class Engine:
 
     def _prepare(self, request: Request, extra_capacity: int) -> Prepared:
         timer = _Timer()
+        request = replace(request, method="blend") if request.method == "auto" else request
+        if self.self_check is not None:
+            self.self_check.require(request.method, any(request.documents))
         layout = self.layout(request)
         self._check_length(len(layout))
         extra_capacity = max(0, min(extra_capacity, self.loaded.config.context_length - len(layout)))
@@ -278,7 +315,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed)
+                             elapsed, built.fallback, built.checks)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -11,6 +11,8 @@ from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
 from kvblend.generation.stream import validate_messages
 
+REQUEST_METHODS = (*METHODS, "auto")  # "auto": a quality guard decides (kvblend.guard.quality)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -18,7 +20,8 @@ class Request:
 
     Documents are texts or token-id lists; each is tokenized alone and placed, in
     order, at the start of the last user turn. ``method`` is one of full, prefix,
-    reuse, blend; ``blend`` holds the selective-recompute knobs.
+    reuse, blend, or auto (a ``QualityGuard`` picks; without one it is blend);
+    ``blend`` holds the selective-recompute knobs.
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -31,8 +34,8 @@ class Request:
     use_chat_template: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidRequestError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.method not in REQUEST_METHODS:
+            raise InvalidRequestError(f"method must be one of {', '.join(REQUEST_METHODS)}; got {self.method!r}")
         object.__setattr__(self, "documents", _documents(self.documents))
         if (self.question is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of question or messages")
@@ -71,6 +74,27 @@ class DocStat(NamedTuple):
     # recomputed in full), "request" (a repeat within this request) or "empty"
 
 
+class CheckStat(NamedTuple):
+    """One check layer of a blend: deviation (selection score) over its candidates, how
+    many it kept for recompute, and how the kept tokens fall on the request's documents."""
+
+    layer: int
+    candidates: int  # cached document tokens still active at this layer
+    selected: int
+    mean_score: float
+    max_score: float
+    doc_selected: list[int]  # kept tokens per request document (indexed like ``docs``)
+
+    @property
+    def doc_share(self) -> list[float]:
+        """Each document's share of the kept document tokens (all 0.0 when none were kept)."""
+        total = sum(self.doc_selected)
+        return [n / total if total else 0.0 for n in self.doc_selected]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._asdict(), "doc_share": self.doc_share}
+
+
 class RequestStats(NamedTuple):
     method: str
     prompt_tokens: int
@@ -82,6 +106,9 @@ class RequestStats(NamedTuple):
     load_s: float
     prefill_s: float  # full prefill or fusion/recompute
     ttft_s: float  # request start -> first token sampled
+    fallback: str | None = None  # why reuse the method allows was skipped, e.g. "dynamic-rope":
+    # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed
+    checks: tuple[CheckStat, ...] = ()  # blend's check layers, in order
 
     @property
     def recompute_frac(self) -> float:
@@ -94,6 +121,7 @@ class RequestStats(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         out = self._asdict()
         out["docs"] = [d._asdict() for d in self.docs]
+        out["checks"] = [c.to_dict() for c in self.checks]
         out["recompute_frac"] = self.recompute_frac
         return out
 

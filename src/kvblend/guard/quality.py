@@ -1,0 +1,328 @@
+"""The quality guard: rolling shadow-check agreement per (model, tenant), and fallback.
+
+CacheBlend is lossy by design; the guard watches how lossy it is in production and
+falls back before users notice. Its interface is four calls, independent of HTTP:
+
+    guard = QualityGuard(GuardConfig(min_f1=0.6, window=32, min_samples=8))
+    routing = guard.route(model, request)   # what to serve; whether to shadow-check it
+    result = engine.generate(routing.request, sampling)
+    if routing.shadow:                      # off the request's path (ShadowRunner), or inline
+        guard.record(shadow_check(engine, routing.request, result, routing.probe))
+
+``route`` resolves ``method="auto"`` (blend with the request's knobs) and, while the
+(model, tenant) is in fallback, replaces blended methods (auto always; blend/reuse
+unless ``GuardConfig.override_explicit`` is off) by full prefill or by blend at
+``fallback_ratio``; the blended request it would have served becomes the ``probe`` the
+shadow check judges, so that the guard sees when blending recovers. ``record`` adds a
+``ShadowResult`` to the rolling window; once ``min_samples`` results are in and the
+window's mean F1, first-token agreement rate or mean KL leaves its bound, the key
+switches to fallback.
+
+A second, free signal needs no shadow check: ``observe(model, tenant, stats)`` takes
+each served blend's mean selection score at its first check layer (``stats.checks``).
+The first ``calibration`` of them set the key's band ``[min / band_factor, max *
+band_factor]``; when more than ``max_out_of_band`` of a window of later scores fall
+outside it (e.g. a corrupted chunk that passes its checksums deviates wildly), the key
+falls back too. Probes report their blended prompt's score as well.
+
+A key in fallback switches back when a fresh window of probe results is within every
+bound (and its scores, if banded, are in band). Each switch is logged on the
+``kvblend.guard`` logger (with model and tenant) and counted in ``switches``;
+``state``/``snapshot`` expose the rolling values for metrics.
+``serve`` is the reference composition of these calls; ``ShadowRunner`` runs shadow
+checks on one background thread with a bounded queue (a full queue drops, counted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvblend.engine.engine import Engine
+from kvblend.engine.request import Request, RequestStats, Result
+from kvblend.generation import SamplingParams
+from kvblend.guard.shadow import ShadowResult, first_score, shadow_check
+
+log = logging.getLogger("kvblend.guard")
+GUARDED = ("auto", "blend", "reuse")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """When to shadow-check, how to judge the window, and what to fall back to.
+
+    A bound set to None is not checked. ``fallback_ratio`` None means full prefill.
+    """
+
+    shadow_fraction: float = 0.05  # of blended requests, while blending is trusted
+    probe_fraction: float = 0.5  # of guarded requests while in fallback (to see recovery)
+    window: int = 32
+    min_samples: int = 8
+    min_f1: float | None = 0.5
+    min_first_token: float | None = None
+    max_kl: float | None = None
+    fallback_ratio: float | None = None
+    calibration: int = 0  # served blends whose selection scores set the band (0: no band)
+    band_factor: float = 4.0
+    max_out_of_band: float = 0.5  # share of the score window outside the band that fails
+    override_explicit: bool = True  # also fall back for explicit blend/reuse requests
+    max_keys: int = 4096  # (model, tenant) pairs tracked; the least recently used go first
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("shadow_fraction", "probe_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1]")
+        if not 1 <= self.min_samples <= self.window:
+            raise ValueError("min_samples must be within [1, window]")
+        if self.max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        for name in ("min_f1", "min_first_token", "fallback_ratio"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1] or None")
+        if self.max_kl is not None and self.max_kl < 0:
+            raise ValueError("max_kl must be >= 0 or None")
+        if self.calibration < 0 or self.band_factor < 1 or not 0 <= self.max_out_of_band < 1:
+            raise ValueError("calibration must be >= 0, band_factor >= 1, max_out_of_band within [0, 1)")
+
+
+class GuardState(NamedTuple):
+    """One (model, tenant): fallback or not, and its rolling window's means."""
+
+    fallback: bool
+    samples: int
+    answer_f1: float | None
+    first_token: float | None
+    kl: float | None
+    switches: int
+    band: tuple[float, float] | None = None  # calibrated selection-score band
+    out_of_band: float | None = None  # share of the score window outside it
+
+
+class Routing(NamedTuple):
+    """What ``route`` decided for one request."""
+
+    request: Request  # to serve
+    probe: Request | None  # in fallback: the blended request the shadow check judges
+    shadow: bool  # whether to shadow-check this request
+    fallback: str | None  # "guard" when the guard changed the method or ratio
+
+
+@dataclass
+class _Track:
+    results: deque[ShadowResult]
+    scores: deque[float]
+    calibration: list[float] = field(default_factory=list)
+    band: tuple[float, float] | None = None
+    fallback: bool = False
+    switches: int = 0
+
+    def out_of_band(self) -> float | None:
+        if self.band is None or not self.scores:
+            return None
+        lo, hi = self.band
+        return sum(not lo <= s <= hi for s in self.scores) / len(self.scores)
+
+
+@dataclass
+class QualityGuard:
+    """Rolling shadow-check agreement and fallback state per (model, tenant). Thread-safe."""
+
+    config: GuardConfig = field(default_factory=GuardConfig)
+    switches: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (model, tenant, kind) -> n
+
+    def __post_init__(self) -> None:
+        self._tracks: OrderedDict[tuple[str, str], _Track] = OrderedDict()
+        self._lock = threading.Lock()
+        self._rng = random.Random(self.config.seed)
+
+    def _track(self, model: str, tenant: str) -> _Track:
+        key = (model, tenant)
+        track = self._tracks.get(key)
+        if track is None:
+            track = self._tracks[key] = _Track(deque(maxlen=self.config.window), deque(maxlen=self.config.window))
+            while len(self._tracks) > self.config.max_keys:
+                self._tracks.popitem(last=False)
+        self._tracks.move_to_end(key)
+        return track
+
+    def route(self, model: str, request: Request) -> Routing:
+        """Resolve ``auto`` and apply the key's fallback; decide on a shadow check."""
+        if request.method not in GUARDED:
+            return Routing(request, None, False, None)
+        blended = dataclasses.replace(request, method="blend") if request.method == "auto" else request
+        cfg = self.config
+        with self._lock:
+            falling_back = self._track(model, request.tenant).fallback
+            if not falling_back or not (request.method == "auto" or cfg.override_explicit):
+                return Routing(blended, None, self._rng.random() < cfg.shadow_fraction, None)
+            shadow = self._rng.random() < cfg.probe_fraction
+        return Routing(self._fallback(blended), blended, shadow, "guard")
+
+    def _fallback(self, blended: Request) -> Request:
+        ratio = self.config.fallback_ratio
+        if ratio is None:
+            return dataclasses.replace(blended, method="full")
+        b = blended.blend
+        raised = dataclasses.replace(b, ratio=max(b.ratio, ratio),
+                                     schedule=None if b.schedule is None else tuple(max(r, ratio) for r in b.schedule))
+        return dataclasses.replace(blended, method="blend", blend=raised)
+
+    def record(self, result: ShadowResult) -> GuardState:
+        """Add one shadow-check result; switch the key's state if its windows say so."""
+        with self._lock:
+            track = self._track(result.model, result.tenant)
+            track.results.append(result)
+            log.info("shadow check for model %s tenant %s (%s): f1 %.3f, first token %s, kl %.4f over %d tokens",
+                     result.model, result.tenant, result.method, result.answer_f1,
+                     "agrees" if result.first_token_agree else "differs", result.kl, result.tokens,
+                     extra={"model": result.model, "tenant": result.tenant})
+            if result.score is not None and track.band is not None and track.fallback:
+                track.scores.append(result.score)  # a probe's; served blends' come through observe
+            return self._judge(result.model, result.tenant, track)
+
+    def observe(self, model: str, tenant: str, stats: RequestStats) -> GuardState:
+        """Take a served blend's first-check-layer selection score: calibrate, or judge."""
+        with self._lock:
+            track = self._track(model, tenant)
+            score = first_score(stats)
+            if score is None or self.config.calibration == 0:
+                return self._state(track)
+            if track.band is None:
+                track.calibration.append(score)
+                if len(track.calibration) >= self.config.calibration:
+                    f = self.config.band_factor
+                    track.band = (min(track.calibration) / f, max(track.calibration) * f)
+                    log.info("selection-score band for model %s tenant %s: [%.4g, %.4g]", model, tenant, *track.band)
+                return self._state(track)
+            track.scores.append(score)
+            return self._judge(model, tenant, track)
+
+    def _judge(self, model: str, tenant: str, track: _Track) -> GuardState:
+        quality, band = self._quality_failing(track), self._band_failing(track)
+        if track.fallback:
+            switch = quality is False and band is not True
+        else:
+            switch = quality is True or band is True
+        if switch:
+            self._switch(model, tenant, track)
+        return self._state(track)
+
+    def _quality_failing(self, track: _Track) -> bool | None:
+        """None until ``min_samples`` shadow results are in."""
+        if len(track.results) < self.config.min_samples:
+            return None
+        f1, first, kl = _means(track.results)
+        cfg = self.config
+        return ((cfg.min_f1 is not None and f1 < cfg.min_f1)
+                or (cfg.min_first_token is not None and first < cfg.min_first_token)
+                or (cfg.max_kl is not None and kl > cfg.max_kl))
+
+    def _band_failing(self, track: _Track) -> bool | None:
+        """None without a band or before ``min_samples`` scores."""
+        share = track.out_of_band()
+        if share is None or len(track.scores) < self.config.min_samples:
+            return None
+        return share > self.config.max_out_of_band
+
+    def _switch(self, model: str, tenant: str, track: _Track) -> None:
+        f1, first, kl = _means(track.results) if track.results else (float("nan"),) * 3
+        share = track.out_of_band()
+        track.fallback = not track.fallback
+        track.switches += 1
+        kind = "fallback" if track.fallback else "recover"
+        self.switches[(model, tenant, kind)] += 1
+        to = ("full prefill" if self.config.fallback_ratio is None else f"ratio {self.config.fallback_ratio}")
+        message = (f"blending for model {model} tenant {tenant}: "
+                   + (f"falling back to {to}" if track.fallback else "recovered, blending again")
+                   + f" (over {len(track.results)} shadow checks: f1 {f1:.3f}, first-token {first:.3f}, kl {kl:.4f}"
+                   + ("" if share is None else f"; {share:.0%} of {len(track.scores)} selection scores out of band")
+                   + ")")
+        (log.warning if track.fallback else log.info)(message, extra={"model": model, "tenant": tenant,
+                                                                      "guard_switch": kind})
+        track.results.clear()  # the next verdict rests on fresh evidence
+        track.scores.clear()
+
+    def _state(self, track: _Track) -> GuardState:
+        f1, first, kl = _means(track.results) if track.results else (None, None, None)
+        return GuardState(track.fallback, len(track.results), f1, first, kl, track.switches, track.band,
+                          track.out_of_band())
+
+    def state(self, model: str, tenant: str) -> GuardState:
+        with self._lock:
+            return self._state(self._track(model, tenant))
+
+    def snapshot(self) -> dict[tuple[str, str], GuardState]:
+        """Every tracked key's state, e.g. for metrics."""
+        with self._lock:
+            return {key: self._state(track) for key, track in self._tracks.items()}
+
+
+def _means(results: deque[ShadowResult]) -> tuple[float, float, float]:
+    n = len(results)
+    return (sum(r.answer_f1 for r in results) / n, sum(r.first_token_agree for r in results) / n,
+            sum(r.kl for r in results) / n)
+
+
+class ShadowRunner:
+    """Shadow checks on one background thread, recorded into a guard; never blocks a caller.
+
+    At most ``max_pending`` checks wait; more are dropped and counted in ``dropped``.
+    A failing check is counted in ``failed`` and logged, never raised to the caller."""
+
+    def __init__(self, guard: QualityGuard, max_pending: int = 8) -> None:
+        self.guard = guard
+        self.max_pending = max_pending
+        self.dropped = 0
+        self.failed = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-shadow")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, engine: Engine, request: Request, served: Result, probe: Request | None) -> Future | None:
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                return None
+            job = self._pool.submit(self._run, engine, request, served, probe)
+            self._pending.append(job)
+            return job
+
+    def _run(self, engine: Engine, request: Request, served: Result, probe: Request | None) -> ShadowResult | None:
+        try:
+            result = shadow_check(engine, request, served, probe)
+            self.guard.record(result)
+            return result
+        except Exception:  # a shadow check must never take the server down
+            with self._lock:
+                self.failed += 1
+            log.exception("shadow check failed (tenant %s)", request.tenant)
+            return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def serve(engine: Engine, guard: QualityGuard, request: Request, sampling: SamplingParams | None = None,
+          runner: ShadowRunner | None = None) -> Result:
+    """One request under the guard: route, generate, then shadow-check in the background
+    (``runner``) or, without one, inline after the answer is complete."""
+    routing = guard.route(engine.loaded.name, request)
+    result = engine.generate(routing.request, sampling)
+    guard.observe(engine.loaded.name, request.tenant, result.stats)
+    if routing.fallback is not None:
+        result = result._replace(stats=result.stats._replace(fallback=routing.fallback))
+    if routing.shadow:
+        if runner is not None:
+            runner.submit(engine, routing.request, result, routing.probe)
+        else:
+            guard.record(shadow_check(engine, routing.request, result, routing.probe))
+    return result

@@ -1,0 +1,214 @@
+"""The quality guard: shadow checks, fallback on bad agreement, recovery, method "auto",
+and shadow checks that never change or delay a served answer (issue #15, points 2 and 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import pytest
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, Request
+from kvblend.errors import InvalidRequestError
+from kvblend.generation import SamplingParams
+from kvblend.guard import quality
+from kvblend.guard.quality import GuardConfig, QualityGuard, ShadowRunner, serve
+from kvblend.guard.shadow import ShadowResult, shadow_check
+from kvblend.store.keys import chunk_key
+from tests.conftest import make_loaded
+from tests.engine.test_blend_invariants import DOCS
+
+QUESTIONS = ["which city is blue ?", "where is the river ?", "who works in lisbon ?", "what was green ?"]
+SAMPLING = SamplingParams(max_tokens=6)
+
+
+def shadow(f1: float = 1.0, agree: bool = True, kl: float = 0.0, tenant: str = "acme") -> ShadowResult:
+    return ShadowResult("m", tenant, "blend", f1, agree, kl, 6)
+
+
+def request(method: str = "auto", tenant: str = "acme", **blend) -> Request:
+    return Request(documents=DOCS, question=QUESTIONS[0], method=method, tenant=tenant, blend=BlendConfig(**blend))
+
+
+def test_config_bounds_are_validated() -> None:
+    with pytest.raises(ValueError, match="min_samples"):
+        GuardConfig(window=4, min_samples=5)
+    with pytest.raises(ValueError, match="shadow_fraction"):
+        GuardConfig(shadow_fraction=1.5)
+    with pytest.raises(ValueError, match="max_kl"):
+        GuardConfig(max_kl=-1.0)
+    with pytest.raises(ValueError, match="band_factor"):
+        GuardConfig(calibration=4, band_factor=0.5)
+
+
+def test_low_agreement_switches_to_full_and_back(caplog: pytest.LogCaptureFixture) -> None:
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, probe_fraction=1.0, window=4, min_samples=3, min_f1=0.5))
+    assert guard.route("m", request()).request.method == "blend"  # auto blends while trusted
+    with caplog.at_level(logging.INFO, logger="kvblend.guard"):
+        for _ in range(2):
+            assert not guard.record(shadow(f1=0.1)).fallback  # too few samples to judge
+        assert guard.record(shadow(f1=0.1)).fallback
+        routing = guard.route("m", request())
+        assert routing.request.method == "full" and routing.probe.method == "blend"
+        assert routing.shadow and routing.fallback == "guard"
+        assert guard.route("m", request(method="blend")).request.method == "full"  # explicit blend too
+        assert guard.route("m", request(method="prefix")) == (request(method="prefix"), None, False, None)
+        assert guard.route("m", request(tenant="globex")).request.method == "blend"  # other tenants blend on
+        for f1 in (0.9, 0.2):
+            assert guard.record(shadow(f1=f1)).fallback  # judged on fresh results only: too few yet
+        assert not guard.record(shadow(f1=0.9)).fallback  # mean 0.67 >= 0.5: recovered
+    switches = [r for r in caplog.records if hasattr(r, "guard_switch")]
+    assert [r.levelname for r in switches] == ["WARNING", "INFO"]
+    assert "falling back to full prefill" in switches[0].getMessage()
+    assert "tenant acme" in switches[0].getMessage() and switches[0].tenant == "acme"
+    assert sum("shadow check for model m tenant acme" in r.getMessage() for r in caplog.records) == 6
+    assert guard.switches == {("m", "acme", "fallback"): 1, ("m", "acme", "recover"): 1}
+    assert not guard.state("m", "acme").fallback and guard.route("m", request()).request.method == "blend"
+
+
+def test_each_bound_can_trigger_and_fallback_can_be_a_higher_ratio() -> None:
+    cfg = GuardConfig(window=2, min_samples=2, min_f1=None, max_kl=0.5, fallback_ratio=0.6, override_explicit=False)
+    guard = QualityGuard(cfg)
+    guard.record(shadow(kl=0.1))
+    assert not guard.record(shadow(kl=0.2)).fallback
+    guard.record(shadow(kl=2.0))
+    assert guard.record(shadow(kl=2.0)).fallback
+    routed = guard.route("m", request(check_layers=(1, 2), schedule=(0.8, 0.3))).request
+    assert routed.method == "blend" and routed.blend.ratios == (0.8, 0.6)
+    assert guard.route("m", request(method="blend")).request.method == "blend"  # explicit kept
+    first = QualityGuard(GuardConfig(window=2, min_samples=2, min_f1=None, min_first_token=0.75))
+    first.record(shadow(agree=True))
+    assert first.record(shadow(agree=False)).fallback
+
+
+def test_tracked_keys_are_bounded() -> None:
+    guard = QualityGuard(GuardConfig(max_keys=2))
+    for tenant in ("a", "b", "c"):
+        guard.record(shadow(tenant=tenant))
+    assert set(guard.snapshot()) == {("m", "b"), ("m", "c")}
+
+
+def corrupt(eng: Engine, scale: float) -> dict:
+    """Replace every stored chunk's values with noisy ones (checksums are recomputed: they
+    pass); returns the good chunks to restore."""
+    ctx = eng.key_context((eng.tokenizer.bos_token_id,), "default")
+    good = {}
+    for ids in eng.layout(Request(documents=DOCS, question=QUESTIONS[0])).docs:
+        key = chunk_key(ids, ctx)
+        good[key] = chunk = eng.store.get(key, ids)
+        g = torch.Generator().manual_seed(len(ids))
+        noisy = tuple(v + scale * torch.randn(v.shape, generator=g) for v in chunk.values)
+        eng.store.put(key, dataclasses.replace(chunk, values=noisy))
+    return good
+
+
+@pytest.fixture(scope="module")
+def eng() -> Engine:
+    engine = Engine(make_loaded(num_hidden_layers=4), self_check=False)
+    engine.generate(Request(documents=DOCS, question=QUESTIONS[0]), SAMPLING)
+    engine.flush()
+    return engine
+
+
+def test_corrupted_chunks_engage_the_fallback_until_quality_returns(eng: Engine) -> None:
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, probe_fraction=1.0, window=2, min_samples=2,
+                                     min_f1=None, max_kl=0.4))
+    for q in QUESTIONS[:2]:
+        assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "blend"
+    assert not guard.state("tiny-llama", "default").fallback
+    good = corrupt(eng, 3.0)
+    try:
+        for q in QUESTIONS[:2]:
+            serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
+        state = guard.state("tiny-llama", "default")
+        assert state.fallback and state.switches == 1
+        served = serve(eng, guard, Request(documents=DOCS, question=QUESTIONS[2], method="auto"), SAMPLING)
+        full = eng.generate(Request(documents=DOCS, question=QUESTIONS[2], method="full"), SAMPLING)
+        assert served.stats.method == "full" and served.stats.fallback == "guard"
+        assert served.token_ids == full.token_ids  # users get full prefill's answer
+    finally:
+        for key, chunk in good.items():
+            eng.store.put(key, chunk)
+    for q in QUESTIONS[2:]:  # the probes judge blending again and find it good
+        serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
+    state = guard.state("tiny-llama", "default")
+    assert not state.fallback and state.switches == 2
+    assert serve(eng, guard, Request(documents=DOCS, question=QUESTIONS[0], method="auto"), SAMPLING).stats.method \
+        == "blend"
+
+
+def test_shadow_checks_never_change_the_served_answer(eng: Engine) -> None:
+    twin = Engine(make_loaded(num_hidden_layers=4), self_check=False)  # same weights, never shadowed
+    twin.generate(Request(documents=DOCS, question=QUESTIONS[0]), SAMPLING)
+    twin.flush()
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1, min_f1=None, max_kl=100.0))
+    for q in QUESTIONS:
+        req = Request(documents=DOCS, question=q, method="blend")
+        served = serve(eng, guard, req, SAMPLING)
+        before = served.to_dict()
+        result = shadow_check(eng, req, served)
+        assert served.to_dict() == before and result.tokens == len(served.token_ids)
+        assert served.token_ids == twin.generate(req, SAMPLING).token_ids
+    assert guard.state("tiny-llama", "default").samples == 1
+
+
+def test_a_full_answer_needs_a_probe_to_be_judged(eng: Engine) -> None:
+    req = Request(documents=DOCS, question=QUESTIONS[1], method="full")
+    served = eng.generate(req, SAMPLING)
+    with pytest.raises(InvalidRequestError, match="probe"):
+        shadow_check(eng, req, served)
+    judged = shadow_check(eng, req, served, probe=dataclasses.replace(req, method="blend"))
+    assert judged.method == "blend" and judged.tokens == len(served.token_ids) and judged.kl >= 0
+
+
+def test_auto_without_a_guard_is_blend(eng: Engine) -> None:
+    stats = eng.prepare(Request(documents=DOCS, question=QUESTIONS[0], method="auto")).stats
+    assert stats.method == "blend" and all(d.hit for d in stats.docs)
+
+
+def test_the_runner_never_blocks_the_answer(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    release, started = threading.Event(), threading.Event()
+
+    def slow(engine, req, served, probe):
+        started.set()
+        release.wait(30)
+        return shadow(kl=0.0, tenant=req.tenant)
+
+    monkeypatch.setattr(quality, "shadow_check", slow)
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1))
+    runner = ShadowRunner(guard, max_pending=1)
+    try:
+        first = serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)
+        assert first.token_ids and started.wait(30)
+        serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)  # queue full: dropped
+        assert runner.dropped == 1 and guard.state("m", "default").samples == 0
+        release.set()
+    finally:
+        release.set()
+        runner.close()
+    assert guard.state("m", "default").samples == 1
+
+
+def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_checks(eng: Engine) -> None:
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, probe_fraction=1.0, window=2, min_samples=2,
+                                     min_f1=None, max_kl=0.4, calibration=3))
+    for q in QUESTIONS[:3]:
+        serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
+    state = guard.state("tiny-llama", "default")
+    assert state.band is not None and state.samples == 0 and not state.fallback
+    good = corrupt(eng, 3.0)
+    try:
+        for q in QUESTIONS[:2]:  # no shadow check runs: the scores alone say it
+            assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.checks
+        state = guard.state("tiny-llama", "default")
+        assert state.fallback and state.samples == 0 and guard.switches[("tiny-llama", "default", "fallback")] == 1
+    finally:
+        for key, chunk in good.items():
+            eng.store.put(key, chunk)
+    for q in QUESTIONS[2:]:  # probes: good agreement and in-band scores
+        assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "full"
+    state = guard.state("tiny-llama", "default")
+    assert not state.fallback and state.switches == 2
