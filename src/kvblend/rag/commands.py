@@ -147,83 +147,26 @@ def add_ask_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant", default="default")
 
 
-class _KeysAdmission:
-    """Admit only the given chunk keys (lazy precompute: chunks at their N-th retrieval)."""
-
-    def __init__(self, keys: set) -> None:
-        self.keys = keys
-
-    def admit(self, key) -> bool:
-        return key in self.keys
-
-
-def _lazy_admission(engine, retriever, hits, tenant: str) -> list[str]:
-    """Count this retrieval. Under lazy precompute (``precompute_after`` N > 0 in the
-    catalog) only chunks at their N-th retrieval may be written back to the store."""
-    from kvblend.rag.ingest import KvWarmer
-    from kvblend.store.keys import chunk_key
-
-    ids = [h.chunk_id for h in hits]
-    retriever.catalog.record_retrievals(tenant, ids)
-    after = int(retriever.catalog.get_meta(f"precompute_after:{tenant}") or 0)
-    if not after:
-        return []
-    due = [r for r in retriever.catalog.chunks(tenant, ids) if not r.kv_ready and r.retrievals >= after]
-    ctx = engine.key_context(KvWarmer(engine).chunk_prefix, tenant)
-    engine.store.admission = _KeysAdmission({chunk_key(r.token_ids, ctx) for r in due})
-    return [r.chunk_id for r in due]
-
-
 def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[str, Any], sampling) -> int:
     """Retrieve the top-k chunks, blend them, stream the answer, show sources and stats."""
     from kvblend.cli import _load, _print_stats
-    from kvblend.engine import Engine, Request
+    from kvblend.engine import Engine
+    from kvblend.rag.ask import ask
 
     loaded = _load(args)
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
     engine = Engine(loaded, store=_store(args))
+    show = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
-        hits = retriever.search(args.tenant, question, args.top_k)
-        if not hits:
-            raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
-                               "run `kvblend ingest PATH...` first (with the same --model)")
-        due = _lazy_admission(engine, retriever, hits, args.tenant)
-        request = Request(documents=[h.token_ids for h in hits], question=question, tenant=args.tenant, **request_kw)
-        result = _stream(engine, request, sampling, args.json)
-        engine.flush()
-        if due:
-            retriever.catalog.mark_kv_ready(args.tenant, due)
-        full = engine.generate(Request(**{**_fields(request), "method": "full"}), sampling) if args.compare else None
+        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.top_k, request_kw=request_kw,
+                     sampling=sampling, compare=args.compare, on_text=show)
     finally:
         engine.close()
         retriever.close()
-    _report(args, hits, result, full, _print_stats)
-    return 0
-
-
-def _fields(request) -> dict[str, Any]:
-    from dataclasses import fields
-
-    return {f.name: getattr(request, f.name) for f in fields(request)}
-
-
-def _stream(engine, request, sampling, quiet: bool):
-    from kvblend.engine import Result
-    from kvblend.engine.request import RequestStats
-    from kvblend.generation import collect
-
-    stats, events = None, []
-    for item in engine.stream(request, sampling):
-        if isinstance(item, RequestStats):
-            stats = item
-            continue
-        events.append(item)
-        if not quiet:
-            print(item.text, end="", flush=True)
-    if not quiet:
+    if show is not None:
         print()
-    done = collect(iter(events), stats.prompt_tokens)
-    return Result(done.text, done.token_ids, done.finish_reason, stats)
+    _report(args, answer.hits, answer.result, answer.full, _print_stats)
+    return 0
 
 
 def _report(args, hits, result, full, print_stats) -> None:

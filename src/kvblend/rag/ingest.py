@@ -98,11 +98,10 @@ class KvWarmer:
     """Computes and stores chunk KV through an ``Engine`` (after the model's chat prefix)."""
 
     def __init__(self, engine: Any) -> None:
-        from kvblend.engine import Request
+        from kvblend.rag.ask import chunk_prefix
 
         self.engine = engine
-        probe = Request(documents=[], question="?")
-        self.chunk_prefix = engine.chunk_prefix(probe, engine.layout(probe))
+        self.chunk_prefix = chunk_prefix(engine)
 
     def warm(self, token_ids: tuple[int, ...], tenant: str) -> bool:
         """Store the chunk's KV; False if it was already there (nothing computed)."""
