@@ -185,9 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_ask_args(p)
     p.set_defaults(func=cmd_ask)
 
-    p = sub.add_parser("demo", help="blended RAG on MuSiQue-style documents: TTFT of full vs blend")
+    p = sub.add_parser("demo", help="ingest a small MuSiQue corpus, answer by retrieval + blend, TTFT vs full prefill")
     _add_model_args(p)
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--questions", type=int, default=2, help="questions to answer (of 3)")
+    p.add_argument("--chunks", type=int, default=4, help="passages retrieved per question (top-k)")
     p.set_defaults(func=cmd_demo)
 
     _add_optional_commands(sub)

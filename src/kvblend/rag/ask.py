@@ -71,11 +71,12 @@ def _stream(engine: Engine, request: Request, sampling: SamplingParams, on_text:
 
 def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "default", top_k: int = 6,
         mode: str | None = None, request_kw: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
-        compare: bool = False, on_text: Callable[[str], Any] | None = None) -> Answer:
-    """Retrieve, blend (``request_kw`` sets method, system, blend config) and decode;
-    ``on_text`` receives the answer as it streams. Raises KvblendError on an empty index."""
+        compare: bool = False, on_text: Callable[[str], Any] | None = None, query: str | None = None) -> Answer:
+    """Retrieve by ``query`` (default: the question), blend (``request_kw`` sets method,
+    system, blend config) and decode; ``on_text`` receives the answer as it streams.
+    Raises KvblendError on an empty index."""
     sampling = sampling or SamplingParams()
-    hits = retriever.search(tenant, question, top_k, mode)
+    hits = retriever.search(tenant, query or question, top_k, mode)
     if not hits:
         raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
                            "run `kvblend ingest PATH...` first (with the same --model and --tenant)")

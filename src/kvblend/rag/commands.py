@@ -140,7 +140,7 @@ def _economics(ingestor, engine, loaded):
 
 # ----- ask by retrieval -----------------------------------------------------------------
 def add_ask_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--top-k", type=int, default=6, help="chunks to retrieve when no --doc is given")
+    p.add_argument("--chunks", type=int, default=6, help="chunks to retrieve when no --doc is given (top-k)")
     p.add_argument("--compare", action="store_true", help="also run a full prefill and compare")
     p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")
     p.add_argument("--retriever", default="hybrid", choices=("dense", "bm25", "hybrid"))
@@ -158,7 +158,7 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
     engine = Engine(loaded, store=_store(args))
     show = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
-        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.top_k, request_kw=request_kw,
+        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.chunks, request_kw=request_kw,
                      sampling=sampling, compare=args.compare, on_text=show)
     finally:
         engine.close()

@@ -217,13 +217,20 @@ class Ingestor:
     def ingest(self, paths: Sequence[Path], progress: bool = True) -> IngestSummary:
         """Ingest files and folders; bad files are skipped and listed in the summary."""
         start, summary = time.perf_counter(), IngestSummary()
-        bar = _progress(progress)
         files, summary.skipped = discover([Path(p) for p in paths])
-        todo, waiting = self._plan(_read_all(files, self.config.text_field, summary, bar), summary)
+        docs = _read_all(files, self.config.text_field, summary, _progress(progress))
+        return self.ingest_documents(docs, progress, summary, start)
+
+    def ingest_documents(self, docs: Sequence[Document], progress: bool = True, summary: IngestSummary | None = None,
+                         start: float | None = None) -> IngestSummary:
+        """Ingest documents given as ``(source, text)`` (re-ingesting a source replaces it)."""
+        start = time.perf_counter() if start is None else start
+        summary = summary or IngestSummary()
+        todo, waiting = self._plan(list(docs), summary)
         if self.config.dense:
             self.retriever.reconcile(self.config.tenant)
         size = self.config.batch_size
-        with bar(total=len(todo), desc="chunks", unit="chunk") as pbar:
+        with _progress(progress)(total=len(todo), desc="chunks", unit="chunk") as pbar:
             for i in range(0, len(todo), size):
                 batch = todo[i : i + size]
                 waiting = self._commit(self._store_batch(batch, summary), waiting, summary)
