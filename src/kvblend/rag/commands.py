@@ -81,8 +81,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvblend.rag.chunking import ChunkerConfig
     from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
 
+    from kvblend.rag.readers import discover
+
     config = IngestConfig(ChunkerConfig(args.chunker, args.chunk_tokens, args.overlap), args.tenant, args.batch,
                           args.precompute, args.precompute_after, args.text_field, dense=args.retriever != "bm25")
+    files, skipped = discover([Path(p) for p in args.paths])
+    if not files:
+        print("nothing to ingest: " + ("no files found (the folder is empty)" if not skipped else
+                                       f"none of the {len(skipped)} file(s) can be read:"))
+        for path, reason in skipped:
+            print(f"  {path}: {reason}")
+        return 1
     loaded = _load(args)
     engine = Engine(loaded, store=_store(args))
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
@@ -97,12 +106,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     finally:
         retriever.close()
         engine.close()
-    return 0 if summary.files or not summary.skipped else 1
+    return 0 if summary.files else 1
 
 
 def _print_summary(s, retriever, config) -> None:
-    if not s.files and not s.skipped:
-        print("nothing to ingest: no files found (the folder is empty)")
     docs, chunks, tokens = retriever.catalog.count(config.tenant)
     tiers = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in s.store_bytes.items()) or "-"
     print(f"ingested {s.files} file(s), {s.documents} document(s) ({s.unchanged} unchanged) in {s.total_s:.1f}s: "
