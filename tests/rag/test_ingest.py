@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from kvblend.rag.ask import ask, chunk_prefix
 from kvblend.store.keys import chunk_key
 from tests.rag.helpers import corpus_texts, pipeline, write_corpus

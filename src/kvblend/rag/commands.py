@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvblend.errors import KvblendError
-
 
 def default_index_dir(tokenizer_id: str) -> Path:
     """``$KVBLEND_HOME/rag/<tokenizer fingerprint>``: one index per tokenizer."""
