@@ -91,6 +91,11 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
 def cmd_ask(args: argparse.Namespace) -> int:
     from kvblend.engine import Engine, Request
 
+    if not args.doc:
+        from kvblend.rag.commands import run_retrieval_ask
+
+        kw = dict(system=args.system, method=args.method, blend=_blend_config(args))
+        return run_retrieval_ask(args, _read_text(args.question), kw, _sampling(args))
     docs = []
     for path in args.doc:
         try:
@@ -180,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("ask", help="answer a question over documents with KV reuse")
+    from kvblend.rag.commands import add_ask_args, add_ingest_command
+
+    add_ingest_command(sub)
+    p = sub.add_parser("ask", help="answer a question over documents (--doc) or retrieved chunks, with KV reuse")
     p.add_argument("question", nargs="?", default=None)
     p.add_argument("--doc", action="append", default=[], help="a document file (repeatable, in order)")
     p.add_argument("--system", default=None)
@@ -190,11 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p)
     _add_blend_args(p)
+    add_ask_args(p)
     p.set_defaults(func=cmd_ask)
 
-    p = sub.add_parser("demo", help="blended RAG on MuSiQue-style documents: TTFT of full vs blend")
+    p = sub.add_parser("demo", help="ingest a small MuSiQue corpus, answer by retrieval + blend, TTFT vs full prefill")
     _add_model_args(p)
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--questions", type=int, default=2, help="questions to answer (of 3)")
+    p.add_argument("--chunks", type=int, default=4, help="passages retrieved per question (top-k)")
     p.set_defaults(func=cmd_demo)
 
     _add_serve_command(sub)

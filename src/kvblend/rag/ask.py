@@ -1,0 +1,97 @@
+"""Answer a question from the index: retrieve the top-k chunks, blend their KV, stream.
+
+The retrieved chunks go to the engine as token ids (the ids they were chunked and
+precomputed with), so their store keys are the ones ingest wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any, NamedTuple
+
+from kvblend.engine import Engine, Request, Result
+from kvblend.engine.request import RequestStats
+from kvblend.errors import KvblendError
+from kvblend.generation import SamplingParams, collect
+from kvblend.rag.retriever import Hit, Retriever
+from kvblend.store.keys import chunk_key
+
+
+class Answer(NamedTuple):
+    """The chunks used (best first), the blended result and, when asked, full prefill's."""
+
+    hits: list[Hit]
+    result: Result
+    full: Result | None
+
+
+class _KeysAdmission:
+    """Admit only the given chunk keys (lazy precompute: chunks at their N-th retrieval)."""
+
+    def __init__(self, keys: set) -> None:
+        self.keys = keys
+
+    def sight(self, key) -> bool:
+        """A miss of ``key`` (the store's admission contract): admitted when it is due."""
+        return key in self.keys
+
+    def admit(self, key) -> bool:
+        return key in self.keys
+
+
+def chunk_prefix(engine: Engine) -> tuple[int, ...]:
+    """The prefix chunk KV is computed after (the default ``bos`` chunk prefix)."""
+    probe = Request(documents=[], question="?")
+    return engine.chunk_prefix(probe, engine.layout(probe))
+
+
+def _lazy_admission(engine: Engine, retriever: Retriever, hits: list[Hit], tenant: str) -> list[str]:
+    """Count this retrieval. Under lazy precompute (``precompute_after:<tenant>`` N > 0 in
+    the catalog) only chunks at their N-th retrieval may be written to the store."""
+    ids = [h.chunk_id for h in hits]
+    retriever.catalog.record_retrievals(tenant, ids)
+    after = int(retriever.catalog.get_meta(f"precompute_after:{tenant}") or 0)
+    if not after or not hasattr(engine.store, "admission"):
+        return []
+    due = [r for r in retriever.catalog.chunks(tenant, ids) if not r.kv_ready and r.retrievals >= after]
+    ctx = engine.key_context(chunk_prefix(engine), tenant)
+    engine.store.admission = _KeysAdmission({chunk_key(r.token_ids, ctx) for r in due})
+    return [r.chunk_id for r in due]
+
+
+def _stream(engine: Engine, request: Request, sampling: SamplingParams, on_text: Callable[[str], Any] | None) -> Result:
+    stats, events = None, []
+    for item in engine.stream(request, sampling):
+        if isinstance(item, RequestStats):
+            stats = item
+            continue
+        events.append(item)
+        if on_text is not None:
+            on_text(item.text)
+    done = collect(iter(events), stats.prompt_tokens)
+    return Result(done.text, done.token_ids, done.finish_reason, stats)
+
+
+def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "default", top_k: int = 6,
+        mode: str | None = None, request_kw: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
+        compare: bool = False, on_text: Callable[[str], Any] | None = None, query: str | None = None) -> Answer:
+    """Retrieve by ``query`` (default: the question), blend (``request_kw`` sets method,
+    system, blend config) and decode; ``on_text`` receives the answer as it streams.
+    Raises KvblendError on an empty index."""
+    sampling = sampling or SamplingParams()
+    hits = retriever.search(tenant, query or question, top_k, mode)
+    if not hits:
+        raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
+                           "run `kvblend ingest PATH...` first (with the same --model and --tenant)")
+    due = _lazy_admission(engine, retriever, hits, tenant)
+    request = Request(documents=[h.token_ids for h in hits], question=question, tenant=tenant, **(request_kw or {}))
+    result = _stream(engine, request, sampling, on_text)
+    engine.flush()
+    if due:
+        retriever.catalog.mark_kv_ready(tenant, due)
+    full = None
+    if compare:
+        full = engine.generate(Request(**{**{f.name: getattr(request, f.name) for f in fields(request)},
+                                          "method": "full"}), sampling)
+    return Answer(hits, result, full)

@@ -1,0 +1,200 @@
+"""``kvblend ingest PATH...`` and ``kvblend ask "question"`` without ``--doc`` (retrieval).
+
+Both find the index and the chunk KV store under ``KVBLEND_HOME`` by default
+(``rag/<tokenizer>`` and ``kv``), so an ingest and a later ask need no flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def default_index_dir(tokenizer_id: str) -> Path:
+    """``$KVBLEND_HOME/rag/<tokenizer fingerprint>``: one index per tokenizer."""
+    from kvblend.models.loader import cache_home
+
+    return cache_home() / "rag" / tokenizer_id[:16]
+
+
+def default_store_dir() -> Path:
+    from kvblend.models.loader import cache_home
+
+    return cache_home() / "kv"
+
+
+def add_retrieval_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ingest and ask (retrieval)."""
+    from kvblend.rag.retriever import MODES
+
+    p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")
+    p.add_argument("--retriever", default="hybrid", choices=MODES, help="dense, bm25 or hybrid (default)")
+    p.add_argument("--tenant", default="default")
+
+
+def _store(args: argparse.Namespace):
+    from kvblend.store.config import StoreConfig, build_store
+
+    disk = getattr(args, "store_dir", None) or str(default_store_dir())
+    return build_store(StoreConfig(disk_dir=disk, redis_url=getattr(args, "redis_url", None)))
+
+
+def open_retriever(args: argparse.Namespace, tokenizer_id: str):
+    from kvblend.rag.retriever import Retriever, RetrieverConfig
+
+    folder = Path(args.index) if args.index else default_index_dir(tokenizer_id)
+    return Retriever(RetrieverConfig(folder, mode=args.retriever))
+
+
+# ----- ingest ---------------------------------------------------------------------------
+def add_ingest_command(sub) -> None:
+    from kvblend.rag.chunking import CHUNKERS
+    from kvblend.rag.ingest import PRECOMPUTE
+
+    p = sub.add_parser("ingest", help="chunk, embed, index and precompute the KV of documents")
+    p.add_argument("paths", nargs="+", help="files or folders (.txt .md .jsonl .html .pdf)")
+    p.add_argument("--chunker", default="tokens", choices=CHUNKERS)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--overlap", type=int, default=0)
+    p.add_argument("--batch", type=int, default=32, help="chunks per atomic commit")
+    p.add_argument("--precompute", default="all", choices=PRECOMPUTE,
+                   help="all: compute every chunk's KV now; lazy: on its N-th retrieval")
+    p.add_argument("--precompute-after", type=int, default=2, help="N for --precompute lazy")
+    p.add_argument("--text-field", default="text", help="the text field of .jsonl records")
+    p.add_argument("--store-dir", default=None, help="chunk KV disk tier (default: $KVBLEND_HOME/kv)")
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_retrieval_args(p)
+    from kvblend.cli import _add_model_args
+
+    _add_model_args(p)
+    p.set_defaults(func=cmd_ingest)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from kvblend.cli import _load
+    from kvblend.engine import Engine
+    from kvblend.rag.chunking import ChunkerConfig
+    from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
+
+    from kvblend.rag.readers import discover
+
+    config = IngestConfig(ChunkerConfig(args.chunker, args.chunk_tokens, args.overlap), args.tenant, args.batch,
+                          args.precompute, args.precompute_after, args.text_field, dense=args.retriever != "bm25")
+    files, skipped = discover([Path(p) for p in args.paths])
+    if not files:
+        print("nothing to ingest: " + ("no files found (the folder is empty)" if not skipped else
+                                       f"none of the {len(skipped)} file(s) can be read:"))
+        for path, reason in skipped:
+            print(f"  {path}: {reason}")
+        return 1
+    loaded = _load(args)
+    engine = Engine(loaded, store=_store(args))
+    retriever = open_retriever(args, loaded.tokenizer_fingerprint)
+    try:
+        ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config, KvWarmer(engine))
+        lazy_after = config.precompute_after if config.precompute == "lazy" else 0
+        retriever.catalog.set_meta(f"precompute_after:{config.tenant}", str(lazy_after))
+        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet)
+        _print_summary(summary, retriever, config)
+        if summary.chunks:
+            print(_economics(ingestor, engine, loaded).describe())
+    finally:
+        retriever.close()
+        engine.close()
+    return 0 if summary.files else 1
+
+
+def _print_summary(s, retriever, config) -> None:
+    docs, chunks, tokens = retriever.catalog.count(config.tenant)
+    tiers = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in s.store_bytes.items()) or "-"
+    print(f"ingested {s.files} file(s), {s.documents} document(s) ({s.unchanged} unchanged) in {s.total_s:.1f}s: "
+          f"{s.chunks_new} new chunk(s), {s.tokens_new} new tokens; {s.removed_chunks} stale chunk(s) removed")
+    print(f"chunk KV: {s.kv_chunks} computed ({s.kv_tokens} tokens, {s.kv_s:.1f}s); embedding {s.embed_s:.1f}s; "
+          f"store bytes per tier: {tiers}")
+    print(f"index now holds {docs} document(s), {chunks} chunk(s), {tokens} tokens (tenant {config.tenant})")
+    if s.skipped:
+        print(f"skipped {len(s.skipped)} file(s):")
+        for path, reason in s.skipped:
+            print(f"  {path}: {reason}")
+
+
+def _economics(ingestor, engine, loaded):
+    """Measure on the first committed chunk: its KV compute time and its load time."""
+    import time
+
+    from kvblend.blend.chunks import compute_chunk_kv
+    from kvblend.rag.economics import estimate, measure_load
+    from kvblend.store.keys import chunk_key
+
+    tenant = ingestor.config.tenant
+    ids, texts = ingestor.catalog.all_texts(tenant)
+    row = ingestor.catalog.chunks(tenant, ids[:1])[0]
+    warmer = ingestor.warmer
+    t = time.perf_counter()
+    chunk = compute_chunk_kv(engine.model, warmer.chunk_prefix, row.token_ids)
+    prefill = time.perf_counter() - t
+    key = chunk_key(row.token_ids, engine.key_context(warmer.chunk_prefix, tenant))
+    if not engine.store.contains(key):
+        engine.store.put(key, chunk)
+    load = measure_load(engine.store, key, row.token_ids)
+    return estimate(prefill, load, len(row.token_ids), 0.15, loaded.config.num_layers)
+
+
+# ----- ask by retrieval -----------------------------------------------------------------
+def add_ask_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunks", type=int, default=6, help="chunks to retrieve when no --doc is given (top-k)")
+    p.add_argument("--compare", action="store_true", help="also run a full prefill and compare")
+    p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")
+    p.add_argument("--retriever", default="hybrid", choices=("dense", "bm25", "hybrid"))
+    p.add_argument("--tenant", default="default")
+
+
+def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[str, Any], sampling) -> int:
+    """Retrieve the top-k chunks, blend them, stream the answer, show sources and stats."""
+    from kvblend.cli import _load, _print_stats
+    from kvblend.engine import Engine
+    from kvblend.rag.ask import ask
+
+    loaded = _load(args)
+    retriever = open_retriever(args, loaded.tokenizer_fingerprint)
+    engine = Engine(loaded, store=_store(args))
+    show = None if args.json else (lambda text: print(text, end="", flush=True))
+    try:
+        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.chunks, request_kw=request_kw,
+                     sampling=sampling, compare=args.compare, on_text=show)
+    finally:
+        engine.close()
+        retriever.close()
+    if show is not None:
+        print()
+    _report(args, answer.hits, answer.result, answer.full, _print_stats)
+    return 0
+
+
+def _report(args, hits, result, full, print_stats) -> None:
+    import json
+
+    from kvblend.eval.metrics import first_line, token_f1
+
+    if args.json:
+        out = result.to_dict()
+        out["sources"] = [{"source": h.source, "chunk": h.ordinal, "score": h.score, "chunk_id": h.chunk_id}
+                          for h in hits]
+        if full is not None:
+            out["full"] = full.to_dict()
+        print(json.dumps(out, indent=2))
+        return
+    print("\nsources:", file=sys.stderr)
+    for i, (h, d) in enumerate(zip(hits, result.stats.docs), start=1):
+        print(f"  [{i}] {h.source} (chunk {h.ordinal}, {d.tokens} tokens, score {h.score:.4f}, KV: {d.source})",
+              file=sys.stderr)
+    print_stats(result.stats)
+    if full is not None:
+        speed = full.stats.ttft_s / max(result.stats.ttft_s, 1e-9)
+        agree = token_f1(first_line(result.text), first_line(full.text))
+        print(f"[compare] full prefill TTFT {full.stats.ttft_s:.3f}s vs {result.stats.method} "
+              f"{result.stats.ttft_s:.3f}s ({speed:.1f}x); answer agreement F1 {agree:.2f}", file=sys.stderr)
+        print(f"[compare] full prefill answered: {full.text.strip()}", file=sys.stderr)

@@ -1,0 +1,48 @@
+"""`kvblend ingest` then `kvblend ask` (no --doc) on the real SmolLM2; defaults under KVBLEND_HOME."""
+
+from __future__ import annotations
+
+from kvblend.cli import main
+from kvblend.rag.commands import default_index_dir, default_store_dir
+
+DOCS = {
+    "lighthouse.md": "# Vormsi\n\nThe lighthouse keeper of Vormsi island is Theodora Quill. She has kept the lamp "
+                     "since 1987 and lives in the white house beside the tower.\n",
+    "bakery.txt": "The bakery on Harbour Street sells rye bread every morning. It was opened in 1952 by two brothers.\n",
+}
+
+
+def test_defaults_live_under_kvblend_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    assert default_index_dir("ab" * 32) == tmp_path / "rag" / ("ab" * 8)
+    assert default_store_dir() == tmp_path / "kv"
+
+
+def test_empty_folder_says_so_and_loads_nothing(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["ingest", str(tmp_path / "empty"), "--index", str(tmp_path / "idx")]) == 1
+    assert "the folder is empty" in capsys.readouterr().out
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.bin").write_bytes(b"\x00")
+    assert main(["ingest", str(tmp_path / "bad"), "--index", str(tmp_path / "idx")]) == 1
+    assert "unsupported type .bin" in capsys.readouterr().out
+    assert not (tmp_path / "idx").exists()  # nothing half-written
+
+
+def test_ingest_then_ask_by_retrieval_on_smollm2(tmp_path, capsys):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, text in DOCS.items():
+        (folder / name).write_text(text)
+    flags = ["--index", str(tmp_path / "idx"), "--store-dir", str(tmp_path / "kv")]
+    assert main(["ingest", str(folder), "--quiet", "--chunk-tokens", "64", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "ingested 2 file(s), 2 document(s) (0 unchanged)" in out and "2 computed" in out
+    assert "economics:" in out and ("pays for itself" in out or "saves nothing" in out)
+    assert main(["ask", "Who keeps the lighthouse on Vormsi?", "--chunks", "1", "--max-tokens", "6", "--compare",
+                 *flags]) == 0
+    captured = capsys.readouterr()
+    assert "lighthouse.md (chunk 0" in captured.err and "KV: disk" in captured.err
+    assert "[compare] full prefill TTFT" in captured.err and captured.out.strip()
+    assert main(["ingest", str(folder), "--quiet", *flags[:2], *flags[2:], "--chunk-tokens", "64"]) == 0
+    assert "(2 unchanged)" in capsys.readouterr().out

@@ -1,0 +1,133 @@
+"""Ingest: incremental, consistent after a kill mid-batch, bad input skipped and counted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvblend.rag.ask import ask, chunk_prefix
+from kvblend.store.keys import chunk_key
+from tests.rag.helpers import corpus_texts, pipeline, write_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _consistent(engine, retriever, tenant: str = "default") -> tuple[int, int]:
+    """Every committed chunk has its vector and its KV; every document's chunks exist."""
+    cat = retriever.catalog
+    docs = cat.documents(tenant)
+    ids, _ = cat.all_texts(tenant)
+    assert set(ids) <= retriever.index.ids(tenant)
+    ctx = engine.key_context(chunk_prefix(engine), tenant)
+    for row in cat.chunks(tenant, ids):
+        assert row.kv_ready and engine.store.contains(chunk_key(row.token_ids, ctx))
+    for doc in docs:
+        assert len(cat.chunks(tenant, list(doc.chunk_ids))) == len(set(doc.chunk_ids))
+    return len(docs), len(ids)
+
+
+def test_ingest_is_incremental(tmp_path):
+    paths = write_corpus(tmp_path / "docs", 6)
+    engine, retriever, ingestor = pipeline(tmp_path)
+    first = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert (first.files, first.documents, first.unchanged) == (6, 6, 0)
+    assert first.chunks_new == first.kv_chunks > 6 and first.tokens_new == first.kv_tokens
+    assert _consistent(engine, retriever) == (6, first.chunks_new)
+    again = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert (again.unchanged, again.chunks_new, again.kv_chunks) == (6, 0, 0)
+    paths[0].write_text(paths[0].read_text() + " rome rome rome .")  # only its last chunk changes
+    (tmp_path / "docs" / "copy.txt").write_text(paths[1].read_text())  # same chunks as doc001
+    third = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert third.unchanged == 5 and third.chunks_new == 1 and third.kv_chunks == 1 and third.removed_chunks == 1
+    assert _consistent(engine, retriever) == (7, first.chunks_new)
+    retriever.close()
+    engine.close()
+
+
+def test_killed_mid_batch_leaves_a_consistent_index_and_a_rerun_completes(tmp_path):
+    write_corpus(tmp_path / "docs", 30)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rag.helpers", str(tmp_path), str(tmp_path / "docs"), "0.3"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from kvblend.rag.catalog import Catalog
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (tmp_path / "index" / "catalog.sqlite").exists() and Catalog(tmp_path / "index" / "catalog.sqlite").version("default") >= 2:
+            break
+        time.sleep(0.05)
+    time.sleep(0.15)  # inside a later batch (each embed sleeps 0.3 s)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    engine, retriever, ingestor = pipeline(tmp_path)
+    docs, chunks = _consistent(engine, retriever)
+    assert 0 < docs < 30
+    summary = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert summary.unchanged == docs and summary.chunks_new > 0
+    assert _consistent(engine, retriever) == (30, chunks + summary.chunks_new)
+    assert retriever.index.ids("default") == set(retriever.catalog.all_texts("default")[0])  # strays reconciled
+    retriever.close()
+    engine.close()
+
+
+def test_bad_files_are_skipped_and_counted(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "good.md").write_text("# title\n" + corpus_texts(1)[0])
+    (d / "empty.txt").write_text("   \n")
+    (d / "binary.txt").write_bytes(b"abc\x00\x01\x02")
+    (d / "latin1.txt").write_bytes("caf\xe9 city".encode("latin-1"))
+    (d / "image.png").write_bytes(b"\x89PNG")
+    (d / "bad.jsonl").write_text('{"text": "the city"}\nnot json\n')
+    (d / "broken.pdf").write_bytes(b"%PDF-1.4 not really")
+    (d / "page.html").write_text("<html><head><style>x{}</style></head><body><h1>the city</h1><p>paris river</p></body></html>")
+    (d / "recs.jsonl").write_text('{"text": "the model"}\n\n{"text": "the cache"}\n')
+    locked = d / "locked.txt"
+    locked.write_text("the city")
+    locked.chmod(0)
+    engine, retriever, ingestor = pipeline(tmp_path)
+    s = ingestor.ingest([d, tmp_path / "missing"], progress=False)
+    reasons = dict(s.skipped)
+    assert "empty" in reasons[str(d / "empty.txt")] and "binary" in reasons[str(d / "binary.txt")]
+    assert "UTF-8" in reasons[str(d / "latin1.txt")] and "unsupported" in reasons[str(d / "image.png")]
+    assert "line 2" in reasons[str(d / "bad.jsonl")] and "PDF" in reasons[str(d / "broken.pdf")]
+    assert "no such" in reasons[str(tmp_path / "missing")]
+    if os.geteuid() != 0:
+        assert "permission" in reasons[str(locked)]
+    assert s.files == len({"good.md", "page.html", "recs.jsonl"}) + (os.geteuid() == 0)
+    sources = {doc.source for doc in retriever.catalog.documents("default")}
+    assert f"{d / 'recs.jsonl'}#3" in sources and str(d / "page.html") in sources
+    empty = ingestor.ingest([tmp_path / "nothing"], progress=False) if (tmp_path / "nothing").mkdir() is None else None
+    assert empty.files == 0 and empty.skipped == [] and empty.chunks_new == 0
+    retriever.close()
+    engine.close()
+
+
+def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tmp_path):
+    write_corpus(tmp_path / "docs", 8)
+    engine, retriever, ingestor = pipeline(tmp_path, precompute="lazy")
+    retriever.catalog.set_meta("precompute_after:default", "2")
+    s = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert s.kv_chunks == 0 and s.chunks_new > 0
+    from kvblend.generation import SamplingParams
+
+    streamed = []
+    question = corpus_texts(8)[3][:60]
+    a = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4), compare=True,
+            on_text=streamed.append)
+    assert len(a.hits) == 3 and a.hits[0].source.endswith("doc003.txt")
+    assert "".join(streamed) == a.result.text and a.full.stats.method == "full"
+    assert [d.tokens for d in a.result.stats.docs] == [len(h.token_ids) for h in a.hits]
+    assert not any(d.hit for d in a.result.stats.docs)  # nothing precomputed
+    assert engine.store.stats("default").puts == 0  # first retrieval: not stored yet
+    b = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
+    assert engine.store.stats("default").puts == 3  # second retrieval: written back
+    c = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
+    assert all(d.hit for d in c.result.stats.docs) and b.result.stats.docs[0].source == "computed"
+    retriever.close()
+    engine.close()

@@ -1,0 +1,66 @@
+"""The embedded vector index: tenant scoping, deletes, durability across reopen and crash,
+the exact-to-IVF switch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblend.rag.faiss_index import FaissIndex
+from kvblend.rag.vector_index import build_vector_index
+
+
+def _unit(rng, n, dim=16):
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_search_is_scoped_by_tenant_and_deletes_work(tmp_path):
+    rng = np.random.default_rng(0)
+    idx = build_vector_index("faiss", tmp_path, 16)
+    a, b = _unit(rng, 5), _unit(rng, 5)
+    idx.upsert("t1", [f"a{i}" for i in range(5)], a)
+    idx.upsert("t2", [f"b{i}" for i in range(5)], b)
+    assert idx.search("t1", a[3], 1)[0].chunk_id == "a3"
+    assert {h.chunk_id for h in idx.search("t1", b[0], 10)} == {f"a{i}" for i in range(5)}
+    assert (idx.count("t1"), idx.count("t2"), idx.count("t3")) == (5, 5, 0)
+    assert idx.delete("t1", ["a3", "zz"]) == 1
+    assert "a3" not in {h.chunk_id for h in idx.search("t1", a[3], 10)}
+    assert idx.count("t2") == 5
+    idx.upsert("t1", ["a0"], b[:1])  # replace a vector in place
+    assert idx.count("t1") == 4 and idx.search("t1", b[0], 1)[0].chunk_id == "a0"
+    with pytest.raises(ValueError):
+        idx.upsert("t1", ["x"], np.zeros((1, 8), np.float32))
+    with pytest.raises(ValueError):
+        idx.search("../x", a[0], 1)
+
+
+def test_reopen_uses_snapshot_or_rebuilds_after_a_crash(tmp_path):
+    rng = np.random.default_rng(1)
+    vecs = _unit(rng, 20)
+    idx = FaissIndex(tmp_path, 16)
+    idx.upsert("t", [str(i) for i in range(10)], vecs[:10])
+    idx.close()  # snapshot written
+    idx = FaissIndex(tmp_path, 16)
+    assert idx.count("t") == 10
+    idx.upsert("t", [str(i) for i in range(10, 20)], vecs[10:])  # durable, no snapshot: a "crash"
+    del idx
+    idx = FaissIndex(tmp_path, 16)  # stale snapshot -> rebuilt from the log
+    assert idx.count("t") == 20 and idx.search("t", vecs[15], 1)[0].chunk_id == "15"
+
+
+def test_switches_to_ivf_above_the_threshold_and_stays_accurate(tmp_path):
+    rng = np.random.default_rng(2)
+    centers = _unit(rng, 40, 32)
+    vecs = centers[rng.integers(0, 40, 3000)] + 0.05 * rng.standard_normal((3000, 32)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    idx = FaissIndex(tmp_path, 32, ivf_min=1000)
+    for s in range(0, 3000, 500):
+        idx.upsert("t", [str(i) for i in range(s, s + 500)], vecs[s : s + 500])
+    assert idx._tenant("t").trained_at > 0  # an IVF index now
+    found = sum(idx.search("t", vecs[i], 1)[0].chunk_id == str(i) for i in range(0, 3000, 60))
+    assert found >= 48  # of 50
+    idx.delete("t", ["0"])
+    assert idx.count("t") == 2999 and idx.search("t", vecs[0], 1)[0].chunk_id != "0"
+    idx.close()
+    assert FaissIndex(tmp_path, 32, ivf_min=1000).count("t") == 2999
