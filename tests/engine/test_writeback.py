@@ -113,3 +113,13 @@ def test_chunks_computed_in_the_request_and_empty_documents_are_not_hits(loaded)
     again = _prepare(eng, docs).stats
     assert [(d.hit, d.source) for d in again.docs] == [
         (True, "memory"), (False, "empty"), (True, "request"), (True, "memory")]
+
+
+def test_warm_computes_only_what_the_store_admits(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = Engine(loaded, store=build_store(StoreConfig(admit_after=2)))
+    spy = _install(monkeypatch)
+    prefix = eng.layout(Request(documents=DOCS[:1], question=QUESTION)).prefix[:1]
+    eng.warm(DOCS[:1], prefix)
+    assert spy.calls == 0 and eng.store.stats().entries == 0
+    eng.warm(DOCS[:1], prefix)
+    assert spy.calls == 1 and eng.store.stats().entries == 1

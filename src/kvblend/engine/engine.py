@@ -141,13 +141,14 @@ class Engine:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
 
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
-        """Precompute and store the chunk KV of documents (skipping those already stored)."""
+        """Precompute and store the chunk KV of documents, now, on this thread (skipping those
+        already stored, and computing none the store's admission would refuse)."""
         ctx, keys = self.key_context(chunk_prefix, tenant), []
         with self._gate.admit():
             for doc in documents:
                 ids = tokenize_document(self.tokenizer, doc)
                 key = chunk_key(ids, ctx)
-                if ids and not self.store.contains(key):
+                if ids and not self.store.contains(key) and self.store.sighting(key):
                     self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
                 keys.append(key)
         return keys

@@ -65,13 +65,15 @@ def _documents(documents: object) -> tuple[str | tuple[int, ...], ...]:
 
 
 class DocStat(NamedTuple):
-    """One document: its length and whether its KV came from the store."""
+    """One document: its length and whether its KV came from the store (``hit``)."""
 
     index: int
     tokens: int
-    hit: bool
-    source: str  # the tier that served it ("memory", "disk", "redis"), "computed" (a miss,
-    # recomputed in full), "request" (a repeat within this request) or "empty"
+    hit: bool  # True only when the store served it (or, for a repeat, its first occurrence)
+    source: str  # the tier that served it ("memory", "disk", "redis"; "store" for a store
+    # without tiers), "computed" (a miss, recomputed in full), "chunk" (a miss whose chunk KV
+    # was computed alone in this request and blended), "request" (a repeat within this
+    # request) or "empty"
 
 
 class CheckStat(NamedTuple):

@@ -19,8 +19,9 @@ class StoreStats(NamedTuple):
     """Counters since the store object was created, plus current occupancy.
 
     hits/misses: whole-chunk lookups; layer_hits/layer_misses: per-layer reads; puts:
-    entries written; rejected: puts not admitted or too large; evictions: entries removed
-    to respect a cap; errors: corrupt or unreadable entries (each counted as a miss and
+    entries written; rejected: puts (or sightings) not admitted, or puts too large;
+    evictions: the tenant's entries removed to respect a cap (counted for the tenant that
+    lost them, whoever's put caused it); errors: corrupt or unreadable entries (each counted as a miss and
     removed); warnings: a tier was unavailable or too slow (counted as a miss).
     entries/bytes: what the store holds now.
     """
