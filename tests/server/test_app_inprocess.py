@@ -70,3 +70,18 @@ def test_an_error_after_the_stream_started_is_sent_in_band_then_done(app_client,
     assert client.get("/health").status_code == 503
     r = client.post("/v1/chat/completions", json=BODY)
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_a_prefill_failure_in_the_worker_is_a_500_for_that_request_only(app_client, monkeypatch) -> None:
+    client, state = app_client
+    real = state.engine.prepare
+
+    def fails_once(request, extra_capacity=0):
+        monkeypatch.setattr(state.engine, "prepare", real)
+        raise RuntimeError("secret detail in prefill")
+
+    monkeypatch.setattr(state.engine, "prepare", fails_once)
+    r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "InternalServerError"
+    assert client.get("/health").status_code == 200  # the worker lives on
+    assert client.post("/v1/chat/completions", json={**BODY, "max_tokens": 2}).status_code == 200

@@ -115,10 +115,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        try:
+        if not state.scheduler.started:  # a scheduler may be handed in already running
             state.scheduler.start()
-        except RuntimeError:  # a scheduler handed in already running
-            pass
         yield
         state.draining = True
         if not state.scheduler.draining:
