@@ -12,6 +12,7 @@ from pathlib import Path
 from kvblend.cliargs import add_model_args as _add_model_args
 from kvblend.cliargs import DTYPES
 from kvblend.cliargs import load_from_args as _load
+from kvblend.cliargs import print_stats as _print_stats
 from kvblend.errors import KvblendError
 
 
@@ -123,15 +124,6 @@ def _store_from_args(args: argparse.Namespace):
     from kvblend.store.config import StoreConfig, build_store
 
     return build_store(StoreConfig(disk_dir=args.store_dir, redis_url=args.redis_url))
-
-
-def _print_stats(s) -> None:
-    hits = sum(d.hit for d in s.docs)
-    print(f"\n[{s.method}] {s.prompt_tokens} prompt tokens, prefix hit {s.prefix_hit_tokens}, "
-          f"documents {hits}/{len(s.docs)} from cache, recomputed {s.recompute_frac:.1%} of token-layers",
-          file=sys.stderr)
-    print(f"[time] lookup {s.lookup_s:.3f}s  load {s.load_s:.3f}s  prefill/recompute {s.prefill_s:.3f}s  "
-          f"first token {s.ttft_s:.3f}s", file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

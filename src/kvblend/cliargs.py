@@ -1,10 +1,11 @@
-"""Model arguments shared by the ``kvblend`` command and the modules that add subcommands
+"""Model arguments and stats printing shared by the ``kvblend`` command and the modules that add subcommands
 to it (``eval``), below both so neither imports the other. Imports stay lazy: building
 the parser must not import torch."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -27,3 +28,13 @@ def load_from_args(args: argparse.Namespace) -> Any:
     from kvblend.models import load_model
 
     return load_model(args.model, args.device, getattr(torch, args.dtype))
+
+
+def print_stats(s: Any) -> None:
+    """A request's ``RequestStats`` as two lines on stderr."""
+    hits = sum(d.hit for d in s.docs)
+    print(f"\n[{s.method}] {s.prompt_tokens} prompt tokens, prefix hit {s.prefix_hit_tokens}, "
+          f"documents {hits}/{len(s.docs)} from cache, recomputed {s.recompute_frac:.1%} of token-layers",
+          file=sys.stderr)
+    print(f"[time] lookup {s.lookup_s:.3f}s  load {s.load_s:.3f}s  prefill/recompute {s.prefill_s:.3f}s  "
+          f"first token {s.ttft_s:.3f}s", file=sys.stderr)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvblend.rag.faiss_index import FaissIndex
-from kvblend.rag.vector_index import build_vector_index
+from kvblend.rag.backends import build_vector_index
 
 
 def _unit(rng, n, dim=16):

@@ -67,14 +67,14 @@ def add_ingest_command(sub) -> None:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_retrieval_args(p)
-    from kvblend.cli import _add_model_args
+    from kvblend.cliargs import add_model_args as _add_model_args
 
     _add_model_args(p)
     p.set_defaults(func=cmd_ingest)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from kvblend.cli import _load
+    from kvblend.cliargs import load_from_args as _load
     from kvblend.engine import Engine
     from kvblend.rag.chunking import ChunkerConfig
     from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
@@ -154,7 +154,8 @@ def add_ask_args(p: argparse.ArgumentParser) -> None:
 
 def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[str, Any], sampling) -> int:
     """Retrieve the top-k chunks, blend them, stream the answer, show sources and stats."""
-    from kvblend.cli import _load, _print_stats
+    from kvblend.cliargs import load_from_args as _load
+    from kvblend.cliargs import print_stats as _print_stats
     from kvblend.engine import Engine
     from kvblend.rag.ask import ask
 

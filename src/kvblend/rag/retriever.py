@@ -20,7 +20,8 @@ import numpy as np
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.rag.catalog import Catalog, ChunkRow
 from kvblend.rag.embed import Embedder, MiniLMEmbedder
-from kvblend.rag.vector_index import VectorIndex, build_vector_index
+from kvblend.rag.backends import build_vector_index
+from kvblend.rag.vector_index import VectorIndex
 from kvblend.store.keys import validate_tenant
 
 MODES = ("dense", "bm25", "hybrid")

@@ -7,7 +7,7 @@ name and setting ``RagConfig.vector_backend``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -43,23 +43,3 @@ class VectorIndex(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-IndexBuilder = Callable[[Path, int], VectorIndex]
-BACKENDS: dict[str, IndexBuilder] = {}
-
-
-def register_backend(name: str, builder: IndexBuilder) -> None:
-    """Make ``name`` selectable as ``RagConfig.vector_backend``."""
-    BACKENDS[name] = builder
-
-
-def build_vector_index(name: str, folder: Path, dim: int) -> VectorIndex:
-    """The index backend ``name`` over ``folder`` for vectors of ``dim`` columns."""
-    if name == "faiss" and name not in BACKENDS:
-        from kvblend.rag.faiss_index import FaissIndex
-
-        register_backend("faiss", FaissIndex)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown vector backend {name!r}; known: {', '.join(sorted(BACKENDS)) or 'faiss'}")
-    return BACKENDS[name](folder, dim)
