@@ -36,13 +36,6 @@ def test_v4_config_json_reads_the_local_base_and_the_window_pattern() -> None:
     assert (local.theta, local.rope_type, local.factor) == (1e4, "default", 1.0)
 
 
-def test_rope_key_names_both_ropes_and_is_unchanged_for_one_rope() -> None:
-    gemma = ModelConfig.from_hf(SimpleNamespace(**V4_JSON))
-    assert '"sliding_attention"' in gemma.rope_key and '"full_attention"' in gemma.rope_key
-    llama = ModelConfig.from_hf(make_hf_model("llama").config)
-    assert llama.rope_key == llama.rope.to_json()
-
-
 @pytest.mark.parametrize("change, message", [
     ({"attn_logit_softcapping": 50.0}, "softcapping"),
     ({"use_bidirectional_attention": True}, "bidirectional"),

@@ -101,7 +101,7 @@ class Engine:
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
         return KeyContext(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint,
-                          self.loaded.config.rope_key, self.kv_dtype, chunk_prefix, tenant)
+                          self.loaded.config.rope.to_json(), self.kv_dtype, chunk_prefix, tenant)
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]

@@ -6,7 +6,6 @@ the layer code reads the flags, never the architecture name."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -96,16 +95,6 @@ class ModelConfig:
         if self.rope_local is not None and self.layer_types and self.layer_types[layer] == "sliding_attention":
             return self.rope_local
         return self.rope
-
-    @property
-    def rope_key(self) -> str:
-        """JSON naming every rotation the cached keys carry: part of a chunk's cache key.
-        One RoPE: exactly ``rope.to_json()``; with a local RoPE, both, by layer type."""
-        if self.rope_local is None:
-            return self.rope.to_json()
-        both = {"full_attention": json.loads(self.rope.to_json()),
-                "sliding_attention": json.loads(self.rope_local.to_json())}
-        return json.dumps(both, sort_keys=True, separators=(",", ":"))
 
     @property
     def q_size(self) -> int:
