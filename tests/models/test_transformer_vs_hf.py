@@ -24,6 +24,11 @@ VARIANTS = {
         "original_max_position_embeddings": 32, "rope_theta": 5e5}}),
     "rope-yarn": ("llama", {"rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}}),
+    # Gemma 3 (tests.conftest.GEMMA3_TINY): local/global layers, window 8 < 64 tokens, q/k
+    # and sandwich norms with random (1 + w) weights, query_pre_attn_scalar != head_dim.
+    "gemma3": ("gemma3", {}),
+    "gemma3-linear-mqa-softcap": ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                             "num_key_value_heads": 1, "final_logit_softcapping": 3.0}),
 }
 
 
@@ -49,7 +54,7 @@ def test_logits_match_transformers(name: str) -> None:
     assert (got - ref).abs().max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "rope-yarn", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "rope-yarn", "mistral-window", "gemma3"])
 def test_greedy_continuation_matches_transformers(name: str) -> None:
     from kvblend.generation import SamplingParams, generate_ids
 

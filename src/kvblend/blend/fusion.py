@@ -14,6 +14,10 @@ Layer by layer over the prompt positions not covered by the exact prefix cache:
 
 Ratio 1 reproduces a full prefill; ratio 0 with no full layer is full KV reuse.
 The chunks' tensors are only ever read (they may be borrowed from the store).
+
+Each layer uses its own RoPE (position recovery rotates a layer's cached keys with that
+layer's frequencies: Gemma 3's local and global layers differ) and its own sliding
+window in the attention plan; both are built once per distinct config.
 """
 
 from __future__ import annotations
@@ -81,25 +85,36 @@ def _write_prefix(cache: KVCache, plan: FusionPlan) -> None:
         cache.write(layer, 0, k, v)
 
 
-def _rotations(model: Transformer, plan: FusionPlan) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Per placed chunk, the cos/sin moving its keys to their new start (None: already there).
+Rotations = dict[rope_lib.RopeConfig, list[tuple[torch.Tensor, torch.Tensor] | None]]
 
-    One table per chunk serves every layer (the shift is the same for all of them). A
-    chunk's keys were rotated in a sequence of ``base_position + n_tokens`` tokens, the
+
+def _rotations(model: Transformer, plan: FusionPlan) -> Rotations:
+    """Per distinct layer RoPE, per placed chunk, the cos/sin moving its keys to their new
+    start (None: already there). The shift is the same for every layer; the angles are
+    not when layers use different RoPE bases, so each RoPE config gets its own tables.
+    A chunk's keys were rotated in a sequence of ``base_position + n_tokens`` tokens, the
     prompt's in one of ``len(ids)``: dynamic NTK rotates those two with different
     frequencies, so the table then un-rotates and re-rotates token by token."""
-    cfg, out, n = model.cfg.rope, [], plan.ids.shape[0]
-    for p in plan.placed:
-        made = (p.chunk.base_position, p.chunk.base_position + p.chunk.n_tokens)
-        out.append(rope_lib.reposition_tables(cfg, p.chunk.n_tokens, made, (p.start, n), model.dtype, model.device))
+    out: Rotations = {}
+    for layer in model.layers:
+        if layer.rope not in out:
+            out[layer.rope] = [_rotation(model, plan, p, layer.rope) for p in plan.placed]
     return out
 
 
+def _rotation(model: Transformer, plan: FusionPlan, p: PlacedChunk,
+              rope: rope_lib.RopeConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    made = (p.chunk.base_position, p.chunk.base_position + p.chunk.n_tokens)
+    return rope_lib.reposition_tables(rope, p.chunk.n_tokens, made, (p.start, plan.ids.shape[0]),
+                                      model.dtype, model.device)
+
+
 def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int,
-                        rotations: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+                        rotations: Rotations) -> None:
     """Re-rotated cached K/V of every placed chunk into this layer's slots."""
-    dev, dt, interleaved = model.device, model.dtype, model.cfg.rope.interleaved
-    for p, rot in zip(plan.placed, rotations):
+    dev, dt, rope = model.device, model.dtype, model.layers[layer].rope
+    interleaved = rope.interleaved
+    for p, rot in zip(plan.placed, rotations[rope]):
         end = p.start + p.chunk.n_tokens
         k_slots, v_slots = cache.keys[layer][:, p.start : end], cache.values[layer][:, p.start : end]
         k = p.chunk.keys[layer].to(dev, dt)
@@ -144,7 +159,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     _write_prefix(cache, plan)
     is_cand_all = _candidate_mask(plan, n, dev)
     n_cand = int(is_cand_all.sum())
-    cos, sin = model.rope_tables(torch.arange(n, device=dev))
+    tables = model.layer_rope_tables(torch.arange(n, device=dev))  # per layer, shared by RoPE config
     active = torch.arange(p0, n, device=dev)
     h = model.embed(plan.ids[p0:])  # (M, D)
     if plan.select_from_start:
@@ -153,18 +168,19 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last, seen = [], len(model.layers) - 1, []
     spans = [(p.start, p.start + p.chunk.n_tokens) for p in plan.placed]
-    attn_plan: AttentionPlan | None = None  # both rebuilt only when the active set changes
-    active_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Per distinct window / RoPE table, rebuilt only when the active set changes.
+    attn_plans: dict[int | None, AttentionPlan] = {}
+    active_ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
         _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
-            keep, check = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
+            keep, check = _select(layer, h, active, is_cand_all[active], tables[layer_idx], cache, layer_idx,
                                   kept_count(checks[layer_idx], n_cand), plan.signal, spans)
             seen.append(check)
             active, h = active[keep], h[keep]
-            attn_plan = active_rope = None
-        active_rope = active_rope or (cos[active], sin[active])
+            attn_plans, active_ropes = {}, {}
+        active_rope = _active_rope(active_ropes, tables[layer_idx], active)
         recomputed.append(int(active.shape[0]))
         if layer_idx == 0 and n_cand and not plan.select_from_start:
             fresh = (~is_cand_all[active]).nonzero().squeeze(1)  # tokens without cached KV
@@ -179,8 +195,18 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         if layer_idx == last and model.sees_all(n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             continue
-        attn_plan = attn_plan or plan_attention(active, n, model.cfg.sliding_window, model.dtype,
-                                               heads_per_kv=model.cfg.heads_per_kv)
-        h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
+        if layer.window not in attn_plans:
+            attn_plans[layer.window] = plan_attention(active, n, layer.window, model.dtype,
+                                                      heads_per_kv=model.cfg.heads_per_kv)
+        h = layer.finish(h, attend_planned(q, keys, values, attn_plans[layer.window]))
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand, tuple(seen))
+
+
+def _active_rope(memo: dict[int, tuple[torch.Tensor, torch.Tensor]], table: tuple[torch.Tensor, torch.Tensor],
+                 active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a layer's cos/sin table at the active positions, gathered once per
+    table (layers sharing a RoPE share the table object) and active set."""
+    if id(table) not in memo:
+        memo[id(table)] = (table[0][active], table[1][active])
+    return memo[id(table)]

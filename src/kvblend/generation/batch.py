@@ -45,33 +45,40 @@ def decode_batch(model: Transformer, tokens: Sequence[int], caches: Sequence[KVC
         raise ValueError("a cache appears twice in one batch")
     starts = [c.length for c in caches]
     _check_context(model, max(starts) + 1)
-    cos, sin = _rope_rows(model, starts)
-    plans = [_decode_plan(model, s) for s in starts]
+    tables = _rope_rows(model, starts)
+    plans = {w: [_decode_plan(model, s, w) for s in starts] for w in {layer.window for layer in model.layers}}
     h = model.embed(torch.tensor(list(tokens), dtype=torch.long, device=model.device))  # (B, D)
     for i, layer in enumerate(model.layers):
-        q, k, v = layer.project(h, cos, sin)  # (Hq, B, d), (Hkv, B, d), (Hkv, B, d)
+        q, k, v = layer.project(h, *tables[i])  # (Hq, B, d), (Hkv, B, d), (Hkv, B, d)
         attn = q.new_empty(len(caches), q.shape[0] * q.shape[2])  # (B, Hq*d)
         for b, cache in enumerate(caches):
             keys, values = cache.write(i, starts[b], k[:, b : b + 1], v[:, b : b + 1])
-            attn[b] = attend_planned(q[:, b : b + 1], keys, values, plans[b])[0]
+            attn[b] = attend_planned(q[:, b : b + 1], keys, values, plans[layer.window][b])[0]
         h = layer.finish(h, attn)
     for cache, start in zip(caches, starts):
         cache.length = start + 1
     return model.logits(h)  # (B, V)
 
 
-def _rope_rows(model: Transformer, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, rd/2) for one new token per request, each computed alone: dynamic NTK
-    scales by the request's own length, as its single-request forward would."""
-    tables = [model.rope_tables(torch.tensor([s], device=model.device)) for s in starts]
-    return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+def _rope_rows(model: Transformer, starts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, cos/sin (B, rd/2) for one new token per request, each computed alone
+    (dynamic NTK scales by the request's own length, as its single-request forward would)
+    with the layer's own RoPE (Gemma 3's local and global layers differ). Layers sharing a
+    RoPE config share one table."""
+    per_request = [model.layer_rope_tables(torch.tensor([s], device=model.device)) for s in starts]
+    out, shared = [], {}
+    for i, layer in enumerate(model.layers):
+        if layer.rope not in shared:
+            shared[layer.rope] = (torch.cat([t[i][0] for t in per_request]), torch.cat([t[i][1] for t in per_request]))
+        out.append(shared[layer.rope])
+    return out
 
 
-def _decode_plan(model: Transformer, start: int):
-    """The attention plan ``Transformer.forward`` uses for one query at ``start``."""
-    cfg = model.cfg
+def _decode_plan(model: Transformer, start: int, window: int | None):
+    """The attention plan ``Transformer.forward`` uses for one query at ``start`` in a
+    layer with sliding ``window`` (None: every key)."""
     positions = torch.tensor([start], device=model.device)
-    return plan_attention(positions, start + 1, cfg.sliding_window, model.dtype, heads_per_kv=cfg.heads_per_kv)
+    return plan_attention(positions, start + 1, window, model.dtype, heads_per_kv=model.cfg.heads_per_kv)
 
 
 def _check_context(model: Transformer, length: int) -> None:

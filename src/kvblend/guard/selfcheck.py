@@ -148,10 +148,10 @@ def _far_rerotation(loaded: LoadedModel, doc: tuple[int, ...], base: int, rel: f
     h = model.embed(torch.tensor(doc, dtype=torch.long, device=model.device))  # (n, D)
 
     def keys_at(start: int) -> torch.Tensor:  # (Hkv, n, d), in a sequence ending with the document
-        cos, sin = model.rope_tables(torch.arange(start, start + n, device=model.device))
+        cos, sin = model.layer_rope_tables(torch.arange(start, start + n, device=model.device))[0]
         return model.layers[0].project_kv(h, cos, sin)[0]
 
-    made, cfg = keys_at(base), model.cfg.rope
+    made, cfg = keys_at(base), model.layers[0].rope  # the layer's own RoPE (Gemma 3: local)
     tables = rope_lib.reposition_tables(cfg, n, (base, base + n), (end - n, end), model.dtype, model.device)
     moved = made if tables is None else rope_lib.apply_rope(made, *tables, cfg.interleaved)
     return _gap(moved, keys_at(end - n), rel, "rerotation-far")

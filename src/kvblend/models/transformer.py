@@ -1,4 +1,4 @@
-"""Our decoder-only transformer (Llama family, Qwen2), written as explicit per-layer steps.
+"""Our decoder-only transformer (Llama family, Qwen2, Gemma 3), written as explicit per-layer steps.
 
 Each layer exposes the steps a caller needs to run it on any subset of tokens, at any
 positions, against any key/value set:
@@ -9,9 +9,16 @@ positions, against any key/value set:
 
 The model never owns a request's KV cache: ``forward`` writes into a ``KVCache`` the
 caller passes in. Only the logits the caller asks for are computed.
+
+Each layer carries its own RoPE config and sliding window (Gemma 3 alternates local
+layers, θ 10k with a window, and global ones, θ 1e6): callers pass each layer the
+cos/sin of ``layer.rope`` (``Transformer.layer_rope_tables``) and plan its attention
+with ``layer.window``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +26,7 @@ from torch import nn
 
 from kvblend import rope as rope_lib
 from kvblend.errors import ContextLengthError
-from kvblend.models.attention import attend, attend_planned, plan_attention
+from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 
@@ -67,11 +74,17 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block. q/k/v and gate/up projections are fused into single matmuls."""
+    """One pre-norm block. q/k/v and gate/up projections are fused into single matmuls.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``post_norm`` is the MLP's input norm. Optional, by config flag: ``q_norm``/``k_norm``
+    (per head, before RoPE) and ``attn_out_norm``/``mlp_out_norm`` (on each branch's
+    output before its residual add: Gemma's sandwich norms)."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.rope = cfg.layer_rope(index)
+        self.window = cfg.layer_window(index)
         d = cfg.hidden_size
         self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -79,6 +92,26 @@ class DecoderLayer(nn.Module):
         self.o = Linear(cfg.q_size, d, bias=cfg.o_bias)
         self.gate_up = Linear(d, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, d, bias=cfg.mlp_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.sandwich_norm:
+            self.attn_out_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.mlp_out_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_mult = _query_multiplier(cfg)
+
+    def _queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected queries (T, Hq*d) -> normed, rotated and pre-scaled (Hq, T, d)."""
+        c = self.cfg
+        q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)  # (Hq, T, d)
+        q = rope_lib.apply_rope(self.q_norm(q) if c.qk_norm else q, cos, sin, self.rope.interleaved)
+        return q if self.q_mult is None else q.mul_(self.q_mult)
+
+    def _keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected keys (T, Hkv*d) -> normed and rotated (Hkv, T, d)."""
+        c = self.cfg
+        k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
+        return rope_lib.apply_rope(self.k_norm(k) if c.qk_norm else k, cos, sin, self.rope.interleaved)
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -87,11 +120,8 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         qkv = self.qkv(self.input_norm(h))  # (T, Hq*d + 2*Hkv*d)
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)  # (Hq, T, d)
-        k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
         v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # a view: callers copy it into the cache
-        inter = c.rope.interleaved
-        return rope_lib.apply_rope(q, cos, sin, inter), rope_lib.apply_rope(k, cos, sin, inter), v
+        return self._queries(q, cos, sin), self._keys(k, cos, sin), v
 
     def project_kv(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: bool = True, normed: bool = False,
@@ -105,8 +135,7 @@ class DecoderLayer(nn.Module):
         v = kv[:, -c.kv_size :].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
         if not keys:
             return None, v
-        k = kv[:, : c.kv_size].view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        return rope_lib.apply_rope(k, cos, sin, c.rope.interleaved), v
+        return self._keys(kv[:, : c.kv_size], cos, sin), v
 
     def project_known_kv(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_rows: torch.Tensor
@@ -117,9 +146,9 @@ class DecoderLayer(nn.Module):
         cached chunks' (re-rotated) K/V are the exact values and need no projection."""
         c = self.cfg
         x = self.input_norm(h)
-        q = self._linear_rows(x, 0, c.q_size).view(-1, c.num_heads, c.head_dim).transpose(0, 1)
+        q = self._queries(self._linear_rows(x, 0, c.q_size), cos, sin)
         k, v = self.project_kv(x[kv_rows], cos[kv_rows], sin[kv_rows], normed=True)
-        return rope_lib.apply_rope(q, cos, sin, c.rope.interleaved), k, v
+        return q, k, v
 
     def _linear_rows(self, x: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """x through output rows first..end-1 of the fused q|k|v projection."""
@@ -132,15 +161,31 @@ class DecoderLayer(nn.Module):
         The MLP runs over blocks of ``MLP_BLOCK_TOKENS`` rows: its (T, 2I) intermediate
         then stays small enough to be reused from cache (rows are independent, so this is
         exact)."""
-        h = self.o.plus(h, attn)
+        h = self.o.plus(h, attn) if not self.cfg.sandwich_norm else h + self.attn_out_norm(self.o(attn))
         for s in range(0, h.shape[0], MLP_BLOCK_TOKENS):
             self.add_mlp(h[s : s + MLP_BLOCK_TOKENS])
         return h
 
     def add_mlp(self, h: torch.Tensor) -> None:
-        """h += SwiGLU MLP of the post-attention norm of h (T, D), in place."""
+        """h += gated MLP (SwiGLU, or GELU-tanh for Gemma) of the MLP input norm of h (T, D), in place."""
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)  # (T, I) views of a fresh tensor
-        self.down.add_into(h, F.silu(gate, inplace=True).mul_(up))
+        if self.cfg.hidden_act == "gelu_tanh":
+            act = F.gelu(gate, approximate="tanh").mul_(up)
+        else:
+            act = F.silu(gate, inplace=True).mul_(up)
+        if self.cfg.sandwich_norm:
+            h.add_(self.mlp_out_norm(self.down(act)))
+        else:
+            self.down.add_into(h, act)
+
+
+def _query_multiplier(cfg: ModelConfig) -> float | None:
+    """What queries are multiplied by so that SDPA's 1/sqrt(head_dim) becomes the config's
+    ``query_scale`` (None when they agree, as for every model but some Gemmas)."""
+    if cfg.query_scale is None:
+        return None
+    mult = cfg.query_scale * math.sqrt(cfg.head_dim)
+    return None if abs(mult - 1.0) < 1e-12 else mult
 
 
 class Transformer(nn.Module):
@@ -150,7 +195,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # used as a lookup table
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -165,16 +210,33 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """(T,) token ids -> (T, D) residual stream."""
-        return F.embedding(ids, self.embed_tokens.weight)
+        """(T,) token ids -> (T, D) residual stream (times ``embed_scale``, rounded to the
+        model's dtype as Gemma does)."""
+        h = F.embedding(ids, self.embed_tokens.weight)  # (T, D)
+        if self.cfg.embed_scale == 1.0:
+            return h
+        return h.mul_(torch.tensor(self.cfg.embed_scale, dtype=self.dtype).item())
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for these positions, computed once per forward and shared by all layers."""
+        """cos/sin of the model's (global) RoPE for these positions. With per-layer RoPE
+        (Gemma 3) use ``layer_rope_tables``."""
         return rope_lib.cos_sin(self.cfg.rope, positions, self.dtype)
 
+    def layer_rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin for these positions per layer, each distinct RoPE computed once: layers
+        sharing a RoPE config share the same tuple object."""
+        tables: dict[rope_lib.RopeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.layers:
+            if layer.rope not in tables:
+                tables[layer.rope] = rope_lib.cos_sin(layer.rope, positions, self.dtype)
+        return [tables[layer.rope] for layer in self.layers]
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(T, D) final-layer hidden states -> (T, V) logits (float32)."""
-        return self.lm_head(self.norm(h)).float()
+        """(T, D) final-layer hidden states -> (T, V) logits (float32), soft-capped when
+        the config says so."""
+        out = self.lm_head(self.norm(h)).float()  # (T, V)
+        cap = self.cfg.final_logit_softcap
+        return out if cap is None else out.div_(cap).tanh_().mul_(cap)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
@@ -190,25 +252,29 @@ class Transformer(nn.Module):
         start, n = cache.length, ids.shape[0]
         self._check_context(start + n)
         positions = torch.arange(start, start + n, device=self.device)
-        cos, sin = self.rope_tables(positions)
-        plan = plan_attention(positions, start + n, self.cfg.sliding_window, self.dtype,
-                              heads_per_kv=self.cfg.heads_per_kv)
+        tables = self.layer_rope_tables(positions)
+        plans: dict[int | None, AttentionPlan] = {}  # one per distinct window
         h = self.embed(ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.project(h, cos, sin)
+            q, k, v = layer.project(h, *tables[i])
             keys, values = cache.write(i, start, k, v)
             if i == last and logits_for == "last" and n > 1 and self.sees_all(start + n):
                 # Only the last token's output is read: its query sees every key.
                 h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             else:
-                h = layer.finish(h, attend_planned(q, keys, values, plan))
+                if layer.window not in plans:
+                    plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
+                                                         heads_per_kv=self.cfg.heads_per_kv)
+                h = layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
         cache.length = start + n
         return self._select_logits(h, logits_for)
 
     def sees_all(self, n_keys: int) -> bool:
-        """Whether the last of ``n_keys`` positions attends to every key (no sliding window cuts it)."""
-        return self.cfg.sliding_window is None or n_keys <= self.cfg.sliding_window
+        """Whether the last layer's query at position n_keys - 1 sees every key (no sliding
+        window cuts it)."""
+        window = self.layers[-1].window
+        return window is None or n_keys <= window
 
     def _select_logits(self, h: torch.Tensor, which: str) -> torch.Tensor:
         if which == "last":
