@@ -67,7 +67,7 @@ def test_parse_method_grammar() -> None:
     assert (prompt.label, prompt.blend.chunk_prefix, prompt.blend.signal) == ("blend:0.3:k+prompt", "prompt", "k")
     assert parse_method("reuse+prompt").blend.chunk_prefix == "prompt"
     for bad, message in [("blend:x", "ratios"), ("blend:0.1,0.3", "non-increasing"), ("blend:0.3,0.1@1,2,3", "schedule"),
-                         ("blend:0.1:q", "signal"), ("nope", "unknown"), ("full:0.1", "only blend"),
+                         ("blend:0.1:z", "signal"), ("nope", "unknown"), ("full:0.1", "only blend"),
                          ("full+prompt", "chunk prefix"), ("blend+middle", "chunk prefix")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)

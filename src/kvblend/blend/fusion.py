@@ -18,8 +18,9 @@ The chunks' tensors are only ever read (they may be borrowed from the store).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +53,12 @@ class FusionPlan:
     signal: str = "v"
     select_from_start: bool = False  # True: no full layer before the first check (full reuse)
     extra_capacity: int = 0
+    # Strategy hooks (kvblend.blend.strategies; None: the paper's CacheBlend as above).
+    strategy: Any = None  # a strategies.Strategy: fuse() hands the whole fusion to it
+    recompute: torch.Tensor | None = None  # (N,) bool: cached tokens computed at every layer too
+    pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
+    observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None  # (layer, q, K, pos)
+    correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
 
 class FusionOutput(NamedTuple):
@@ -109,6 +116,7 @@ def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, la
 def _select(
     layer: DecoderLayer, h: torch.Tensor, active: torch.Tensor, is_cand: torch.Tensor,
     rope_tables: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer_idx: int, keep: int, signal: str,
+    pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates.
 
@@ -121,13 +129,23 @@ def _select(
     k, v = layer.project_kv(h[cand_idx], cos[pos], sin[pos], keys=use_k)
     cached_k = cache.keys[layer_idx][:, pos] if use_k else None
     dev = deviation(k, v, cached_k, cache.values[layer_idx][:, pos], signal)
-    chosen = cand_idx[select_tokens(dev, keep)]
+    chosen = cand_idx[(pick or (lambda d, _p, k: select_tokens(d, k)))(dev, pos, keep)]
     return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values
 
 
 @torch.inference_mode()
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
-    """Build the prompt's KV cache from the plan; returns it with the next-token logits."""
+    """Build the prompt's KV cache from the plan; returns it with the next-token logits.
+
+    Hooks (all None for the paper's algorithm): ``strategy`` runs the whole fusion its own
+    way (``strategies.run_strategy``, which calls back here); ``recompute`` adds cached
+    tokens to the always-computed set when ``select_from_start``; ``pick`` replaces the
+    global top-k at a check layer; ``observe`` sees each layer's queries and keys;
+    ``correct`` sees fresh K/V before they overwrite the cache."""
+    if plan.strategy is not None:
+        from kvblend.blend.strategies import run_strategy  # it calls fuse() back
+
+        return run_strategy(model, plan)
     n, dev = plan.ids.shape[0], model.device
     if max(plan.check_layers) >= len(model.layers):
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
@@ -141,7 +159,10 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     active = torch.arange(p0, n, device=dev)
     h = model.embed(plan.ids[p0:])  # (M, D)
     if plan.select_from_start:
-        keep = (~is_cand_all[active]).nonzero().squeeze(1)
+        forced = ~is_cand_all[active]
+        if plan.recompute is not None:
+            forced |= plan.recompute[active]
+        keep = forced.nonzero().squeeze(1)
         active, h = active[keep], h[keep]
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last = [], len(model.layers) - 1
@@ -152,7 +173,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
             keep = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
-                           kept_count(checks[layer_idx], n_cand), plan.signal)
+                           kept_count(checks[layer_idx], n_cand), plan.signal, plan.pick)
             active, h = active[keep], h[keep]
             attn_plan = active_rope = None
         active_rope = active_rope or (cos[active], sin[active])
@@ -164,9 +185,13 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         else:
             q, k, v = layer.project(h, *active_rope)
             written = active
+        if plan.correct is not None:
+            plan.correct(cache, layer_idx, written, k, v)
         cache.keys[layer_idx][:, written] = k
         cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)
+        if plan.observe is not None:
+            plan.observe(layer_idx, q, keys, active)
         if layer_idx == last and _sees_all(model, n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             continue
