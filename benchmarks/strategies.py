@@ -16,11 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
 
+from kvblend.engine import Engine, Request
+from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, load_musique, musique_query
 from kvblend.eval.harness import EvalConfig
+from kvblend.eval.runner import parse_method
 from kvblend.eval.report import COLUMNS, Column, machine_info, markdown_table, plot_lines
 from kvblend.eval.sweeps import RunSpec, pareto, run_spec, strategy_labels
 from kvblend.models import DEFAULT_MODEL, load_model
@@ -40,6 +45,32 @@ def methods_for(strategies: list[str], ratios: list[float]) -> tuple[str, ...]:
     return tuple(labels)
 
 
+def ttft_rounds(loaded, dataset: str, labels: list[str], n_docs: int, doc_tokens: int, repeats: int
+                ) -> dict[str, float]:
+    """TTFT over full prefill's, as the median of per-round ratios: ``n_docs`` cached
+    documents of ``doc_tokens`` ids (consecutive MuSiQue passages cut to length), every
+    method once per round, alternately, after a warm-up round."""
+    engine = Engine(loaded)
+    ex = load_musique(dataset, n_docs=10, limit=3)
+    stream = [t for e in ex for d in e.documents for t in engine.tokenizer(d, add_special_tokens=False)["input_ids"]]
+    docs = [tuple(stream[i * doc_tokens : (i + 1) * doc_tokens]) for i in range(n_docs)]
+    specs = {label: parse_method(label) for label in ["full", *labels]}
+
+    def request(label: str) -> Request:
+        return Request(documents=docs, question=musique_query(ex[0].question), system=MUSIQUE_INSTRUCTION,
+                       method=specs[label].method, blend=specs[label].blend)
+
+    times: dict[str, list[float]] = {label: [] for label in specs}
+    for _ in range(repeats + 1):
+        for label in specs:
+            t = time.perf_counter()
+            engine.prepare(request(label))
+            times[label].append(time.perf_counter() - t)
+        engine.flush()
+    engine.close()
+    return {label: statistics.median(a / f for a, f in zip(v[1:], times["full"][1:])) for label, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default=str(DEFAULT_DATA))
@@ -51,12 +82,24 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more method specs to run once, e.g. blend:0.05:q")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ttft-only", action="store_true", help="only the paired TTFT/full rounds")
+    ap.add_argument("--ttft-docs", type=int, default=6)
+    ap.add_argument("--ttft-doc-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
     methods = methods_for(args.strategies.split(","), ratios) + tuple(m for m in args.extra.split(";") if m)
     loaded = load_model(args.model)
     out = Path(args.out)
+    if args.ttft_only:
+        ratios = ttft_rounds(loaded, args.dataset, [m for m in methods if m != "full"], args.ttft_docs,
+                             args.ttft_doc_tokens, args.repeats)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ttft.json").write_text(json.dumps(ratios, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps({k: round(v, 4) for k, v in ratios.items()}))
+        return
     lines = [f"# Selection strategies ({loaded.name})", "",
              f"- dataset: {args.dataset}, first {args.limit} questions; machine: {machine_info()}", ""]
     dump = {}

@@ -59,6 +59,7 @@ class FusionPlan:
     pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
     observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None  # (layer, q, K, pos)
     correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    reuse_cache: KVCache | None = None  # already holds the prefix and re-rotated chunks: fill it in place
 
 
 class FusionOutput(NamedTuple):
@@ -151,8 +152,9 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
                                   f"{len(model.layers)} layers")
     p0 = _prefix_len(plan)
-    cache = model.new_cache(n + plan.extra_capacity)
-    _write_prefix(cache, plan)
+    cache = plan.reuse_cache or model.new_cache(n + plan.extra_capacity)
+    if plan.reuse_cache is None:
+        _write_prefix(cache, plan)
     is_cand_all = _candidate_mask(plan, n, dev)
     n_cand = int(is_cand_all.sum())
     cos, sin = model.rope_tables(torch.arange(n, device=dev))
@@ -170,7 +172,8 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     active_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
-        _write_cached_layer(model, cache, plan, layer_idx, rotations)
+        if plan.reuse_cache is None:
+            _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
             keep = _select(layer, h, active, is_cand_all[active], (cos, sin), cache, layer_idx,
                            kept_count(checks[layer_idx], n_cand), plan.signal, plan.pick)

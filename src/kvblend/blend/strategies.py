@@ -6,7 +6,8 @@
   after the first document pay it, summed over heads, those query tokens and layers (each
   layer's weights sum to heads x queries, so layers weigh equally; prefix tokens, the
   attention sink among them, are not candidates and so are never ranked). The top tokens
-  are then recomputed at every layer from layer 0 in a second pass. No layer runs in full.
+  are then recomputed at every layer from layer 0 in a second pass, in the first pass's
+  cache (its chunks are already re-rotated). No layer runs in full.
 * ``oracle`` (eval only): the KV of a full prefill is computed, and the tokens whose
   reused K/V deviate most from it, summed over layers, are recomputed: a ceiling for any
   selection of that size.
@@ -151,7 +152,7 @@ class QuestionScores:
 
 
 def _base(plan: FusionPlan) -> FusionPlan:
-    return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None)
+    return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None)
 
 
 def _correction(model: Transformer, plan: FusionPlan, n: int) -> ShiftCorrection:
@@ -198,8 +199,11 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
         if keep == 0 and correct is None:
             return reused
     else:
-        scores = oracle_scores(model, plan)
+        scores, reused = oracle_scores(model, plan), None
     pos = is_cand.nonzero().squeeze(1)
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
     recompute[pos[choose(scores[pos], pos, keep, spans, cfg)]] = True
-    return fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct))
+    # the question pass's cache already holds every chunk re-rotated (only the rows it
+    # computed itself differ, and those are computed again): fill it in place
+    again = reused.cache if cfg.selection == "question" else None
+    return fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct, reuse_cache=again))
