@@ -142,12 +142,12 @@ class QuestionScores:
         rows = (positions > self.first_doc).nonzero().squeeze(1)
         if rows.numel() == 0:
             return
-        n = keys.shape[1]
-        qq = q[:, rows].float()  # (Hq, Tq, d)
-        kk = keys.float().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)  # (Hq, N, d)
-        logits = qq @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])  # (Hq, Tq, N)
+        (hkv, n, d), per_kv = keys.shape, q.shape[0] // keys.shape[0]
+        # the query heads sharing a KV head stacked along the rows: keys are never copied per head
+        qq = q[:, rows].float().reshape(hkv, per_kv * rows.numel(), d)  # (Hkv, hpk*Tq, d)
+        logits = qq @ keys.float().transpose(1, 2) / math.sqrt(d)  # (Hkv, hpk*Tq, N)
         allowed = causal_mask(positions[rows], torch.arange(n, device=q.device), self.window)  # (Tq, N)
-        weights = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        weights = logits.masked_fill_(~allowed.repeat(per_kv, 1), float("-inf")).softmax(dim=-1)
         self.total[:n] += weights.sum(dim=(0, 1))
 
 
