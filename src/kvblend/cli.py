@@ -74,19 +74,30 @@ def _blend_config(args: argparse.Namespace):
 
     layers = tuple(int(x) for x in args.check_layers.split(","))
     schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else None
+    if args.method == "cacheblend":  # the paper's selection, whatever the strategy flags say
+        return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
     return BlendConfig(ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal,
-                       chunk_prefix=args.chunk_prefix)
+                       chunk_prefix=args.chunk_prefix, selection=args.selection, budget=args.budget,
+                       sinks=args.sinks, shift=args.shift)
 
 
 def _add_blend_args(p: argparse.ArgumentParser) -> None:
-    from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS
+    from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
 
-    p.add_argument("--method", default="blend", choices=METHODS)
+    p.add_argument("--method", default="blend", choices=(*METHODS, "cacheblend"),
+                   help="cacheblend: blend with the paper's selection (V deviation at layer 1)")
     p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio in [0, 1]")
     p.add_argument("--check-layers", default="1", help="comma-separated check layers (default: 1)")
     p.add_argument("--schedule", default=None, help="ratio per check layer, non-increasing")
     p.add_argument("--signal", default="v", choices=SIGNALS)
     p.add_argument("--chunk-prefix", default="bos", choices=CHUNK_PREFIXES)
+    p.add_argument("--selection", default=BlendConfig.selection, choices=("deviation", "question"),
+                   help="how recomputed tokens are chosen (see kvblend.blend.strategies)")
+    p.add_argument("--budget", action=argparse.BooleanOptionalAction, default=BlendConfig.budget,
+                   help="per-document budgets by attention mass")
+    p.add_argument("--sinks", type=int, default=BlendConfig.sinks, help="first K tokens of each document always")
+    p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=BlendConfig.shift,
+                   help="correct tokens not recomputed by their document's mean residual")
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -106,7 +117,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         except UnicodeDecodeError as exc:
             raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
     request = Request(documents=docs, question=_read_text(args.question), system=args.system,
-                      method=args.method, blend=_blend_config(args))
+                      method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     engine = Engine(_load(args), store=_store_from_args(args))
     try:
         result = engine.generate(request, _sampling(args))

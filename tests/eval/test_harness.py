@@ -67,7 +67,7 @@ def test_parse_method_grammar() -> None:
     assert (prompt.label, prompt.blend.chunk_prefix, prompt.blend.signal) == ("blend:0.3:k+prompt", "prompt", "k")
     assert parse_method("reuse+prompt").blend.chunk_prefix == "prompt"
     for bad, message in [("blend:x", "ratios"), ("blend:0.1,0.3", "non-increasing"), ("blend:0.3,0.1@1,2,3", "schedule"),
-                         ("blend:0.1:q", "signal"), ("nope", "unknown"), ("full:0.1", "only blend"),
+                         ("blend:0.1:z", "signal"), ("nope", "unknown"), ("full:0.1", "only blend"),
                          ("full+prompt", "chunk prefix"), ("blend+middle", "chunk prefix")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)
@@ -220,3 +220,21 @@ def test_sweep_definitions_are_checked() -> None:
         distinct_runs([setting_sweep("a", "a", "x", [(1, run)]), setting_sweep("b", "b", "x", [(1, other)])])
     with pytest.raises(ValueError, match="tier"):
         StoreSpec("tape")
+
+
+def test_strategy_sweep_lines_and_pareto_frontier(loaded, tmp_path: Path) -> None:
+    from kvblend.eval.sweeps import pareto, strategy_sweep
+
+    strategies = ["cacheblend:{r}", "blend:{r}:q+shift"]
+    run = RunSpec("strat", "synthetic:n=1,docs=2,doc_tokens=12",
+                  ("full", "reuse", "cacheblend:0.3", "cacheblend:0.5", "blend:0.3:q+shift", "blend:0.5:q+shift"))
+    sweep = strategy_sweep(run, strategies, [0.3, 0.5])
+    rows = run_sweeps(loaded, [sweep], tmp_path, EvalConfig(max_tokens=3, kl_tokens=2, progress=False))[0].rows
+    assert [(r["x"], r["series"], r["method"]) for r in rows] == [
+        (0.3, "cacheblend", "cacheblend:0.3"), (0.5, "cacheblend", "cacheblend:0.5"),
+        (0.3, "blend:q+shift", "blend:0.3:q+shift"), (0.5, "blend:q+shift", "blend:0.5:q+shift")]
+    summary = {"full": {"ttft_s": 2.0, "kl": 0.0}, "a": {"ttft_s": 1.0, "kl": 0.1},
+               "b": {"ttft_s": 0.5, "kl": 0.2}, "c": {"ttft_s": 1.2, "kl": 0.1}, "d": {"ttft_s": 0.4, "kl": 0.3}}
+    front = pareto(summary)
+    assert [(r["method"], r["ttft_over_full"], r["frontier"]) for r in front] == [
+        ("d", 0.2, True), ("b", 0.25, True), ("a", 0.5, True), ("c", 0.6, False)]

@@ -9,6 +9,11 @@ from kvblend.errors import InvalidRequestError
 METHODS = ("full", "prefix", "reuse", "blend")
 SIGNALS = ("v", "k", "kv")
 CHUNK_PREFIXES = ("bos", "prompt")
+# How recomputed tokens are chosen: "deviation" (CacheBlend: fresh vs cached K/V at the check
+# layers), "question" (attention the question pays each document token over the reused cache),
+# "oracle" (deviation from a full prefill's KV: a ceiling for the eval harness, costs a prefill).
+SELECTIONS = ("deviation", "question", "oracle")
+MAX_SINKS = 64
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,15 @@ class BlendConfig:
     ``ratio``. ``signal`` picks what deviation compares: fresh vs cached V, K, or both.
     ``chunk_prefix``: a document's KV is computed after the prompt's first token ("bos",
     the attention sink) or after the request's whole prefix ("prompt").
+
+    Strategies (``kvblend.blend.strategies``): ``selection`` (see ``SELECTIONS``);
+    ``budget``: each document gets a share of the kept tokens proportional to the score mass
+    it receives, with a floor of ``budget_floor`` of its length-proportional share;
+    ``sinks``: the first k tokens of every document are chosen first (within the budget);
+    ``shift``: tokens not recomputed are moved by their document's mean fresh - stale
+    residual of the recomputed ones (K in the pre-RoPE frame), at every layer.
+    ``question`` and ``oracle`` select once, with the last ratio of the schedule.
+    ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
     """
 
     ratio: float = 0.15
@@ -29,6 +43,21 @@ class BlendConfig:
     signal: str = "v"
     chunk_prefix: str = "bos"
     recompute_misses: bool = True
+    selection: str = "deviation"
+    budget: bool = False
+    budget_floor: float = 0.5
+    sinks: int = 0
+    shift: bool = False
+
+    @classmethod
+    def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
+        """The paper's selection, kept by name so comparisons stay reproducible."""
+        return cls(ratio=ratio, check_layers=(1,), signal="v", chunk_prefix=chunk_prefix, selection="deviation")
+
+    @property
+    def plain(self) -> bool:
+        """True when no strategy beyond the paper's deviation top-k is asked for."""
+        return self.selection == "deviation" and not (self.budget or self.sinks or self.shift)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "check_layers", tuple(self.check_layers))
@@ -49,6 +78,12 @@ class BlendConfig:
             raise InvalidRequestError(f"signal must be one of {SIGNALS}, got {self.signal!r}")
         if self.chunk_prefix not in CHUNK_PREFIXES:
             raise InvalidRequestError(f"chunk_prefix must be one of {CHUNK_PREFIXES}, got {self.chunk_prefix!r}")
+        if self.selection not in SELECTIONS:
+            raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not 0 <= self.sinks <= MAX_SINKS:
+            raise InvalidRequestError(f"sinks must be within [0, {MAX_SINKS}], got {self.sinks}")
+        if not 0.0 <= self.budget_floor <= 1.0:
+            raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
 
     @property
     def ratios(self) -> tuple[float, ...]:

@@ -22,8 +22,9 @@ window in the attention plan; both are built once per distinct config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +57,13 @@ class FusionPlan:
     signal: str = "v"
     select_from_start: bool = False  # True: no full layer before the first check (full reuse)
     extra_capacity: int = 0
+    # Strategy hooks (kvblend.blend.strategies; None: the paper's CacheBlend as above).
+    strategy: Any = None  # a strategies.Strategy: fuse() hands the whole fusion to it
+    recompute: torch.Tensor | None = None  # (N,) bool: cached tokens computed at every layer too
+    pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
+    observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None  # (layer, q, K, pos)
+    correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    reuse_cache: KVCache | None = None  # already holds the prefix and re-rotated chunks: fill it in place
 
 
 class FusionOutput(NamedTuple):
@@ -129,9 +137,10 @@ def _select(
     layer: DecoderLayer, h: torch.Tensor, active: torch.Tensor, is_cand: torch.Tensor,
     rope_tables: tuple[torch.Tensor, torch.Tensor], cache: KVCache, layer_idx: int, keep: int, signal: str,
     spans: list[tuple[int, int]],
+    pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, SelectionStats]:
-    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates,
-    and what the check saw (per document ``spans``).
+    """Indices into ``active`` that stay: all non-candidates plus the top-``keep`` candidates
+    (or those ``pick`` chooses from the deviations), and what the check saw (per document ``spans``).
 
     Fresh K/V are projected for the candidates only, and K only when the signal uses it:
     queries are computed afterwards, for the tokens that stay."""
@@ -142,28 +151,42 @@ def _select(
     k, v = layer.project_kv(h[cand_idx], cos[pos], sin[pos], keys=use_k)
     cached_k = cache.keys[layer_idx][:, pos] if use_k else None
     dev = deviation(k, v, cached_k, cache.values[layer_idx][:, pos], signal)
-    chosen = cand_idx[select_tokens(dev, keep)]
+    chosen = cand_idx[(pick or (lambda d, _p, k: select_tokens(d, k)))(dev, pos, keep)]
     stats = selection_stats(layer_idx, dev, active[chosen], spans)
     return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values, stats
 
 
 @torch.inference_mode()
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
-    """Build the prompt's KV cache from the plan; returns it with the next-token logits."""
+    """Build the prompt's KV cache from the plan; returns it with the next-token logits.
+
+    Hooks (all None for the paper's algorithm): ``strategy`` runs the whole fusion its own
+    way (``strategies.run_strategy``, which calls back here); ``recompute`` adds cached
+    tokens to the always-computed set when ``select_from_start``; ``pick`` replaces the
+    global top-k at a check layer; ``observe`` sees each layer's queries and keys;
+    ``correct`` sees fresh K/V before they overwrite the cache."""
+    if plan.strategy is not None:
+        from kvblend.blend.strategies import run_strategy  # it calls fuse() back
+
+        return run_strategy(model, plan)
     n, dev = plan.ids.shape[0], model.device
     if max(plan.check_layers) >= len(model.layers):
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
                                   f"{len(model.layers)} layers")
     p0 = _prefix_len(plan)
-    cache = model.new_cache(n + plan.extra_capacity)
-    _write_prefix(cache, plan)
+    cache = plan.reuse_cache or model.new_cache(n + plan.extra_capacity)
+    if plan.reuse_cache is None:
+        _write_prefix(cache, plan)
     is_cand_all = _candidate_mask(plan, n, dev)
     n_cand = int(is_cand_all.sum())
     tables = model.layer_rope_tables(torch.arange(n, device=dev))  # per layer, shared by RoPE config
     active = torch.arange(p0, n, device=dev)
     h = model.embed(plan.ids[p0:])  # (M, D)
     if plan.select_from_start:
-        keep = (~is_cand_all[active]).nonzero().squeeze(1)
+        forced = ~is_cand_all[active]
+        if plan.recompute is not None:
+            forced |= plan.recompute[active]
+        keep = forced.nonzero().squeeze(1)
         active, h = active[keep], h[keep]
     checks = dict(zip(plan.check_layers, plan.ratios))
     recomputed, last, seen = [], len(model.layers) - 1, []
@@ -173,10 +196,11 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     active_ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
-        _write_cached_layer(model, cache, plan, layer_idx, rotations)
+        if plan.reuse_cache is None:
+            _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
             keep, check = _select(layer, h, active, is_cand_all[active], tables[layer_idx], cache, layer_idx,
-                                  kept_count(checks[layer_idx], n_cand), plan.signal, spans)
+                                  kept_count(checks[layer_idx], n_cand), plan.signal, spans, plan.pick)
             seen.append(check)
             active, h = active[keep], h[keep]
             attn_plans, active_ropes = {}, {}
@@ -189,9 +213,13 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         else:
             q, k, v = layer.project(h, *active_rope)
             written = active
+        if plan.correct is not None:
+            plan.correct(cache, layer_idx, written, k, v)
         cache.keys[layer_idx][:, written] = k
         cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)
+        if plan.observe is not None:
+            plan.observe(layer_idx, q, keys, active)
         if layer_idx == last and model.sees_all(n):  # only the final token's output is read
             h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
             continue

@@ -275,7 +275,8 @@ class Engine:
         chunks = self._lookup(request, layout, timer)
         cfg = request.blend
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
-                          cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra)
+                          cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
+                          strategy=None if request.method == "reuse" or cfg.plain else cfg)
         t = time.perf_counter()
         out = fuse(self.model, plan)
         timer.add("prefill", t)

@@ -269,8 +269,9 @@ def add_eval_commands(sub: Any) -> None:
     p = sub.add_parser("eval", help="score methods against full prefill on a dataset; resumable")
     p.add_argument("--dataset", required=True, help="MuSiQue .json, .jsonl, or synthetic:n=..,docs=..,doc_tokens=..")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated: full, prefix, reuse, blend[:RATIOS[@LAYERS]][:SIGNAL], mapreduce, "
-                        "maprerank (default: %(default)s)")
+                   help="comma-separated: full, prefix, reuse, blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]"
+                        "[+budget][+sinksK][+shift], cacheblend[:RATIO], mapreduce, maprerank "
+                        "(default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (rerun to resume)")
     p.add_argument("--limit", type=int, default=None, help="first N examples")
     p.add_argument("--docs", type=int, default=None, help="documents per example (MuSiQue default: 6)")

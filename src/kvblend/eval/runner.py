@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import CHUNK_PREFIXES, METHODS, BlendConfig
+from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, musique_query
 from kvblend.eval.metrics import (
@@ -52,15 +52,25 @@ def _floats(text: str, what: str, spec: str, kind: type = float) -> tuple:
         raise ValueError(f"method {spec!r}: {what} must be comma-separated numbers") from exc
 
 
+SELECTION_NAMES = {"q": "question", "oracle": "oracle"}  # grammar name -> BlendConfig.selection
+
+
 def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig:
-    """``RATIOS[@LAYERS]`` then ``SIGNAL``: one ratio for every check layer, or a schedule
-    of one ratio per layer (layers default to 1..n)."""
+    """``RATIOS[@LAYERS]`` then ``SIGNAL`` or a selection (``q``, ``oracle``): one ratio for
+    every check layer, or a schedule of one ratio per layer (layers default to 1..n)."""
 
     if len(rest) > 2:
-        raise ValueError(f"method {spec!r}: expected blend[:RATIOS[@LAYERS]][:SIGNAL]")
-    signal = rest[1] if len(rest) > 1 else base.signal
+        raise ValueError(f"method {spec!r}: expected blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]")
+    choice = rest[1] if len(rest) > 1 else None
+    if choice in SELECTION_NAMES:
+        base = replace(base, selection=SELECTION_NAMES[choice])
+    elif choice:
+        if choice not in SIGNALS:
+            raise ValueError(f"method {spec!r}: signal must be one of {SIGNALS} (or a selection: "
+                             f"{', '.join(SELECTION_NAMES)})")
+        base = replace(base, selection="deviation", signal=choice)
     if not rest or not rest[0]:
-        return replace(base, signal=signal)
+        return replace(base)
     ratio_text, at, layer_text = rest[0].partition("@")
     ratios = _floats(ratio_text, "ratios", spec)
     if at:
@@ -68,38 +78,63 @@ def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig
     else:
         layers = base.check_layers if len(ratios) == 1 else tuple(range(1, len(ratios) + 1))
     if len(ratios) == 1:
-        return replace(base, ratio=ratios[0], check_layers=layers, schedule=None, signal=signal)
-    return replace(base, ratio=ratios[-1], check_layers=layers, schedule=ratios, signal=signal)
+        return replace(base, ratio=ratios[0], check_layers=layers, schedule=None)
+    return replace(base, ratio=ratios[-1], check_layers=layers, schedule=ratios)
+
+
+def _modifier(spec: str, name: str, base: BlendConfig) -> BlendConfig:
+    """One ``+NAME``: a chunk prefix, ``budget``, ``sinksK`` or ``shift``."""
+    if name in CHUNK_PREFIXES:
+        return replace(base, chunk_prefix=name)
+    if name == "budget":
+        return replace(base, budget=True)
+    if name == "shift":
+        return replace(base, shift=True)
+    if name.startswith("sinks") and name[5:].isdigit():
+        return replace(base, sinks=int(name[5:]))
+    raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
+                     "budget, sinksK or shift")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     """A method spec -> MethodSpec; errors name the spec.
 
-    ``full``, ``prefix``, ``reuse``, ``mapreduce``, ``maprerank``, or
-    ``blend[:RATIOS[@LAYERS]][:SIGNAL]``: ``blend:0.15`` (ratio 0.15 at check layer 1),
-    ``blend:0.15:k`` (signal k), ``blend:0.15@2`` (check layer 2), ``blend:0.3,0.15@1,2``
-    (progressive: 30% of document tokens selected at layer 1, a 15% subset at layer 2).
-    A ``+prompt`` / ``+bos`` suffix on reuse or blend picks the chunk prefix that the
-    documents' KV is computed after (``blend:0.15+prompt``).
+    ``full``, ``prefix``, ``reuse``, ``mapreduce``, ``maprerank``,
+    ``cacheblend[:RATIO]`` (the paper's algorithm: V deviation at check layer 1), or
+    ``blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]``: ``blend:0.15`` (the default selection),
+    ``blend:0.15:k`` (deviation of K), ``blend:0.15@2`` (check layer 2), ``blend:0.3,0.15@1,2``
+    (progressive: 30% of document tokens selected at layer 1, a 15% subset at layer 2),
+    ``blend:0.15:q`` (question-attention selection), ``blend:0.15:oracle`` (a ceiling: the
+    tokens deviating most from full prefill). Modifiers follow with ``+``: ``+prompt`` /
+    ``+bos`` (the chunk prefix documents' KV is computed after; also on reuse), ``+budget``
+    (per-document budgets), ``+sinks4`` (first 4 tokens of each document), ``+shift``
+    (correct the tokens not recomputed), e.g. ``blend:0.15:q+budget+sinks4+shift``.
     """
     from kvblend.errors import InvalidRequestError
 
     base = base or BlendConfig()
-    body, plus, mode = spec.strip().partition("+")
-    if plus:
-        if mode not in CHUNK_PREFIXES or not body.startswith(("reuse", "blend")):
-            raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}) "
-                             "after reuse or blend")
-        return replace(parse_method(body, replace(base, chunk_prefix=mode)), label=spec.strip())
+    body, *mods = spec.strip().split("+")
     name, *rest = body.split(":")
-    if name not in METHODS + BASELINES:
-        raise ValueError(f"method {spec!r}: unknown; expected one of {', '.join(METHODS + BASELINES)}")
-    if name != "blend":
-        if rest:
-            raise ValueError(f"method {spec!r}: only blend takes options")
-        return MethodSpec(spec, name, base)
+    if mods and not (name in ("blend", "cacheblend") or (name == "reuse" and set(mods) <= set(CHUNK_PREFIXES))):
+        raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}) "
+                         "after reuse, or a modifier after blend / cacheblend")
+    if name not in METHODS + BASELINES + ("cacheblend",):
+        raise ValueError(f"method {spec!r}: unknown; expected one of {', '.join(METHODS + BASELINES)}, cacheblend")
     try:
-        return MethodSpec(spec, "blend", _blend_options(spec, rest, base))
+        for m in mods:
+            base = _modifier(spec, m, base)
+        if name == "cacheblend":
+            if len(rest) > 1:
+                raise ValueError(f"method {spec!r}: expected cacheblend[:RATIO]")
+            ratio = _floats(rest[0], "ratio", spec)[0] if rest and rest[0] else base.ratio
+            paper = BlendConfig.cacheblend(ratio, base.chunk_prefix)
+            return MethodSpec(spec.strip(), "blend", replace(paper, budget=base.budget, sinks=base.sinks,
+                                                             shift=base.shift))
+        if name != "blend":
+            if rest:
+                raise ValueError(f"method {spec!r}: only blend takes options")
+            return MethodSpec(spec.strip(), name, base)
+        return MethodSpec(spec.strip(), "blend", _blend_options(spec, rest, base))
     except InvalidRequestError as exc:
         raise ValueError(f"method {spec!r}: {exc}") from exc
 

@@ -65,6 +65,7 @@ class SweepPoint(NamedTuple):
     x: float | str
     run: RunSpec
     method: str | None = None  # one label of the run, or None: every method is a line
+    series: str | None = None  # the line of a method point (default: the sweep's series)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,34 @@ def method_sweep(name: str, title: str, x_label: str, run: RunSpec, points: Sequ
 def ratio_points(ratios: Sequence[float]) -> list[tuple[float, str]]:
     """(ratio, ``blend:ratio``) for the recompute-ratio sweep."""
     return [(r, f"blend:{r:g}") for r in ratios]
+
+
+def strategy_labels(strategy: str, ratios: Sequence[float]) -> list[tuple[float, str]]:
+    """(ratio, label) for a strategy template: ``{r}`` stands for the ratio
+    (``blend:{r}:q+shift``, ``cacheblend:{r}``)."""
+    return [(r, strategy.format(r=f"{r:g}")) for r in ratios]
+
+
+def strategy_sweep(run: RunSpec, strategies: Sequence[str], ratios: Sequence[float],
+                   metrics: Sequence[str] = ("kl", "agree_f1", "first_token_agree")) -> Sweep:
+    """Selection strategies x recompute ratios on one run: one line per strategy template."""
+    points = tuple(SweepPoint(r, run, label, strategy.replace(":{r}", ""))
+                   for strategy in strategies for r, label in strategy_labels(strategy, ratios))
+    return Sweep("strategies", "Selection strategies vs recompute ratio", "recompute ratio", points, tuple(metrics))
+
+
+def pareto(summary: dict[str, dict[str, Any]], cost: str = "ttft_over_full", quality: str = "kl",
+           reference: str = "full") -> list[dict[str, Any]]:
+    """Every method but ``reference`` with its TTFT over the reference's (mean over mean)
+    and ``frontier``: no other method is at most as slow and at most as far (KL) with one
+    strictly better. Sorted by cost."""
+    ref = summary[reference]["ttft_s"]
+    rows = [{"method": label, **s, cost: s["ttft_s"] / ref} for label, s in summary.items()
+            if label != reference and s.get("ttft_s") is not None and s.get(quality) is not None]
+    for r in rows:
+        r["frontier"] = not any(o[cost] <= r[cost] and o[quality] <= r[quality]
+                                and (o[cost] < r[cost] or o[quality] < r[quality]) for o in rows)
+    return sorted(rows, key=lambda r: r[cost])
 
 
 def setting_sweep(name: str, title: str, x_label: str, runs: Sequence[tuple[float | str, RunSpec]],
@@ -168,7 +197,7 @@ def sweep_rows(sweep: Sweep, summaries: dict[str, dict[str, dict[str, Any]]]) ->
     for p in sweep.points:
         summary = summaries[p.run.name]
         for label in [p.method] if p.method else list(summary):
-            series = sweep.series if p.method else label
+            series = (p.series or sweep.series) if p.method else label
             rows.append({"x": p.x, "series": series, "method": label, **summary[label]})
     return rows
 

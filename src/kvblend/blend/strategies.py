@@ -1,0 +1,211 @@
+"""Selection and correction strategies beyond the paper's, composed around ``fuse``.
+
+* ``question`` (ProphetKV, FusionRAG): a first pass runs only the tokens without cached
+  KV (the question / suffix) through every layer over the re-rotated reused cache — that
+  is exactly full KV reuse — and scores each document token by the attention the tokens
+  after the first document pay it, summed over heads, those query tokens and layers (each
+  layer's weights sum to heads x queries, so layers weigh equally; prefix tokens, the
+  attention sink among them, are not candidates and so are never ranked). The top tokens
+  are then recomputed at every layer from layer 0 in a second pass, in the first pass's
+  cache (its chunks are already re-rotated). No layer runs in full.
+* ``oracle`` (eval only): the KV of a full prefill is computed, and the tokens whose
+  reused K/V deviate most from it, summed over layers, are recomputed: a ceiling for any
+  selection of that size.
+* ``deviation`` with ``budget``/``sinks``/``shift``: the paper's check-layer selection
+  with the choice below swapped in (``FusionPlan.pick``) and the correction hooked in.
+
+``choose`` turns scores into a kept set: the first ``sinks`` tokens of every document
+first, then by score, globally or within per-document budgets (``allocate``).
+``ShiftCorrection`` moves each document's non-recomputed K/V by the mean fresh - stale
+residual of its recomputed tokens, at every layer, before attention reads them.
+
+Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
+``shift`` is full reuse, and a document at its own position stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from kvblend import rope as rope_lib
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse
+from kvblend.blend.select import kept_count, select_tokens
+from kvblend.models.attention import causal_mask
+from kvblend.models.kv_cache import KVCache
+from kvblend.models.transformer import Transformer
+
+Span = tuple[int, int]  # [start, end) of one placed document
+
+
+def spans_of(plan: FusionPlan) -> list[Span]:
+    return [(p.start, p.start + p.chunk.n_tokens) for p in plan.placed]
+
+
+def allocate(total: int, sizes: Sequence[int], weights: Sequence[float], floor: float) -> list[int]:
+    """Split ``total`` kept tokens among documents of ``sizes`` tokens.
+
+    Each document first gets ``floor`` x its length-proportional share (rounded down, at
+    most its size); the rest goes in proportion to ``weights`` (uniform where all are 0),
+    largest remainder first, never past a document's size. The result sums to
+    ``min(total, sum(sizes))``."""
+    n_all = sum(sizes)
+    total = max(0, min(total, n_all))
+    if not sizes or total == 0:
+        return [0] * len(sizes)
+    out = [min(n, int(floor * total * n / n_all)) for n in sizes]
+    left = total - sum(out)
+    while left > 0:
+        open_ = [i for i, n in enumerate(sizes) if out[i] < n]
+        w = [max(float(weights[i]), 0.0) for i in open_]
+        if sum(w) <= 0 or not all(map(math.isfinite, w)):
+            w = [1.0] * len(open_)
+        shares = [left * x / sum(w) for x in w]
+        given = [min(int(s), sizes[i] - out[i]) for s, i in zip(shares, open_)]
+        if sum(given) == 0:  # every share below one token: one to the largest remainder
+            j = max(range(len(open_)), key=lambda m: (shares[m], -m))
+            given[j] = 1
+        for g, i in zip(given, open_):
+            out[i] += g
+        left -= sum(given)
+    return out
+
+
+def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequence[Span], cfg: BlendConfig
+           ) -> torch.Tensor:
+    """Indices (ascending) of the ``keep`` candidates to recompute.
+
+    scores, positions: (T,) per candidate. The first ``cfg.sinks`` tokens of each document
+    rank above everything; with ``cfg.budget`` each document keeps its ``allocate`` share
+    by score mass, else one global top-k. Ties keep the earlier token."""
+    ranked = scores.float().clone()
+    doc = torch.full_like(positions, -1)
+    for i, (a, b) in enumerate(spans):
+        inside = (positions >= a) & (positions < b)
+        doc[inside] = i
+        if cfg.sinks:
+            ranked[inside & (positions < a + cfg.sinks)] = float("inf")
+    if not cfg.budget:
+        return select_tokens(ranked, keep)
+    groups = [(doc == i).nonzero().squeeze(1) for i in range(len(spans))]
+    outside = (doc < 0).nonzero().squeeze(1)
+    if outside.numel():
+        groups.append(outside)
+    mass = [float(scores[g].float().clamp_min(0).sum()) for g in groups]
+    budgets = allocate(keep, [int(g.numel()) for g in groups], mass, cfg.budget_floor)
+    picked = [g[select_tokens(ranked[g], b)] for g, b in zip(groups, budgets)]
+    return torch.cat(picked).sort().values if picked else select_tokens(ranked, 0)
+
+
+class ShiftCorrection:
+    """``FusionPlan.correct``: before fresh K/V of the written tokens replace the cache,
+    every document's tokens that are not written are moved by the mean fresh - stale
+    residual of its written ones (V as is, K un-rotated to the pre-RoPE frame, averaged,
+    and rotated to each moved token's position). A document with no written token stays."""
+
+    def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 interleaved: bool) -> None:
+        self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
+
+    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys, values = cache.keys[layer], cache.values[layer]
+        cos, sin = self.tables[layer]  # the layer's own RoPE (Gemma 3: local or global)
+        for a, b in self.spans:
+            rows = ((written >= a) & (written < b)).nonzero().squeeze(1)
+            if rows.numel() == 0 or rows.numel() == b - a:
+                continue
+            pos = written[rows]
+            others = torch.ones(b - a, dtype=torch.bool, device=written.device)
+            others[pos - a] = False
+            others = others.nonzero().squeeze(1) + a
+            dv = (v[:, rows] - values[:, pos]).float().mean(dim=1, keepdim=True)  # (Hkv, 1, d)
+            dk_rot = (k[:, rows] - keys[:, pos]).float()  # (Hkv, m, d), post-RoPE
+            dk = rope_lib.apply_rope(dk_rot, cos[pos].float(), -sin[pos].float(), self.interleaved)
+            dk = dk.mean(dim=1, keepdim=True).expand(-1, others.numel(), -1)  # (Hkv, o, d) pre-RoPE
+            shift_k = rope_lib.apply_rope(dk.contiguous(), cos[others].float(), sin[others].float(),
+                                          self.interleaved)
+            keys[:, others] += shift_k.to(keys.dtype)
+            values[:, others] += dv.to(values.dtype)
+
+
+class QuestionScores:
+    """``FusionPlan.observe``: accumulates, per key position, the softmax attention weight
+    that queries after ``first_doc`` pay it, summed over heads, queries and layers."""
+
+    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device) -> None:
+        self.total = torch.zeros(n, dtype=torch.float32, device=device)  # (N,)
+        self.first_doc, self.windows = first_doc, list(windows)  # sliding window per layer
+
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = (positions > self.first_doc).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        (hkv, n, d), per_kv = keys.shape, q.shape[0] // keys.shape[0]
+        # the query heads sharing a KV head stacked along the rows: keys are never copied per head
+        qq = q[:, rows].float().reshape(hkv, per_kv * rows.numel(), d)  # (Hkv, hpk*Tq, d)
+        logits = qq @ keys.float().transpose(1, 2) / math.sqrt(d)  # (Hkv, hpk*Tq, N)
+        allowed = causal_mask(positions[rows], torch.arange(n, device=q.device), self.windows[layer])  # (Tq, N)
+        weights = logits.masked_fill_(~allowed.repeat(per_kv, 1), float("-inf")).softmax(dim=-1)
+        self.total[:n] += weights.sum(dim=(0, 1))
+
+
+def _base(plan: FusionPlan) -> FusionPlan:
+    return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None)
+
+
+def _correction(model: Transformer, plan: FusionPlan, n: int) -> ShiftCorrection:
+    tables = model.layer_rope_tables(torch.arange(n, device=model.device))
+    return ShiftCorrection(spans_of(plan), tables, model.cfg.rope.interleaved)
+
+
+def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
+    """(N,) attention-mass scores from a reuse pass, and that pass's output (full reuse)."""
+    n, spans = plan.ids.shape[0], spans_of(plan)
+    first = min((a for a, _ in spans), default=n)
+    scorer = QuestionScores(n, first, [layer.window for layer in model.layers], model.device)
+    out = fuse(model, replace(_base(plan), select_from_start=True, observe=scorer))
+    return scorer.total, out
+
+
+def oracle_scores(model: Transformer, plan: FusionPlan) -> torch.Tensor:
+    """(N,) squared distance between the reused (re-rotated) K/V and a full prefill's,
+    summed over layers, heads and dims. Costs a full prefill and a reuse pass."""
+    n = plan.ids.shape[0]
+    full = model.new_cache(n)
+    model(plan.ids, full, logits_for="none")
+    reused = fuse(model, replace(_base(plan), select_from_start=True)).cache
+    dev = torch.zeros(n, dtype=torch.float32, device=model.device)
+    for layer in range(len(model.layers)):
+        for a, b in ((full.keys, reused.keys), (full.values, reused.values)):
+            dev += (a[layer][:, :n] - b[layer][:, :n]).float().pow(2).sum(dim=(0, 2))
+    return dev
+
+
+def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
+    """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring."""
+    cfg: BlendConfig = plan.strategy
+    n, spans = plan.ids.shape[0], spans_of(plan)
+    base = _base(plan)
+    correct = _correction(model, plan, n) if cfg.shift else None
+    if cfg.selection == "deviation":
+        pick = lambda d, pos, k: choose(d, pos, k, spans, cfg)  # noqa: E731
+        return fuse(model, replace(base, pick=pick, correct=correct))
+    is_cand = _candidate_mask(plan, n, model.device)
+    keep = kept_count(plan.ratios[-1], int(is_cand.sum()))
+    if cfg.selection == "question":
+        scores, reused = question_scores(model, plan)
+        if keep == 0 and correct is None:
+            return reused
+    else:
+        scores, reused = oracle_scores(model, plan), None
+    pos = is_cand.nonzero().squeeze(1)
+    recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
+    recompute[pos[choose(scores[pos], pos, keep, spans, cfg)]] = True
+    # the question pass's cache already holds every chunk re-rotated (only the rows it
+    # computed itself differ, and those are computed again): fill it in place
+    again = reused.cache if cfg.selection == "question" else None
+    return fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct, reuse_cache=again))

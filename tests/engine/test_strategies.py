@@ -1,0 +1,158 @@
+"""Selection/correction strategies (kvblend.blend.strategies) on tiny random models:
+scores against an explicit attention matrix, budgets, the shift's frame, and the fusion
+invariants for every strategy (ratio 1 == full, ratio 0 == reuse, own position exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblend import rope as rope_lib
+from kvblend.blend.chunks import compute_chunk_kv
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.fusion import FusionPlan, PlacedChunk
+from kvblend.blend.strategies import ShiftCorrection, allocate, choose, question_scores
+from kvblend.engine import Engine, Request
+from kvblend.eval.runner import parse_method
+from kvblend.models.config import ModelConfig
+from kvblend.models.kv_cache import KVCache
+from kvblend.models.loader import build_model
+from tests.conftest import make_hf_model, make_loaded
+from tests.engine.test_blend_invariants import DOCS, QUESTION
+
+STRATEGIES = [
+    dict(selection="question"),
+    dict(selection="question", budget=True, sinks=2),
+    dict(selection="question", shift=True),
+    dict(selection="question", budget=True, sinks=2, shift=True),
+    dict(selection="deviation", budget=True, sinks=2, shift=True),
+    dict(selection="oracle", budget=True),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_question_scores_equal_an_explicit_attention_matrix(arch: str) -> None:
+    hf = make_hf_model(arch, seed=3, attn_implementation="eager")
+    model = build_model(ModelConfig.from_hf(hf.config), {k: v.clone() for k, v in hf.state_dict().items()},
+                        "cpu", torch.float32)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (30,))
+    prefix, doc_end = 5, 22  # prefix | one document | question
+    # the document's KV computed after the real prefix, at its own position: reuse is exact here
+    chunk = compute_chunk_kv(model, ids[:prefix].tolist(), ids[prefix:doc_end].tolist())
+    scores, _ = question_scores(model, FusionPlan(ids, [PlacedChunk(prefix, chunk)]))
+    with torch.no_grad():
+        att = hf(ids[None], output_attentions=True).attentions  # per layer (1, Hq, N, N)
+    expected = sum(a[0, :, doc_end:, :].sum(dim=(0, 1)) for a in att)  # the question rows of every layer
+    cand = slice(prefix, doc_end)
+    torch.testing.assert_close(scores[cand], expected[cand], atol=1e-4, rtol=1e-4)
+
+
+def test_budgets_sum_to_the_total_and_respect_floors_and_sizes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(1, 6, (1,), generator=gen))
+        sizes = torch.randint(0, 40, (k,), generator=gen).tolist()
+        weights = (torch.rand(k, generator=gen) * (torch.rand(k, generator=gen) > 0.3)).tolist()
+        total = int(torch.randint(0, sum(sizes) + 5, (1,), generator=gen))
+        floor = float(torch.rand(1, generator=gen))
+        out = allocate(total, sizes, weights, floor)
+        assert sum(out) == min(total, sum(sizes))
+        for n, b in zip(sizes, out):
+            assert 0 <= b <= n
+            if sum(sizes):
+                assert b >= min(n, int(floor * min(total, sum(sizes)) * n / sum(sizes)))
+    assert allocate(10, [20, 20], [3.0, 1.0], 0.0) == [8, 2]  # proportional to mass without a floor
+    assert allocate(10, [20, 20], [1.0, 0.0], 0.6) == [7, 3]  # the floor: 0.6 of the equal share
+
+
+def test_choose_takes_sinks_first_and_keeps_within_document_budgets() -> None:
+    spans = [(10, 20), (20, 30)]
+    pos = torch.arange(10, 30)
+    scores = torch.zeros(20)
+    scores[15:20] = torch.tensor([5.0, 6.0, 7.0, 8.0, 9.0])  # all the mass in document 2's tail
+    top = choose(scores, pos, 4, spans, BlendConfig())
+    assert pos[top].tolist() == [26, 27, 28, 29]
+    sinks = choose(scores, pos, 4, spans, BlendConfig(sinks=1))
+    assert pos[sinks].tolist() == [10, 20, 28, 29]
+    budget = choose(scores, pos, 6, spans, BlendConfig(budget=True, budget_floor=1.0))
+    assert pos[budget].tolist() == [10, 11, 12, 27, 28, 29]  # 3 + 3 by the floor, top by score in each
+
+
+def test_shift_moves_untouched_tokens_by_the_mean_residual_in_the_pre_rope_frame() -> None:
+    cfg = make_loaded().config
+    n, hkv, d = 12, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(n))
+    torch.manual_seed(0)
+    stale_k, stale_v = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    cache = KVCache(1, hkv, d, n, torch.float32, "cpu")
+    cache.keys[0][:], cache.values[0][:] = stale_k, stale_v
+    written = torch.tensor([3, 5, 9])  # document [2, 8) has 3 and 5 recomputed; 9 is not in it
+    c_k, c_v = torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
+    fresh_k = stale_k[:, written] + rope_lib.apply_rope(c_k.expand(-1, 3, -1).contiguous(), cos[written], sin[written])
+    fresh_v = stale_v[:, written] + c_v
+    ShiftCorrection([(2, 8)], [(cos, sin)], cfg.rope.interleaved)(cache, 0, written, fresh_k, fresh_v)
+    moved = torch.tensor([2, 4, 6, 7])
+    want_k = stale_k[:, moved] + rope_lib.apply_rope(c_k.expand(-1, 4, -1).contiguous(), cos[moved], sin[moved])
+    torch.testing.assert_close(cache.keys[0][:, moved], want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.values[0][:, moved], stale_v[:, moved] + c_v, atol=1e-5, rtol=1e-5)
+    outside = torch.tensor([0, 1, 3, 5, 8, 9, 10, 11])  # written ones are left to the caller
+    assert torch.equal(cache.keys[0][:, outside], stale_k[:, outside])
+
+
+def _logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
+    req = Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
+                  blend=BlendConfig(**blend))
+    return eng.prepare(req).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_strategy_keeps_the_fusion_invariants(arch: str) -> None:
+    eng = Engine(make_loaded(arch=arch))
+    _logits(eng, "blend")
+    eng.flush()
+    full, reuse = _logits(eng, "full"), _logits(eng, "reuse")
+    assert (reuse - full).abs().max().item() > 1e-3  # reuse is approximate here
+    for strategy in STRATEGIES:
+        assert (_logits(eng, "blend", ratio=1.0, **strategy) - full).abs().max().item() <= 1e-3, strategy
+        if not strategy.get("shift"):
+            assert (_logits(eng, "blend", ratio=0.0, **strategy) - reuse).abs().max().item() <= 1e-3, strategy
+        mid = _logits(eng, "blend", ratio=0.3, **strategy)
+        assert torch.isfinite(mid).all()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_document_at_its_own_position_stays_exact(strategy: dict) -> None:
+    eng = Engine(make_loaded())
+    _logits(eng, "blend", docs=DOCS[:1], chunk_prefix="prompt")
+    eng.flush()
+    full = _logits(eng, "full", docs=DOCS[:1])
+    for ratio in (0.0, 0.3):
+        got = _logits(eng, "blend", docs=DOCS[:1], ratio=ratio, chunk_prefix="prompt", **strategy)
+        assert (got - full).abs().max().item() <= 1e-3, (strategy, ratio)
+
+
+def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
+    eng = Engine(make_loaded(num_hidden_layers=3))
+    _logits(eng, "blend")
+    eng.flush()
+    def stats(ratio: float):
+        return eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .",
+                                   method="blend", blend=BlendConfig(ratio=ratio, selection="question"))).stats
+
+    forced, kept = stats(0.0).recomputed_per_layer[0], stats(0.25)
+    assert kept.recomputed_per_layer == [forced + round(0.25 * kept.candidates)] * 3  # no layer in full
+
+
+def test_method_grammar_names_the_strategies() -> None:
+    q = parse_method("blend:0.15:q+budget+sinks4+shift").blend
+    assert (q.selection, q.ratio, q.budget, q.sinks, q.shift) == ("question", 0.15, True, 4, True)
+    paper = parse_method("cacheblend:0.2").blend
+    assert paper == BlendConfig.cacheblend(0.2)
+    assert parse_method("cacheblend+prompt").blend.chunk_prefix == "prompt"
+    assert parse_method("blend:0.1:oracle").blend.selection == "oracle"
+    assert parse_method("blend:0.1:k").blend.selection == "deviation"
+    with pytest.raises(ValueError, match="modifier"):
+        parse_method("reuse+budget")
+    with pytest.raises(ValueError, match="sinksK"):
+        parse_method("blend:0.1+sinks")
