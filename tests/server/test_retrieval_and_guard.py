@@ -1,0 +1,101 @@
+"""The server's ``retrieval`` field over an index built by the ingest pipeline, per tenant,
+and the quality guard composed into the server (shadow checks off the request's path)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import WORDS
+from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess
+
+PLANTED = "the budget was approved in lisbon by the doctor ."
+BOB_OWN = "the budget of bob was small ."
+QUESTION = "where was the budget approved ?"
+_RARE = {"budget", "approved", "lisbon", "doctor", "small"}
+
+
+def _filler(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    vocab = [w for w in WORDS if w.isalpha() and w not in _RARE]
+    return [" ".join(rng.choice(vocab, 10)) + " ." for _ in range(n)]
+
+
+def _ingest(tiny_model_dir: str, folder, tenant: str, docs: list[tuple[str, str]]) -> None:
+    import torch
+
+    from kvblend.models.loader import load_model
+    from kvblend.rag.chunking import ChunkerConfig
+    from kvblend.rag.ingest import IngestConfig, Ingestor
+    from kvblend.rag.readers import Document
+    from kvblend.rag.retriever import Retriever, RetrieverConfig
+
+    loaded = load_model(tiny_model_dir, "cpu", torch.float32)
+    retriever = Retriever(RetrieverConfig(folder, mode="bm25"))
+    try:
+        config = IngestConfig(ChunkerConfig("tokens", 32), tenant=tenant, dense=False)
+        ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config)
+        ingestor.ingest_documents([Document(s, t) for s, t in docs], progress=False)
+    finally:
+        retriever.close()
+
+
+@pytest.fixture(scope="module")
+def rag_server(tiny_model_dir, tmp_path_factory):
+    """A server with retrieval over a bm25 index (alice: a planted passage among filler;
+    bob: his own passage) and the guard shadow-checking every blended request."""
+    work = tmp_path_factory.mktemp("rag-server")
+    index = work / "index"
+    _ingest(tiny_model_dir, index, "alice",
+            [(f"alice-{i}.txt", t) for i, t in enumerate(_filler(12, 0))] + [("alice-planted.txt", PLANTED)])
+    _ingest(tiny_model_dir, index, "bob", [(f"bob-{i}.txt", t) for i, t in enumerate(_filler(6, 1))]
+            + [("bob-notes.txt", BOB_OWN)])
+    config = {"api_keys": {ALICE: "alice", BOB: "bob"}, "admin_key": ADMIN,
+              "store": {"tiers": ["memory"], "memory_bytes": "64MiB"},
+              "retrieval": {"enabled": True, "index_dir": str(index), "mode": "bm25", "max_top_k": 4},
+              "guard": {"enabled": True, "shadow_fraction": 1.0, "min_samples": 2, "window": 4},
+              "drain_timeout_s": 10}
+    proc = ServerProcess(tiny_model_dir, work, config)
+    yield proc
+    proc.stop()
+
+
+def _client(server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _ask(client: httpx.Client, **extra) -> httpx.Response:
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
+            "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_retrieval_blends_the_callers_own_top_chunks(rag_server) -> None:
+    with _client(rag_server, ALICE) as alice, _client(rag_server, BOB) as bob:
+        a = _ask(alice, retrieval={"top_k": 2})
+        assert a.status_code == 200, a.text
+        block = a.json()["kvblend"]
+        assert block["sources"][0]["source"] == "alice-planted.txt"
+        assert len(block["documents"]) == len(block["sources"]) >= 1  # the hits were what got blended
+        b = _ask(bob, retrieval={"top_k": 4})
+        assert b.status_code == 200, b.text
+        bob_sources = b.json()["kvblend"]["sources"]
+        assert bob_sources[0]["source"] == "bob-notes.txt"
+        assert not {s["source"] for s in bob_sources} & {"alice-planted.txt"}
+        assert not {s["chunk_id"] for s in bob_sources} & {s["chunk_id"] for s in block["sources"]}
+        assert all(s["source"].startswith("bob-") for s in bob_sources)
+
+
+def test_retrieval_request_bounds(rag_server, alice) -> None:
+    with _client(rag_server, ALICE) as client:
+        both = _ask(client, retrieval={"top_k": 1}, documents=["the river ."])
+        assert both.status_code == 400 and both.json()["error"]["param"] == "retrieval"
+        over = _ask(client, retrieval={"top_k": 5})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "retrieval.top_k"
+        assert _ask(client, retrieval={"top_k": 0}).status_code == 400
+        assert _ask(client, retrieval={"top_k": 1, "depth": 3}).status_code == 400
+    off = _ask(alice, retrieval={"top_k": 1})  # the shared server has retrieval disabled
+    assert off.status_code == 400 and off.json()["error"]["param"] == "retrieval"
+    assert "not enabled" in off.json()["error"]["message"]
