@@ -40,6 +40,7 @@ from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
+from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
 from kvblend.server.translate import (
@@ -65,6 +66,7 @@ class ServerState:
     model_id: str
     model_ids: tuple[str, ...]
     retriever: Any = None  # kvblend.rag.retriever.Retriever when settings.retrieval.enabled
+    guard: ServerGuard | None = None  # when settings.guard.enabled
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -108,7 +110,8 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
     retriever = open_retriever(settings, engine.loaded.tokenizer_fingerprint)
-    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever)
+    guard = open_guard(settings.guard, metrics.registry, model_id, engine.loaded.name)
+    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard)
 
 
 def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> FastAPI:
@@ -126,6 +129,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
         state.registry.close()
+        if state.guard is not None:
+            await anyio.to_thread.run_sync(state.guard.close)
         if state.retriever is not None:
             state.retriever.close()
 
@@ -322,6 +327,9 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         used = tuple(sources(hits))
     prompt_tokens = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
+    routing = state.guard.route(request) if state.guard is not None else None
+    if routing is not None:
+        request = routing.request
     try:
         handle = state.scheduler.submit(request, sampling)
     except KvblendError as exc:
@@ -330,7 +338,10 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def finish(out: Outcome) -> None:
-        _account(state, handle, tenant, shape, out, started)
+        guarded = {}
+        if routing is not None:  # the shadow check is queued, never awaited
+            guarded = {"guard": routing.fallback, "shadow": state.guard.after(state.engine, routing, out)}
+        _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:
         out = Outcome()
@@ -346,7 +357,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
 
 
 def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
-             started: float) -> None:
+             started: float, guarded: dict[str, Any] | None = None) -> None:
     """Metrics for what only the HTTP layer sees, and the request's one log line."""
     if out.disconnected:
         state.metrics.disconnects.inc()
@@ -364,7 +375,7 @@ def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shap
         "recompute_fraction": round(stats.recompute_frac, 4) if stats else None,
         "queue_s": round(handle.queue_s, 4), "ttft_s": round(stats.ttft_s, 4) if stats else None,
         "e2e_s": round(time.perf_counter() - started, 4), "finish_reason": out.finish_reason,
-        "error": out.error.type if out.error else None,
+        "error": out.error.type if out.error else None, **(guarded or {}),
     }
     access.info(json.dumps(line))
 
