@@ -86,6 +86,9 @@ def test_retrieval_blends_the_callers_own_top_chunks(rag_server) -> None:
         assert not {s["source"] for s in bob_sources} & {"alice-planted.txt"}
         assert not {s["chunk_id"] for s in bob_sources} & {s["chunk_id"] for s in block["sources"]}
         assert all(s["source"].startswith("bob-") for s in bob_sources)
+        streamed = _ask(alice, retrieval={"top_k": 2}, stream=True).text
+        last = [ln for ln in streamed.splitlines() if '"kvblend"' in ln][-1]
+        assert '"alice-planted.txt"' in last and "bob-notes.txt" not in streamed
 
 
 def test_retrieval_request_bounds(rag_server, alice) -> None:
