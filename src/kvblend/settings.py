@@ -70,7 +70,7 @@ class StoreSettings(_Section):
 class BlendSettings(_Section):
     """Server-wide defaults of the per-request ``kvblend`` options."""
 
-    method: Literal["full", "prefix", "reuse", "blend"] = "blend"
+    method: Literal["full", "prefix", "reuse", "blend", "auto"] = "blend"  # auto: the guard routes (guard.enabled)
     ratio: float = Field(0.15, ge=0.0, le=1.0)
     check_layers: tuple[int, ...] = (1,)
     schedule: tuple[float, ...] | None = None
@@ -105,6 +105,49 @@ class SchedulerSettings(_Section):
     max_running: int = Field(8, gt=0)
     max_queued: int = Field(64, ge=0)
     request_deadline_s: float | None = Field(300.0, gt=0)
+
+
+class RetrievalSettings(_Section):
+    """Server-side retrieval (``"retrieval": {"top_k": k}`` in a request): off unless enabled.
+
+    ``index_dir``: the folder ``kvblend ingest`` wrote (default ``$KVBLEND_HOME/rag/<tokenizer>``,
+    where ``kvblend ingest`` puts it without ``--index``); ``mode``: dense, bm25 or hybrid;
+    ``max_top_k``: the most chunks one request may ask for."""
+
+    enabled: bool = False
+    index_dir: str | None = None
+    mode: Literal["dense", "bm25", "hybrid"] = "hybrid"
+    max_top_k: int = Field(8, ge=1, le=100)
+
+
+class GuardSettings(_Section):
+    """The quality guard (``kvblend.guard.quality``): off unless enabled. ``shadow_fraction``
+    of blended requests are shadow-checked against full prefill off the request's path
+    (one background thread, at most ``max_pending`` waiting; more are dropped and counted);
+    ``method: auto`` requests are routed by the guard."""
+
+    enabled: bool = False
+    shadow_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    probe_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    window: int = Field(32, ge=1, le=4096)
+    min_samples: int = Field(8, ge=1, le=4096)
+    min_f1: float | None = Field(0.5, ge=0.0, le=1.0)
+    fallback_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    override_explicit: bool = True
+    max_pending: int = Field(8, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _valid(self) -> GuardSettings:
+        if self.min_samples > self.window:
+            raise ValueError("guard.min_samples must be at most guard.window")
+        return self
+
+    def guard_config(self):  # noqa: ANN201 - kvblend.guard.quality.GuardConfig (imported lazily: torch)
+        from kvblend.guard.quality import GuardConfig
+
+        return GuardConfig(shadow_fraction=self.shadow_fraction, probe_fraction=self.probe_fraction,
+                           window=self.window, min_samples=self.min_samples, min_f1=self.min_f1,
+                           fallback_ratio=self.fallback_ratio, override_explicit=self.override_explicit)
 
 
 class ModelSettings(BaseSettings):
@@ -159,6 +202,8 @@ class Settings(ModelSettings):
     blend: BlendSettings = BlendSettings()
     limits: LimitSettings = LimitSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    guard: GuardSettings = GuardSettings()
     api_keys: dict[str, str] = Field(default_factory=dict)  # key -> tenant; empty: no auth, tenant "default"
     admin_key: str | None = None  # when set, /metrics needs `Authorization: Bearer <admin_key>`
     drain_timeout_s: float = Field(30.0, ge=0)
@@ -220,5 +265,5 @@ def model_defaults() -> ModelSettings:
     return ModelSettings.load()
 
 
-__all__ = ["BlendSettings", "DTYPES", "LimitSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
+__all__ = ["BlendSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
            "StoreSettings", "model_defaults"]

@@ -11,6 +11,7 @@ or ids.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -39,6 +40,8 @@ from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
+from kvblend.server.quality import ServerGuard, open_guard
+from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, parse, sampling_params, utf8_len,
@@ -62,6 +65,8 @@ class ServerState:
     registry: DocumentRegistry
     model_id: str
     model_ids: tuple[str, ...]
+    retriever: Any = None  # kvblend.rag.retriever.Retriever when settings.retrieval.enabled
+    guard: ServerGuard | None = None  # when settings.guard.enabled
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -104,7 +109,9 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
-    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids)
+    retriever = open_retriever(settings, engine.loaded.tokenizer_fingerprint)
+    guard = open_guard(settings.guard, metrics.registry, model_id, engine.loaded.name)
+    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard)
 
 
 def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> FastAPI:
@@ -122,6 +129,10 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
         state.registry.close()
+        if state.guard is not None:
+            await anyio.to_thread.run_sync(state.guard.close)
+        if state.retriever is not None:
+            state.retriever.close()
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvblend = state
@@ -307,18 +318,30 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     started = time.perf_counter()
     body = parse(model, await read_json(http, settings.limits.max_body_bytes))
     check_common(body, settings, state.model_ids)
+    top_k = check_retrieval(body, settings, state.retriever)
     request = build_request(body, settings, state.registry, tenant, state.num_layers)
+    used = None
+    if top_k is not None:  # the caller's own tenant's chunks, as the token ids they were indexed with
+        hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
+        request = dataclasses.replace(request, documents=[h.token_ids for h in hits])
+        used = tuple(sources(hits))
     prompt_tokens = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
+    routing = state.guard.route(request) if state.guard is not None else None
+    if routing is not None:
+        request = routing.request
     try:
         handle = state.scheduler.submit(request, sampling)
     except KvblendError as exc:
         raise from_exception(exc) from None
-    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id)
+    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def finish(out: Outcome) -> None:
-        _account(state, handle, tenant, shape, out, started)
+        guarded = {}
+        if routing is not None:  # the shadow check is queued, never awaited
+            guarded = {"guard": routing.fallback, "shadow": state.guard.after(state.engine, routing, out)}
+        _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:
         out = Outcome()
@@ -334,7 +357,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
 
 
 def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
-             started: float) -> None:
+             started: float, guarded: dict[str, Any] | None = None) -> None:
     """Metrics for what only the HTTP layer sees, and the request's one log line."""
     if out.disconnected:
         state.metrics.disconnects.inc()
@@ -348,10 +371,11 @@ def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shap
         "prompt_tokens": stats.prompt_tokens if stats else None, "completion_tokens": out.tokens,
         "cached_tokens": cached_tokens(stats) if stats else None,
         "doc_hits": sum(1 for d in stats.docs if d.hit and d.source not in ("computed", "empty")) if stats else None,
-        "docs": len(handle.request.documents), "recompute_fraction": round(stats.recompute_frac, 4) if stats else None,
+        "docs": len(handle.request.documents), "retrieved": len(shape.sources) if shape.sources is not None else None,
+        "recompute_fraction": round(stats.recompute_frac, 4) if stats else None,
         "queue_s": round(handle.queue_s, 4), "ttft_s": round(stats.ttft_s, 4) if stats else None,
         "e2e_s": round(time.perf_counter() - started, 4), "finish_reason": out.finish_reason,
-        "error": out.error.type if out.error else None,
+        "error": out.error.type if out.error else None, **(guarded or {}),
     }
     access.info(json.dumps(line))
 

@@ -44,12 +44,20 @@ class KvblendOptions(BaseModel):
     """Per-request overrides of the server's blend defaults."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal["full", "prefix", "reuse", "blend"] | None = None
+    method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None  # auto: the quality guard picks
     ratio: float | None = Field(None, ge=0.0, le=1.0)
     check_layers: list[int] | None = Field(None, min_length=1, max_length=256)
     schedule: list[float] | None = Field(None, min_length=1, max_length=256)
     signal: Literal["v", "k", "kv"] | None = None
     chunk_prefix: Literal["bos", "prompt"] | None = None
+
+
+class RetrievalOptions(BaseModel):
+    """``"retrieval": {"top_k": k}``: blend the caller's top-k indexed chunks instead of
+    ``documents`` (k is bounded by the server's ``retrieval.max_top_k``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    top_k: int = Field(ge=1)
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +70,7 @@ class _Common(BaseModel):
 
     model: str
     documents: list[str | DocumentRef] | None = None
+    retrieval: RetrievalOptions | None = None
     kvblend: KvblendOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)

@@ -31,6 +31,7 @@ class Outcome:
     """What the HTTP layer saw of one request, for its response and log line."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     tokens: int = 0
     finish_reason: str | None = None
     stats: RequestStats | None = None
@@ -43,6 +44,7 @@ class Outcome:
             self.stats = item
             return
         self.tokens += 1
+        self.token_ids.append(item.token_id)
         self.text.append(item.text)
         self.finish_reason = item.finish_reason or self.finish_reason
 
@@ -55,6 +57,14 @@ class Shape:
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
+
+    def kvblend(self, stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
+        """The response's ``kvblend`` block, with the retrieved sources when there are any."""
+        block = kvblend_block(stats, queue_s)
+        if self.sources is not None:
+            block["sources"] = list(self.sources)
+        return block
 
     @property
     def object_id(self) -> str:
@@ -80,7 +90,7 @@ class Shape:
         body["choices"] = [self.choice("".join(out.text), out.finish_reason or "stop", chunk=False)]
         body["usage"] = usage(out.stats, out.tokens)
         body["system_fingerprint"] = None
-        body["kvblend"] = kvblend_block(out.stats, queue_s)
+        body["kvblend"] = self.kvblend(out.stats, queue_s)
         return body
 
 
@@ -138,11 +148,11 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
                     yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field})
                 continue
             last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
-                    **usage_field, "kvblend": kvblend_block(out.stats, handle.queue_s)}
+                    **usage_field, "kvblend": shape.kvblend(out.stats, handle.queue_s)}
             yield sse(last)
         if include_usage:
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
-                       "kvblend": kvblend_block(out.stats, handle.queue_s)})
+                       "kvblend": shape.kvblend(out.stats, handle.queue_s)})
         yield sse("[DONE]")
     except asyncio.CancelledError:
         out.disconnected = True

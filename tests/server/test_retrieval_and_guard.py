@@ -1,0 +1,156 @@
+"""The server's ``retrieval`` field over an index built by the ingest pipeline, per tenant,
+and the quality guard composed into the server (shadow checks off the request's path)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import WORDS
+from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess
+
+PLANTED = "the budget was approved in lisbon by the doctor ."
+BOB_OWN = "the budget of bob was small ."
+QUESTION = "where was the budget approved ?"
+_RARE = {"budget", "approved", "lisbon", "doctor", "small"}
+
+
+def _filler(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    vocab = [w for w in WORDS if w.isalpha() and w not in _RARE]
+    return [" ".join(rng.choice(vocab, 10)) + " ." for _ in range(n)]
+
+
+def _ingest(tiny_model_dir: str, folder, tenant: str, docs: list[tuple[str, str]]) -> None:
+    import torch
+
+    from kvblend.models.loader import load_model
+    from kvblend.rag.chunking import ChunkerConfig
+    from kvblend.rag.ingest import IngestConfig, Ingestor
+    from kvblend.rag.readers import Document
+    from kvblend.rag.retriever import Retriever, RetrieverConfig
+
+    loaded = load_model(tiny_model_dir, "cpu", torch.float32)
+    retriever = Retriever(RetrieverConfig(folder, mode="bm25"))
+    try:
+        config = IngestConfig(ChunkerConfig("tokens", 32), tenant=tenant, dense=False)
+        ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config)
+        ingestor.ingest_documents([Document(s, t) for s, t in docs], progress=False)
+    finally:
+        retriever.close()
+
+
+@pytest.fixture(scope="module")
+def rag_server(tiny_model_dir, tmp_path_factory):
+    """A server with retrieval over a bm25 index (alice: a planted passage among filler;
+    bob: his own passage) and the guard shadow-checking every blended request."""
+    work = tmp_path_factory.mktemp("rag-server")
+    index = work / "index"
+    _ingest(tiny_model_dir, index, "alice",
+            [(f"alice-{i}.txt", t) for i, t in enumerate(_filler(12, 0))] + [("alice-planted.txt", PLANTED)])
+    _ingest(tiny_model_dir, index, "bob", [(f"bob-{i}.txt", t) for i, t in enumerate(_filler(6, 1))]
+            + [("bob-notes.txt", BOB_OWN)])
+    config = {"api_keys": {ALICE: "alice", BOB: "bob"}, "admin_key": ADMIN,
+              "store": {"tiers": ["memory"], "memory_bytes": "64MiB"},
+              "retrieval": {"enabled": True, "index_dir": str(index), "mode": "bm25", "max_top_k": 4},
+              "guard": {"enabled": True, "shadow_fraction": 1.0, "min_samples": 2, "window": 4, "min_f1": None},
+              "drain_timeout_s": 10}
+    proc = ServerProcess(tiny_model_dir, work, config)
+    yield proc
+    proc.stop()
+
+
+def _client(server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _ask(client: httpx.Client, **extra) -> httpx.Response:
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
+            "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_retrieval_blends_the_callers_own_top_chunks(rag_server) -> None:
+    with _client(rag_server, ALICE) as alice, _client(rag_server, BOB) as bob:
+        a = _ask(alice, retrieval={"top_k": 2})
+        assert a.status_code == 200, a.text
+        block = a.json()["kvblend"]
+        assert block["sources"][0]["source"] == "alice-planted.txt"
+        assert len(block["documents"]) == len(block["sources"]) >= 1  # the hits were what got blended
+        b = _ask(bob, retrieval={"top_k": 4})
+        assert b.status_code == 200, b.text
+        bob_sources = b.json()["kvblend"]["sources"]
+        assert bob_sources[0]["source"] == "bob-notes.txt"
+        assert not {s["source"] for s in bob_sources} & {"alice-planted.txt"}
+        assert not {s["chunk_id"] for s in bob_sources} & {s["chunk_id"] for s in block["sources"]}
+        assert all(s["source"].startswith("bob-") for s in bob_sources)
+        streamed = _ask(alice, retrieval={"top_k": 2}, stream=True).text
+        last = [ln for ln in streamed.splitlines() if '"kvblend"' in ln][-1]
+        assert '"alice-planted.txt"' in last and "bob-notes.txt" not in streamed
+
+
+def test_retrieval_request_bounds(rag_server, alice) -> None:
+    with _client(rag_server, ALICE) as client:
+        both = _ask(client, retrieval={"top_k": 1}, documents=["the river ."])
+        assert both.status_code == 400 and both.json()["error"]["param"] == "retrieval"
+        over = _ask(client, retrieval={"top_k": 5})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "retrieval.top_k"
+        assert _ask(client, retrieval={"top_k": 0}).status_code == 400
+        assert _ask(client, retrieval={"top_k": 1, "depth": 3}).status_code == 400
+    off = _ask(alice, retrieval={"top_k": 1})  # the shared server has retrieval disabled
+    assert off.status_code == 400 and off.json()["error"]["param"] == "retrieval"
+    assert "not enabled" in off.json()["error"]["message"]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_checks(server, n: int, timeout_s: float = 90.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as admin:
+        while True:
+            text = admin.get("/metrics").text
+            if _metric(text, "kvblend:shadow_checks_total", outcome="ok") >= n or time.monotonic() > deadline:
+                return text
+            time.sleep(0.2)
+
+
+DOCS = ["the river of oslo runs north to the city .", "the company in rome published a novel in year one ."]
+
+
+def test_guard_shadow_checks_every_blend_without_changing_answers(rag_server, alice) -> None:
+    """Guard on, shadow fraction 1: each blended request is shadow-checked (metrics, log),
+    and every answer equals the guard-off server's answer to the same request."""
+    questions = ["where does the river run ?", "who published a novel ?", "where is the company ?"]
+    with _client(rag_server, ALICE) as client:
+        guarded = []
+        for q in questions:
+            r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
+            assert r.status_code == 200, r.text
+            assert r.json()["kvblend"]["method"] == "blend"  # auto routed to blend by the guard
+            guarded.append(r.json()["choices"][0]["message"]["content"])
+        text = _wait_checks(rag_server, len(questions))
+        # after the shadow checks ran, the same requests still get the same answers
+        again = [_ask(client, documents=DOCS, messages=[{"role": "user", "content": q}],
+                      kvblend={"method": "auto"}).json()["choices"][0]["message"]["content"] for q in questions]
+    plain = [_ask(alice, documents=DOCS, messages=[{"role": "user", "content": q}],
+                  kvblend={"method": "auto"}).json()["choices"][0]["message"]["content"] for q in questions]
+    plain2 = [_ask(alice, documents=DOCS, messages=[{"role": "user", "content": q}],
+                  kvblend={"method": "auto"}).json()["choices"][0]["message"]["content"] for q in questions]
+    # position by position, both servers saw the same misses then hits (a first, computed
+    # answer may differ from a later one from stored KV on this random model, guard or not)
+    assert guarded == plain and again == plain2
+    assert _metric(text, "kvblend:shadow_checks_total", outcome="ok") >= len(questions)
+    assert _metric(text, "kvblend:shadow_agreement_f1_count") >= len(questions)
+    assert _metric(text, "kvblend:guard_fallbacks_total") == 0
+    assert "tenant" not in "".join(ln for ln in text.splitlines() if "shadow" in ln or "guard" in ln)
+    assert '"shadow": true' in rag_server.log()
