@@ -331,11 +331,12 @@ async def run(url: str, model: str, args: argparse.Namespace, plan: Plan, worklo
     t = time.perf_counter()
     await bench.store_pool()
     print(f"stored {len(workload.docs)} documents in {time.perf_counter() - t:.1f} s", flush=True)
-    base = {m: await bench.unloaded(m) for m in METHODS}
+    methods = args.methods
+    base = {m: await bench.unloaded(m) for m in methods}
     unloaded = {m: statistics.median(s.ttft_s for s in v if s.status == "ok") for m, v in base.items()}
     lost = sum(s.status != "ok" for v in base.values() for s in v)
     print("unloaded TTFT (median): " + ", ".join(f"{m} {v:.3f} s" for m, v in unloaded.items()), flush=True)
-    ladder = {m: await climb(bench, m, unloaded[m], random.Random(args.seed)) for m in METHODS}
+    ladder = {m: await climb(bench, m, unloaded[m], random.Random(args.seed)) for m in methods}
     lost += sum(st.count("lost") for steps in ladder.values() for st in steps)
     rejected = sum(st.count("rejected") for steps in ladder.values() for st in steps)
     best = {m: max((st for st in steps if sustained(st, unloaded[m])), key=lambda st: st.rate, default=None)
@@ -353,8 +354,8 @@ async def run(url: str, model: str, args: argparse.Namespace, plan: Plan, worklo
     await bench.client.aclose()
     print(f"decode tokens/s: 1 stream {statistics.median(one):.1f}, 8 streams {statistics.median(eight):.1f}")
     return {
-        "blend_over_full_rate": _ratio(rate["blend"], rate["full"]),
-        "prefix_over_full_rate": _ratio(rate["prefix"], rate["full"]),
+        "blend_over_full_rate": _ratio(rate.get("blend"), rate.get("full")),
+        "prefix_over_full_rate": _ratio(rate.get("prefix"), rate.get("full")),
         "decode_batch8_over_1": round(statistics.median(eight) / statistics.median(one), 3),
         "lost_requests": lost, "rejected_requests": rejected,
         "overload_burst": {"requests": len(burst), "rejected": sum(s.status == "rejected" for s in burst)},
@@ -365,8 +366,8 @@ async def run(url: str, model: str, args: argparse.Namespace, plan: Plan, worklo
     }
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queued", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds before a request counts as hung")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+                   help="comma-separated subset of full,prefix,blend (ratios need full)")
     p.add_argument("--threads", type=int, default=None,
                    help="the server's torch threads (on an oversubscribed host 1 avoids stalls at every parallel op)")
     args = p.parse_args(argv)
+    if not args.methods or set(args.methods) - set(METHODS):
+        p.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}")
     plan = Plan.quick() if args.quick else Plan()
     docs, questions = load_pool(plan.pool)
     workload = Workload(docs, questions, args.docs_per_request or plan.docs_per_request, args.zipf, args.seed)
