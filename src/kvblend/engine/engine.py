@@ -2,8 +2,9 @@
 
     layout  = render_layout(...)             # prefix | doc_1 ... doc_n | suffix ids
     prefix  = prefix_cache.lookup(...)        # exact reuse of the longest known prefix
-    chunks  = store.get(key(doc)) per doc     # position-independent chunk KV
-    fused   = fuse(model, plan)               # re-rotate + selective recompute
+    chunks  = store.locate(key(doc)) per doc  # memory: lent whole; disk/Redis: read per layer
+    fused   = fuse(model, plan)               # re-rotate + selective recompute, while a
+                                              # loader thread fetches the next layer
     tokens  = stream_from(model, fused.cache) # decode
 """
 
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from kvblend.blend.chunks import compute_chunk_kv
-from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
+from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse_or_drop
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit
@@ -28,6 +29,7 @@ from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
+from kvblend.pipeline.loader import LayerFeed, LoadFailure, LoadStats, PendingChunk
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
 from kvblend.store.config import StoreConfig, build_store
@@ -52,6 +54,7 @@ class _Built(NamedTuple):
     docs: list[DocStat]
     recomputed: list[int]
     candidates: int
+    loading: LoadStats | None = None
 
 
 @dataclass
@@ -74,6 +77,25 @@ class _Chunks:
     placed: list[PlacedChunk] = field(default_factory=list)
     stats: list[DocStat] = field(default_factory=list)
     misses: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    feed: LayerFeed | None = None  # loads slow-tier chunks layer by layer during fusion
+    pending: dict[int, tuple[ChunkKey, PendingChunk]] = field(default_factory=dict)  # by document index
+
+
+def _fall_back(chunks: _Chunks, dropped: set[int]) -> LoadStats:
+    """Mark the documents fusion had to recompute (their chunk failed to load) as misses,
+    so they are reported and written back; the request's loading stats."""
+    failures = []
+    for i, (key, pending) in chunks.pending.items():
+        if id(pending) not in dropped:
+            continue
+        failure = pending.failure() or LoadFailure(pending.slot, pending.source.tier_name, -1, "missing or corrupt")
+        failures.append(failure._replace(slot=i))
+        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "fallback")
+        chunks.misses[key] = pending.source.token_ids
+    feed = chunks.feed
+    if feed is None:
+        return LoadStats(True, 0, (), 0.0, tuple(failures))
+    return LoadStats(True, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
 
 
 class Engine:
@@ -82,8 +104,11 @@ class Engine:
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | None = None, *, pipeline: bool = True, load_timeout_s: float | None = 30.0,
     ) -> None:
+        """``pipeline``: read disk/Redis chunks layer by layer while fusion runs (else each
+        chunk is read whole before fusion starts); a layer not loaded ``load_timeout_s``
+        after fusion asks for it makes its document fall back to recompute."""
         if loaded.model.device.type == "cpu":
             keep_freed_memory()
         self.loaded = loaded
@@ -97,6 +122,8 @@ class Engine:
         self._pending_lock = threading.Lock()
         self.max_pending_writes = 64
         self.dropped_writes = 0
+        self.pipeline = pipeline and hasattr(self.store, "locate")
+        self.load_timeout_s = load_timeout_s
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -129,8 +156,10 @@ class Engine:
             if key in seen:
                 chunk, source = seen[key], "request"
             else:
-                chunk, source = self._get(key, ids)
+                chunk, source = self._get(key, ids, ctx, out)
                 seen[key] = chunk
+            if isinstance(chunk, PendingChunk):
+                out.pending[i] = (key, chunk)
             if chunk is None:
                 if not request.blend.recompute_misses:
                     t = timer.add("lookup", t)
@@ -146,10 +175,20 @@ class Engine:
         timer.add("lookup", t)
         return out
 
-    def _get(self, key: ChunkKey, ids: tuple[int, ...]) -> tuple[ChunkKV | None, str]:
+    def _get(self, key: ChunkKey, ids: tuple[int, ...], ctx: KeyContext,
+             out: _Chunks) -> tuple[ChunkKV | PendingChunk | None, str]:
         """The stored chunk and the tier that served it ("memory", "disk", "redis").
 
-        Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own."""
+        Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own.
+        Pipelined: a slower tier's chunk is a PendingChunk of the request's LayerFeed."""
+        if self.pipeline:
+            found = self.store.locate(key, ids, len(ctx.chunk_prefix), len(self.model.layers))
+            if found.layered is None:
+                return found.chunk, found.tier or "store"
+            if out.feed is None:
+                out.feed = LayerFeed(len(self.model.layers), self.model.device, self.model.dtype,
+                                     self.load_timeout_s)
+            return out.feed.add(found.layered), found.tier or "store"
         lookup = getattr(self.store, "lookup", None)
         if lookup is None:
             return self.store.get(key, ids), "store"
@@ -222,12 +261,20 @@ class Engine:
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra)
         t = time.perf_counter()
-        out = fuse(self.model, plan)
+        try:
+            if chunks.feed is not None:
+                chunks.feed.start()
+            out, dropped = fuse_or_drop(self.model, plan)
+        finally:
+            if chunks.feed is not None:
+                chunks.feed.close()
         timer.add("prefill", t)
+        loading = _fall_back(chunks, {id(p.chunk) for p in dropped})
         if n_prefix and (hit is None or hit.length < n_prefix):
             self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
-        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates)
+        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
+                      loading)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -247,7 +294,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed)
+                             elapsed, loading=built.loading)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
+from kvblend.pipeline.loader import LoadStats
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class DocStat(NamedTuple):
     tokens: int
     hit: bool
     source: str  # the tier that served it ("memory", "disk", "redis"), "computed" (a miss,
-    # recomputed in full), "request" (a repeat within this request) or "empty"
+    # recomputed in full), "fallback" (found, but a layer failed to load: recomputed in
+    # full), "request" (a repeat within this request) or "empty"
 
 
 class RequestStats(NamedTuple):
@@ -62,6 +64,7 @@ class RequestStats(NamedTuple):
     load_s: float
     prefill_s: float  # full prefill or fusion/recompute
     ttft_s: float  # request start -> first token sampled
+    loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
 
     @property
     def recompute_frac(self) -> float:
@@ -74,6 +77,7 @@ class RequestStats(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         out = self._asdict()
         out["docs"] = [d._asdict() for d in self.docs]
+        out["loading"] = None if self.loading is None else self.loading.to_dict()
         out["recompute_frac"] = self.recompute_frac
         return out
 

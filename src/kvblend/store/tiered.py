@@ -11,6 +11,7 @@ from kvblend.store.base import ChunkStore, Counters, EntryInfo, StoreStats, merg
 from kvblend.store.chunk import ChunkKV
 from kvblend.store.entry import decode_entry, encode_chunk
 from kvblend.store.keys import ChunkKey
+from kvblend.store.layers import LayeredChunk
 from kvblend.store.policy import SightingsAdmission
 from kvblend.store.tier import Tier
 
@@ -20,6 +21,15 @@ class Lookup(NamedTuple):
     served it (None on a miss), for per-request reporting."""
 
     chunk: ChunkKV | None
+    tier: str | None
+
+
+class Located(NamedTuple):
+    """Result of :meth:`TieredStore.locate`: a whole chunk lent by an immediate tier, or a
+    handle that reads a slower tier's entry layer by layer, or neither (a miss)."""
+
+    chunk: ChunkKV | None
+    layered: LayeredChunk | None
     tier: str | None
 
 
@@ -76,6 +86,28 @@ class TieredStore(ChunkStore):
             return Lookup(decode_entry(entry, self.compute_dtype, borrow), tier.name)
         self.counters.add(key.tenant, "misses")
         return Lookup(None, None)
+
+    def locate(self, key: ChunkKey, token_ids: Sequence[int], base_position: int, n_layers: int) -> Located:
+        """Find the chunk without reading a slow tier: an immediate tier (memory) that holds
+        it lends it whole (borrowed, as ``lookup(borrow=True)``); otherwise the first tier
+        whose ``contains`` says yes gives a :class:`LayeredChunk` that verifies each layer as
+        it is read and, once complete, promotes the entry to the faster tiers. Counted as a
+        hit when found (a layer that later fails is counted by its tier)."""
+        for depth, tier in enumerate(self.tiers):
+            if tier.immediate:
+                entry = tier.load(key, token_ids)
+                if entry is None:
+                    continue
+                self.counters.add(key.tenant, "hits")
+                return Located(decode_entry(entry, self.compute_dtype, True), None, tier.name)
+            if tier.contains(key):
+                self.counters.add(key.tenant, "hits")
+                faster = self.tiers[:depth]
+                promote = (lambda entry: [t.store(entry) for t in faster]) if faster else None
+                return Located(None, LayeredChunk(tier, key, token_ids, base_position, n_layers,
+                                                  self.compute_dtype, promote), tier.name)
+        self.counters.add(key.tenant, "misses")
+        return Located(None, None, None)
 
     def contains(self, key: ChunkKey) -> bool:
         return any(t.contains(key) for t in self.tiers)
