@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from kvblend.blend.chunks import compute_chunk_kv
+from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse_or_drop
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
@@ -29,7 +30,9 @@ from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
+from kvblend.pipeline.controller import DocLoad, RatioChoice, choose_ratio, choose_tier
 from kvblend.pipeline.loader import LayerFeed, LoadFailure, LoadStats, PendingChunk
+from kvblend.pipeline.profile import Profile, load_profile, measure_profile, measure_tier, profile_path, save_profile
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
 from kvblend.store.config import StoreConfig, build_store
@@ -55,6 +58,7 @@ class _Built(NamedTuple):
     recomputed: list[int]
     candidates: int
     loading: LoadStats | None = None
+    controller: RatioChoice | None = None
 
 
 @dataclass
@@ -105,10 +109,12 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
         prefix_cache: PrefixCache | None = None, *, pipeline: bool = True, load_timeout_s: float | None = 30.0,
+        profile: Profile | None = None,
     ) -> None:
         """``pipeline``: read disk/Redis chunks layer by layer while fusion runs (else each
         chunk is read whole before fusion starts); a layer not loaded ``load_timeout_s``
-        after fusion asks for it makes its document fall back to recompute."""
+        after fusion asks for it makes its document fall back to recompute. ``profile``:
+        this model's measured costs (default: the stored one, measured when first needed)."""
         if loaded.model.device.type == "cpu":
             keep_freed_memory()
         self.loaded = loaded
@@ -124,6 +130,44 @@ class Engine:
         self.dropped_writes = 0
         self.pipeline = pipeline and hasattr(self.store, "locate")
         self.load_timeout_s = load_timeout_s
+        self._profile = profile if profile is not None else load_profile(self._profile_path())
+        self._profile_lock = threading.Lock()
+        self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
+
+    # ----- profile, controller, placement -------------------------------------------
+    def _profile_path(self):
+        return profile_path(self.loaded.fingerprint, self.model.device, self.model.dtype)
+
+    def profile(self) -> Profile:
+        """This model's costs on this device: as given or stored, else measured now (a few
+        seconds, progress bar on stderr) and saved; store tiers it lacks are measured and added."""
+        with self._profile_lock:
+            tiers = list(getattr(self.store, "tiers", ()))
+            if self._profile is None:
+                self._profile = measure_profile(self.model, self.loaded.fingerprint, tiers)
+            elif missing := [t for t in tiers if t.name not in self._profile.tiers]:
+                self._profile = self._profile.with_tiers({t.name: measure_tier(t, self.model.cfg) for t in missing})
+            else:
+                return self._profile
+            save_profile(self._profile, self._profile_path())
+            return self._profile
+
+    def _choose_ratio(self, request: Request, layout: PromptLayout, chunks: _Chunks, prefix_hit: int) -> RatioChoice:
+        cfg = request.blend
+        docs = [DocLoad(s.index, s.source, s.tokens) for s in chunks.stats if s.hit and s.tokens]
+        forced = len(layout) - prefix_hit - sum(d.tokens for d in docs)
+        return choose_ratio(self.profile(), self.model.cfg, docs, forced, len(layout), self.kv_dtype,
+                            cfg.r_min, cfg.r_max)
+
+    def _put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+        """Store a chunk in the tier placement picks (every tier without a cost table)."""
+        costs = getattr(self.store, "costs", None)
+        if not costs:
+            return self.store.put(key, chunk)
+        names = [t.name for t in self.store.tiers]
+        tier = choose_tier(self.profile(), self.model.cfg, chunk.n_tokens, self.kv_dtype, self.placement_r_min,
+                           costs, names)
+        return self.store.put(key, chunk, tiers=None if tier is None else (tier,))
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -140,7 +184,7 @@ class Engine:
             ids = tokenize_document(self.tokenizer, doc)
             key = chunk_key(ids, ctx)
             if ids and not self.store.contains(key):
-                self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+                self._put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
             keys.append(key)
         return keys
 
@@ -165,7 +209,7 @@ class Engine:
                     t = timer.add("lookup", t)
                     chunk = seen[key] = compute_chunk_kv(self.model, ctx.chunk_prefix, ids)
                     t = timer.add("prefill", t)
-                    self.store.put(key, chunk)
+                    self._put(key, chunk)
                 else:
                     out.misses[key] = ids
                     out.stats.append(DocStat(i, len(ids), False, "computed"))
@@ -207,7 +251,7 @@ class Engine:
                 self._pending.append(job)
 
     def _compute_and_store(self, key: ChunkKey, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> None:
-        self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+        self._put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
 
     def flush(self) -> None:
         """Wait until background chunk computations and writes are done."""
@@ -257,7 +301,12 @@ class Engine:
         n_prefix = len(layout.prefix)
         hit = self.prefix_cache.lookup(ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
-        cfg = request.blend
+        cfg, choice = request.blend, None
+        if cfg.auto and request.method == "reuse":
+            cfg = cfg.with_ratio(0.0)
+        elif cfg.auto:
+            choice = self._choose_ratio(request, layout, chunks, hit.length if hit else 0)
+            cfg = cfg.with_ratio(choice.ratio)
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra)
         t = time.perf_counter()
@@ -274,7 +323,7 @@ class Engine:
             self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      loading)
+                      loading, choice)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -294,7 +343,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed, loading=built.loading)
+                             elapsed, loading=built.loading, controller=built.controller)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

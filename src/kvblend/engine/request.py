@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
+from kvblend.pipeline.controller import RatioChoice
 from kvblend.pipeline.loader import LoadStats
 
 
@@ -65,6 +66,7 @@ class RequestStats(NamedTuple):
     prefill_s: float  # full prefill or fusion/recompute
     ttft_s: float  # request start -> first token sampled
     loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
+    controller: RatioChoice | None = None  # ratio "auto": the ratio chosen and its inputs
 
     @property
     def recompute_frac(self) -> float:
@@ -78,6 +80,7 @@ class RequestStats(NamedTuple):
         out = self._asdict()
         out["docs"] = [d._asdict() for d in self.docs]
         out["loading"] = None if self.loading is None else self.loading.to_dict()
+        out["controller"] = None if self.controller is None else self.controller.to_dict()
         out["recompute_frac"] = self.recompute_frac
         return out
 

@@ -42,14 +42,18 @@ class TieredStore(ChunkStore):
     - ``get_layer``: the first tier that has the layer; no promotion (a per-layer read
       should stay cheap).
     - ``put``: admission first (``admit_after`` sightings); the chunk is encoded once and
-      written through to every tier; True when at least one tier stored it.
+      written through to every tier (or to the ``tiers`` named: placement); True when at
+      least one tier stored it.
     - ``delete``/``evict``/``clear``: applied to every tier.
     - ``stats``: hits/misses/puts/rejected counted here, the rest summed over tiers
       (an entry held by two tiers counts twice in entries/bytes); ``tier_stats`` per tier.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
-                 admission: SightingsAdmission | None = None) -> None:
+                 admission: SightingsAdmission | None = None, costs: dict[str, float] | None = None) -> None:
+        """``costs``: price per GB of each tier, for placement (``kvblend.pipeline.controller``);
+        with costs, a chunk read layer by layer from a slow tier is not promoted (placement
+        chose where it lives)."""
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         names = [t.name for t in tiers]
@@ -60,6 +64,7 @@ class TieredStore(ChunkStore):
         self.compute_dtype = codec.compute_dtype(compute_dtype)
         self.admission = admission or SightingsAdmission(1)
         self.counters = Counters()
+        self.costs = dict(costs or {})
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -103,7 +108,7 @@ class TieredStore(ChunkStore):
             if tier.contains(key):
                 self.counters.add(key.tenant, "hits")
                 faster = self.tiers[:depth]
-                promote = (lambda entry: [t.store(entry) for t in faster]) if faster else None
+                promote = (lambda entry: [t.store(entry) for t in faster]) if faster and not self.costs else None
                 return Located(None, LayeredChunk(tier, key, token_ids, base_position, n_layers,
                                                   self.compute_dtype, promote), tier.name)
         self.counters.add(key.tenant, "misses")
@@ -124,12 +129,12 @@ class TieredStore(ChunkStore):
         self.counters.add(key.tenant, "layer_misses")
         return None
 
-    def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+    def put(self, key: ChunkKey, chunk: ChunkKV, tiers: Sequence[str] | None = None) -> bool:
         if not self.admission.admit(key):
             self.counters.add(key.tenant, "rejected")
             return False
         entry = encode_chunk(key, chunk, self.kv_dtype)
-        stored = [tier.store(entry) for tier in self.tiers]
+        stored = [tier.store(entry) for tier in self.tiers if tiers is None or tier.name in tiers]
         self.counters.add(key.tenant, "puts" if any(stored) else "rejected")
         return any(stored)
 
