@@ -114,3 +114,23 @@ def test_a_tier_too_slow_for_the_timeout_falls_back_to_recompute(loaded, tmp_pat
     assert {f.reason for f in got.stats.loading.failures} == {"timeout"}
     nothing = Engine(loaded, build_store(StoreConfig(tiers=("memory",)))).prepare(REQUEST)
     assert torch.equal(got.logits, nothing.logits)
+
+
+def test_a_redis_layer_corrupt_mid_request_falls_back_to_the_document_missed(loaded, tmp_path: Path,
+                                                                              redis_url: str) -> None:
+    import redis
+
+    store = store_for("redis", tmp_path, redis_url)
+    eng = Engine(loaded, store)
+    warm(eng)
+    layout = eng.layout(REQUEST)
+    key = chunk_key(layout.docs[0], eng.key_context(eng.chunk_prefix(REQUEST, layout), "default"))
+    tier = store.tier("redis")
+    redis.Redis.from_url(redis_url).hset(tier._entry_key(key), "k.2", b"\0" * 16)  # layer 2 of document 0
+    got = eng.prepare(REQUEST)
+    assert [d.source for d in got.stats.docs] == ["fallback", "redis", "redis"]
+    assert got.stats.loading.failures[0].layer == 2
+
+    other = Engine(loaded, build_store(StoreConfig(tiers=("memory",))))
+    warm(other, docs=DOCS[1:])
+    assert torch.equal(got.logits, other.prepare(REQUEST).logits)
