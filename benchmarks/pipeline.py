@@ -1,6 +1,6 @@
 """Layer-pipelined loading and the loading controller on SmolLM2, side by side in one run.
 
-    .venv/bin/python benchmarks/pipeline.py [--rounds 3] [--threads 1] [--slow-mbps 50]
+    .venv/bin/python benchmarks/pipeline.py [--rounds 3] [--threads 1] [--slow-mbps 50,10]
 
 Six cached documents of 512 tokens (MuSiQue passages cut to length) and one question.
 Every engine shares the model and has seen the system prompt (prefix cache) and the
@@ -11,9 +11,9 @@ hits all alike, medians reported:
   Redis (loopback), loaded layer by layer during fusion (pipelined) and whole before it
   (serial): ``disk_over_memory`` and ``redis_over_memory`` are pipelined / memory;
 * reuse (ratio 0, where loading is most of the time): pipelined against serial;
-* a disk slowed to ``--slow-mbps`` MB/s: blend at the default ratio, and ``auto`` (the
-  controller picks the ratio to fill the wait with recompute); TTFT and next-token KL
-  against full prefill.
+* disks slowed to each of ``--slow-mbps`` MB/s: blend at the default ratio, and ``auto``
+  (the controller picks the ratio to fill the wait with recompute); TTFT and next-token
+  KL against full prefill (and serial loading at the first bandwidth).
 
 ``load_wait_s`` is the time the worker waited on loads (summed over layers) for pipelined
 blend from disk; per-layer waits are printed. Ends with one JSON line.
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,28 +65,29 @@ def request(docs, question: str, method: str, ratio: float | str = 0.15) -> Requ
                    blend=BlendConfig(ratio=ratio))
 
 
-def engines(loaded, tmp: Path, redis_url: str, slow_bps: float) -> dict[str, Engine]:
+def engines(loaded, tmp: Path, redis_url: str, slow_mbps: list[float]) -> dict[str, Engine]:
     disk = lambda name: build_store(StoreConfig(tiers=("disk",), disk_dir=str(tmp / name), disk_fsync=False))  # noqa: E731
     redis = build_store(StoreConfig(tiers=("redis",), redis_url=redis_url, redis_timeout_s=30.0))
-    slow = TieredStore([ThrottledDisk(tmp / "slow", 4 * GiB, bytes_per_s=slow_bps, fsync=False)])
     disk_store = disk("disk")
-    return {
+    slow = {f"slow{m:g}": Engine(loaded, TieredStore([ThrottledDisk(tmp / f"slow{m:g}", 4 * GiB, bytes_per_s=m * 1e6,
+                                                                    fsync=False)])) for m in slow_mbps}
+    return slow | {
         "memory": Engine(loaded, build_store(StoreConfig(tiers=("memory",), memory_bytes=4 * GiB))),
         "disk": Engine(loaded, disk_store),
         "disk_serial": Engine(loaded, disk_store, pipeline=False),
         "redis": Engine(loaded, redis),
         "redis_serial": Engine(loaded, redis, pipeline=False),
-        "slow": Engine(loaded, slow),
     }
 
 
-def quick_profile(engine: Engine) -> Profile:
-    """The controller's inputs measured here (layer fit, the slow tier); the prefill fit is
-    not used by the controller and is left out to keep the run short on a busy machine."""
+def quick_profile(engine: Engine, measure: bool = True) -> Profile:
+    """The controller's inputs measured here (the layer fit unless not ``measure``, the
+    engine's tiers); the prefill fit is not used by the controller and is left out to keep
+    the run short on a busy machine."""
     model = engine.model
     tiers = {t.name: measure_tier(t, model.cfg, repeats=1) for t in engine.store.tiers}
-    return Profile(engine.loaded.fingerprint, str(model.device), "float32", (0.0, 0.0, 0.0),
-                   measure_layer(model, actives=(64, 512), contexts=(3200,)), tiers)
+    layer = measure_layer(model, actives=(64, 512), contexts=(3200,)) if measure else (0.0, 0.0, 0.0)
+    return Profile(engine.loaded.fingerprint, str(model.device), "float32", (0.0, 0.0, 0.0), layer, tiers)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -98,34 +100,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
-    parser.add_argument("--slow-mbps", type=float, default=50.0)
+    parser.add_argument("--slow-mbps", default="50,10", help="comma-separated bandwidths of slowed disks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.slow = [float(x) for x in args.slow_mbps.split(",")]
     loaded = load_model(DEFAULT_MODEL)
     with tempfile.TemporaryDirectory(prefix="kvblend-pipe-") as tmp, LocalRedis() as server:
-        engs = engines(loaded, Path(tmp), server.url, args.slow_mbps * 1e6)
+        engs = engines(loaded, Path(tmp), server.url, args.slow)
         docs, question = documents(engs["memory"])
         first = request(docs, question, "blend")
         for eng in engs.values():
             eng.warm(list(docs), eng.chunk_prefix(first, eng.layout(first)))
             eng.prepare(request(docs[::-1], musique_query("warm-up"), "blend"))  # the prefix cache
             eng.flush()
-        engs["slow"]._profile = quick_profile(engs["slow"])
+        layer_fit = quick_profile(engs["memory"]).layer
+        for m in args.slow:
+            eng = engs[f"slow{m:g}"]
+            eng._profile = replace(quick_profile(eng, measure=False), layer=layer_fit)
         run_rounds(engs, docs, question, args)
 
 
 def run_rounds(engs: dict[str, Engine], docs, question: str, args: argparse.Namespace) -> None:
     cases = {f"blend_{n}": (n, "blend", 0.15) for n in ("memory", "disk", "disk_serial", "redis", "redis_serial")}
     cases |= {f"reuse_{n}": (n, "reuse", 0.15) for n in ("memory", "disk", "disk_serial", "redis", "redis_serial")}
-    cases |= {"slow_fixed": ("slow", "blend", 0.15), "slow_auto": ("slow", "blend", "auto"),
-              "slow_serial": ("slow", "blend", 0.15)}
+    for m in args.slow:
+        cases |= {f"slow{m:g}_fixed": (f"slow{m:g}", "blend", 0.15), f"slow{m:g}_auto": (f"slow{m:g}", "blend", "auto")}
+    cases[f"slow{args.slow[0]:g}_serial"] = (f"slow{args.slow[0]:g}", "blend", 0.15)
     times = {c: [] for c in cases}
     waits = {c: [] for c in cases}
     logits, stats = {}, {}
     for _ in range(args.rounds):
         for case, (name, method, ratio) in cases.items():
             eng = engs[name]
-            eng.pipeline = case != "slow_serial" and not name.endswith("_serial")
+            eng.pipeline = not case.endswith("_serial")
             seconds, prepared = timed(lambda: eng.prepare(request(docs, question, method, ratio)))
             times[case].append(seconds)
             waits[case].append(prepared.stats.loading.wait_s if prepared.stats.loading else ())
@@ -147,11 +154,19 @@ def report(times, waits, logits, stats, full, args) -> None:
         print(f"  {c:18s} {v:7.3f}{extra}")
     per_layer = [med(col) for col in zip(*[w for w in waits["blend_disk"] if w])]
     print("blend from disk, worker wait per layer (ms):", " ".join(f"{x * 1e3:.1f}" for x in per_layer))
-    kl = {c: kl_divergence(full, logits[c]) for c in ("slow_fixed", "slow_auto", "blend_memory", "reuse_memory")}
-    auto = stats["slow_auto"].controller
-    print(f"slow tier {args.slow_mbps:g} MB/s: fixed 0.15 TTFT {t['slow_fixed']:.3f} s KL {kl['slow_fixed']:.4f}; "
-          f"auto r={auto.ratio:.3f} (load/layer {auto.load_layer_s * 1e3:.1f} ms, recompute/layer at r_min "
-          f"{auto.recompute_floor_s * 1e3:.1f} ms) TTFT {t['slow_auto']:.3f} s KL {kl['slow_auto']:.4f}")
+    kl = {c: kl_divergence(full, logits[c]) for c in logits}
+    slow = {}
+    for m in args.slow:
+        f, a = f"slow{m:g}_fixed", f"slow{m:g}_auto"
+        auto = stats[a].controller
+        print(f"slow tier {m:g} MB/s: fixed 0.15 TTFT {t[f]:.3f} s KL {kl[f]:.4f}; auto r={auto.ratio:.3f} "
+              f"(load/layer {auto.load_layer_s * 1e3:.1f} ms, recompute/layer at r_min "
+              f"{auto.recompute_floor_s * 1e3:.1f} ms) TTFT {t[a]:.3f} s KL {kl[a]:.4f}")
+        slow |= {f"slow{m:g}_fixed_s": round(t[f], 3), f"slow{m:g}_auto_s": round(t[a], 3),
+                 f"slow{m:g}_fixed_kl": round(kl[f], 5), f"slow{m:g}_auto_kl": round(kl[a], 5),
+                 f"slow{m:g}_auto_ratio": round(auto.ratio, 3)}
+    first = f"slow{args.slow[0]:g}"
+    slow[f"{first}_serial_s"] = round(t[f"{first}_serial"], 3)
     summary = {
         "rounds": args.rounds, "threads": args.threads,
         "disk_over_memory": round(t["blend_disk"] / t["blend_memory"], 3),
@@ -164,12 +179,8 @@ def report(times, waits, logits, stats, full, args) -> None:
         "load_wait_s": round(med([sum(w) for w in waits["blend_disk"]]), 4),
         "load_wait_redis_s": round(med([sum(w) for w in waits["blend_redis"]]), 4),
         "load_wait_reuse_s": round(med([sum(w) for w in waits["reuse_disk"]]), 4),
-        "blend_memory_s": round(t["blend_memory"], 3),
-        "slow_mbps": args.slow_mbps,
-        "slow_fixed_s": round(t["slow_fixed"], 3), "slow_auto_s": round(t["slow_auto"], 3),
-        "slow_serial_s": round(t["slow_serial"], 3),
-        "slow_fixed_kl": round(kl["slow_fixed"], 5), "slow_auto_kl": round(kl["slow_auto"], 5),
-        "slow_auto_ratio": round(auto.ratio, 3), "blend_memory_kl": round(kl["blend_memory"], 5),
+        "blend_memory_s": round(t["blend_memory"], 3), "blend_memory_kl": round(kl["blend_memory"], 5),
+        **slow,
     }
     print(json.dumps(summary))
 

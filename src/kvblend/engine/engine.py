@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -135,7 +136,7 @@ class Engine:
         self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
 
     # ----- profile, controller, placement -------------------------------------------
-    def _profile_path(self):
+    def _profile_path(self) -> Path:
         return profile_path(self.loaded.fingerprint, self.model.device, self.model.dtype)
 
     def profile(self) -> Profile:
