@@ -171,9 +171,10 @@ class LayerFeed:
                 self._slots[layer][slot] = moved
 
     def _promote(self) -> None:
-        """Complete entries go to the faster tiers (after the last layer: off the worker's path)."""
+        """Complete entries go to the faster tiers (after the last layer: off the worker's
+        path; also after ``close``, since every layer was read and verified)."""
         for slot, chunk in enumerate(self._chunks):
-            if slot not in self._failed and not self._stop.is_set():
+            if slot not in self._failed:
                 chunk.promote()
 
     # -- the worker's side ---------------------------------------------------------------
