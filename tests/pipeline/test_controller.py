@@ -144,3 +144,16 @@ def test_placement_writes_new_chunks_to_the_tier_the_cost_table_picks(tmp_path: 
     keys = other.warm(list(DOCS), (1,))
     assert all(other.store.tier("memory").contains(k) and not other.store.tier("disk").contains(k) for k in keys)
     assert math.isinf(TierSpeed(immediate=True).bytes_per_s)
+
+
+def test_loading_slower_than_full_recompute_is_skipped(tmp_path: Path) -> None:
+    loaded = make_loaded()
+    crawl = Profile("fp", "cpu", "float32", (0.0, 1e-3, 0.0), (0.0, 1e-6, 0.0), {"disk": TierSpeed(1.0, 1e3)})
+    eng = Engine(loaded, TieredStore([DiskStore(tmp_path, 1 << 30, fsync=False)]), profile=crawl)
+    req = Request(documents=DOCS, question=QUESTION, blend=BlendConfig(ratio="auto"))
+    eng.warm(list(DOCS), eng.chunk_prefix(req, eng.layout(req)))
+    got = eng.prepare(req)
+    assert got.stats.controller.ratio == 1.0 and got.stats.controller.r_hide > 1
+    assert [d.source for d in got.stats.docs] == ["skipped"] * 3 and got.stats.loading.documents == 0
+    full = eng.prepare(Request(documents=DOCS, question=QUESTION, method="full"))
+    assert (got.logits - full.logits).abs().max().item() <= 1e-3

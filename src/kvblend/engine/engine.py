@@ -103,6 +103,16 @@ def _fall_back(chunks: _Chunks, dropped: set[int]) -> LoadStats:
     return LoadStats(True, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
 
 
+def _skip_loading(chunks: _Chunks) -> None:
+    """At ratio 1 every document token is recomputed and the slow tiers' KV would only be
+    waited for: do not load it (the documents are computed, like misses, and not written back)."""
+    chunks.placed = [p for p in chunks.placed if not isinstance(p.chunk, PendingChunk)]
+    for i, (_, pending) in chunks.pending.items():
+        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "skipped")
+    chunks.pending.clear()
+    chunks.feed = None
+
+
 class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
     per-request state lives in request-scoped objects, shared state in the caches."""
@@ -308,6 +318,8 @@ class Engine:
         elif cfg.auto:
             choice = self._choose_ratio(request, layout, chunks, hit.length if hit else 0)
             cfg = cfg.with_ratio(choice.ratio)
+            if choice.ratio >= 1.0:
+                _skip_loading(chunks)
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra)
         t = time.perf_counter()

@@ -51,7 +51,8 @@ class DocStat(NamedTuple):
     hit: bool
     source: str  # the tier that served it ("memory", "disk", "redis"), "computed" (a miss,
     # recomputed in full), "fallback" (found, but a layer failed to load: recomputed in
-    # full), "request" (a repeat within this request) or "empty"
+    # full), "skipped" (stored on a tier slower than recomputing it: computed, see the
+    # controller), "request" (a repeat within this request) or "empty"
 
 
 class RequestStats(NamedTuple):
