@@ -21,6 +21,7 @@ from kvblend.store.throttle import ThrottledDisk
 from kvblend.store.tiered import TieredStore
 from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS, QUESTION
+from tests.pipeline.test_profile import one_thread  # noqa: F401 (fixture)
 
 TIERS = {"memory": TierSpeed(immediate=True), "disk": TierSpeed(1e-4, 1e9), "redis": TierSpeed(5e-4, 1e8)}
 
@@ -112,7 +113,7 @@ def test_a_slow_tier_raises_the_chosen_ratio_and_the_stats_say_so(tmp_path: Path
     assert out["slow"].to_dict()["controller"]["ratio"] == out["slow"].controller.ratio
 
 
-def test_engine_profiles_lazily_once_and_loads_the_profile_at_start(tmp_path: Path, monkeypatch) -> None:
+def test_engine_profiles_lazily_once_and_loads_the_profile_at_start(tmp_path: Path, monkeypatch, one_thread) -> None:
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
     loaded = make_loaded()
     eng = Engine(loaded, build_store(StoreConfig(tiers=("memory",))))

@@ -270,10 +270,10 @@ def measure_profile(model: Transformer, fingerprint: str, tiers: Sequence[Tier] 
     steps = len(PREFILL_LENGTHS) + len(LAYER_ACTIVE) * len(LAYER_CONTEXT) + len(tiers)
     with tqdm(total=steps, desc="kvblend profile", unit="step", disable=not progress) as bar:
         tick = lambda: bar.update(1)  # noqa: E731
-        prefill = measure_prefill(model, tick=tick)
-        layer = measure_layer(model, tick=tick)
+        prefill = measure_prefill(model, PREFILL_LENGTHS, tick=tick)
+        layer = measure_layer(model, LAYER_ACTIVE, LAYER_CONTEXT, tick=tick)
         speeds = {}
         for tier in tiers:
-            speeds[tier.name] = measure_tier(tier, model.cfg)
+            speeds[tier.name] = measure_tier(tier, model.cfg, TIER_TOKENS)
             tick()
     return Profile(fingerprint, str(model.device), str(model.dtype).removeprefix("torch."), prefill, layer, speeds)
