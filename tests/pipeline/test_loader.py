@@ -58,6 +58,7 @@ def test_pipelined_logits_equal_loading_everything_first(kind: str, loaded, tmp_
         assert torch.equal(a.logits, b.logits)
         assert [d.source for d in b.stats.docs] == [kind] * 3
         assert b.stats.loading.pipelined and b.stats.loading.failures == ()
+        assert not a.stats.loading.pipelined and a.stats.loading.documents == 0
         assert b.stats.loading.documents == (0 if kind == "memory" else 3)  # memory is lent, never loaded
         assert len(b.stats.loading.wait_s) == (0 if kind == "memory" else 3)  # one wait per layer
 

@@ -86,7 +86,7 @@ class _Chunks:
     pending: dict[int, tuple[ChunkKey, PendingChunk]] = field(default_factory=dict)  # by document index
 
 
-def _fall_back(chunks: _Chunks, dropped: set[int]) -> LoadStats:
+def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats:
     """Mark the documents fusion had to recompute (their chunk failed to load) as misses,
     so they are reported and written back; the request's loading stats."""
     failures = []
@@ -99,8 +99,8 @@ def _fall_back(chunks: _Chunks, dropped: set[int]) -> LoadStats:
         chunks.misses[key] = pending.source.token_ids
     feed = chunks.feed
     if feed is None:
-        return LoadStats(True, 0, (), 0.0, tuple(failures))
-    return LoadStats(True, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
+        return LoadStats(pipelined, 0, (), 0.0, tuple(failures))
+    return LoadStats(pipelined, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
 
 
 def _skip_loading(chunks: _Chunks) -> None:
@@ -331,7 +331,7 @@ class Engine:
             if chunks.feed is not None:
                 chunks.feed.close()
         timer.add("prefill", t)
-        loading = _fall_back(chunks, {id(p.chunk) for p in dropped})
+        loading = _fall_back(chunks, {id(p.chunk) for p in dropped}, self.pipeline)
         if n_prefix and (hit is None or hit.length < n_prefix):
             self.prefix_cache.insert(ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))

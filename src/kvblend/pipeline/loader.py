@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -234,7 +233,3 @@ class PendingChunk:
     def failure(self) -> LoadFailure | None:
         return self.feed.failure(self.slot)
 
-
-def serial_stats(documents: int, wait_s: Sequence[float] = ()) -> LoadStats:
-    """Stats of a request whose chunks were loaded whole before fusion."""
-    return LoadStats(False, documents, tuple(wait_s), sum(wait_s))
