@@ -86,7 +86,7 @@ def quick_profile(engine: Engine, measure: bool = True) -> Profile:
     the run short on a busy machine."""
     model = engine.model
     tiers = {t.name: measure_tier(t, model.cfg, repeats=1) for t in engine.store.tiers}
-    layer = measure_layer(model, actives=(64, 512), contexts=(3200,)) if measure else (0.0, 0.0, 0.0)
+    layer = measure_layer(model, actives=(64, 512, 1536), contexts=(3200,)) if measure else (0.0, 0.0, 0.0)
     return Profile(engine.loaded.fingerprint, str(model.device), "float32", (0.0, 0.0, 0.0), layer, tiers)
 
 

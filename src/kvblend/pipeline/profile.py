@@ -37,7 +37,7 @@ from kvblend.store.tier import Tier
 
 PROFILE_TENANT = "kvblend-profile"
 PREFILL_LENGTHS = (128, 256, 512, 1024)
-LAYER_ACTIVE = (16, 128, 512)
+LAYER_ACTIVE = (16, 128, 512, 1536)
 LAYER_CONTEXT = (1024, 3072)
 TIER_TOKENS = (32, 512)
 
