@@ -13,13 +13,16 @@ Layer by layer over the prompt positions not covered by the exact prefix cache:
 * forced tokens (no cached KV, the question/suffix) are active at every layer.
 
 Ratio 1 reproduces a full prefill; ratio 0 with no full layer is full KV reuse.
-The chunks' tensors are only ever read (they may be borrowed from the store).
+The chunks' tensors are only ever read (they may be borrowed from the store). A chunk
+hands out one layer at a time, when fusion reaches it (``CachedKV.layer``), so a loader
+can fetch layer i+1 while layer i is computed; a layer that cannot be had raises
+:class:`LayerUnavailable` before any of that layer's work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -32,12 +35,38 @@ from kvblend.models.transformer import DecoderLayer, Transformer
 from kvblend.store.chunk import ChunkKV
 
 
+class CachedKV(Protocol):
+    """A document's cached KV as fusion reads it: sizes up front, layers when reached.
+
+    ``layer(i)`` gives (K, V) of layer i, each (heads, n_tokens, head_dim), post-RoPE at
+    ``base_position``..., possibly blocking until loaded; None when it cannot be had.
+    ``ChunkKV`` (all layers in memory) is one."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def base_position(self) -> int: ...
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+class LayerUnavailable(Exception):
+    """Layer ``layer`` of the placed chunks at ``indices`` (into ``plan.placed``) could not be
+    loaded; raised before that layer is computed, so the caller can fuse again without them."""
+
+    def __init__(self, indices: tuple[int, ...], layer: int) -> None:
+        super().__init__(f"layer {layer} of placed chunks {indices} could not be loaded")
+        self.indices = indices
+        self.layer = layer
+
+
 @dataclass
 class PlacedChunk:
     """A document's cached KV and where it sits in this prompt."""
 
     start: int
-    chunk: ChunkKV
+    chunk: ChunkKV | CachedKV
 
 
 @dataclass
@@ -95,19 +124,29 @@ def _rotations(model: Transformer, plan: FusionPlan) -> list[tuple[torch.Tensor,
     return out
 
 
+def _cached_layer(plan: FusionPlan, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) of ``layer`` for every placed chunk (the one synchronisation point per layer
+    with a loader); LayerUnavailable naming the chunks that have none."""
+    kvs = [p.chunk.layer(layer) for p in plan.placed]
+    missing = tuple(i for i, kv in enumerate(kvs) if kv is None)
+    if missing:
+        raise LayerUnavailable(missing, layer)
+    return kvs  # type: ignore[return-value]
+
+
 def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int,
                         rotations: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
     """Re-rotated cached K/V of every placed chunk into this layer's slots."""
     dev, dt, interleaved = model.device, model.dtype, model.cfg.rope.interleaved
-    for p, rot in zip(plan.placed, rotations):
+    for p, rot, (k, v) in zip(plan.placed, rotations, _cached_layer(plan, layer)):
         end = p.start + p.chunk.n_tokens
         k_slots, v_slots = cache.keys[layer][:, p.start : end], cache.values[layer][:, p.start : end]
-        k = p.chunk.keys[layer].to(dev, dt)
+        k = k.to(dev, dt)
         if rot is None:
             k_slots.copy_(k)
         else:
             rope_lib.apply_rope(k, *rot, interleaved, out=k_slots)  # rotated straight into the cache
-        v_slots.copy_(p.chunk.values[layer])
+        v_slots.copy_(v)
 
 
 def _select(
@@ -134,7 +173,8 @@ def _select(
 
 @torch.inference_mode()
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
-    """Build the prompt's KV cache from the plan; returns it with the next-token logits."""
+    """Build the prompt's KV cache from the plan; returns it with the next-token logits.
+    LayerUnavailable when a placed chunk cannot hand out a layer (see ``fuse_or_drop``)."""
     n, dev = plan.ids.shape[0], model.device
     if max(plan.check_layers) >= len(model.layers):
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
@@ -184,3 +224,24 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         h = layer.finish(h, attend_planned(q, keys, values, attn_plan))
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand, tuple(seen))
+
+
+def fuse_or_drop(model: Transformer, plan: FusionPlan) -> tuple[FusionOutput, list[PlacedChunk]]:
+    """``fuse``, falling back to recomputing the documents whose cached layers cannot be had.
+
+    A chunk missing layer l is dropped from the plan and fusion starts again from layer 0:
+    its tokens then run at every layer, exactly as if the document had missed the store.
+    (Making them active only from layer l on would need their hidden states at layer l,
+    which selective recompute never computed for tokens it left inactive; reusing the
+    earlier layers as they were would also leave the other tokens' states built on the
+    dropped chunk's KV.) Chunks that did load keep their layers, so the retry reads
+    nothing again; it costs at most the l layers already computed. Returns the output and
+    the dropped chunks."""
+    dropped: list[PlacedChunk] = []
+    while True:
+        try:
+            return fuse(model, plan), dropped
+        except LayerUnavailable as exc:
+            gone = set(exc.indices)
+            dropped += [p for i, p in enumerate(plan.placed) if i in gone]
+            plan = replace(plan, placed=[p for i, p in enumerate(plan.placed) if i not in gone])
