@@ -81,12 +81,17 @@ def _blend_config(args: argparse.Namespace):
                        sinks=args.sinks, shift=args.shift)
 
 
+def _ratio(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
 def _add_blend_args(p: argparse.ArgumentParser) -> None:
     from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
 
     p.add_argument("--method", default="blend", choices=(*METHODS, "cacheblend"),
                    help="cacheblend: blend with the paper's selection (V deviation at layer 1)")
-    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio in [0, 1]")
+    p.add_argument("--ratio", type=_ratio, default=0.15,
+                   help="recompute ratio in [0, 1], or 'auto' (the loading controller picks it)")
     p.add_argument("--check-layers", default="1", help="comma-separated check layers (default: 1)")
     p.add_argument("--schedule", default=None, help="ratio per check layer, non-increasing")
     p.add_argument("--signal", default="v", choices=SIGNALS)
@@ -218,10 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     from kvblend.eval.harness import add_eval_commands
+    from kvblend.pipeline.cli import add_profile_command
     from kvblend.store.cli import add_store_commands
 
     add_store_commands(sub)
     add_eval_commands(sub)
+    add_profile_command(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvblend.errors import InvalidRequestError
 
@@ -35,9 +35,12 @@ class BlendConfig:
     residual of the recomputed ones (K in the pre-RoPE frame), at every layer.
     ``question`` and ``oracle`` select once, with the last ratio of the schedule.
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
+
+    ``ratio="auto"``: the loading controller picks the ratio per request, at least
+    ``r_min`` and at most ``r_max`` (``kvblend.pipeline.controller``).
     """
 
-    ratio: float = 0.15
+    ratio: float | str = 0.15
     check_layers: tuple[int, ...] = (1,)
     schedule: tuple[float, ...] | None = None
     signal: str = "v"
@@ -58,9 +61,19 @@ class BlendConfig:
     def plain(self) -> bool:
         """True when no strategy beyond the paper's deviation top-k is asked for."""
         return self.selection == "deviation" and not (self.budget or self.sinks or self.shift)
+    r_min: float = 0.15
+    r_max: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "check_layers", tuple(self.check_layers))
+        if not 0.0 <= self.r_min <= self.r_max <= 1.0:
+            raise InvalidRequestError(f"need 0 <= r_min <= r_max <= 1; got {self.r_min}, {self.r_max}")
+        if self.auto:
+            if self.schedule is not None:
+                raise InvalidRequestError("ratio 'auto' picks one ratio: it cannot be combined with a schedule")
+            return self._check_rest()
+        if isinstance(self.ratio, str):
+            raise InvalidRequestError(f"ratio must be a number in [0, 1] or 'auto'; got {self.ratio!r}")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", tuple(self.schedule))
         for r in self.ratios:
@@ -68,12 +81,16 @@ class BlendConfig:
                 raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}")
         if any(b > a for a, b in zip(self.ratios, self.ratios[1:])):
             raise InvalidRequestError(f"schedule must be non-increasing (nested sets), got {self.ratios}")
+        if len(self.ratios) != len(self.check_layers):
+            raise InvalidRequestError("schedule needs one ratio per check layer")
+        self._check_rest()
+
+    def _check_rest(self) -> None:
+        """Checks shared by fixed and 'auto' ratios."""
         if not self.check_layers or min(self.check_layers) < 1:
             raise InvalidRequestError("check layers must be >= 1 (layer-0 V carries no context)")
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise InvalidRequestError(f"check layers must be strictly increasing, got {self.check_layers}")
-        if len(self.ratios) != len(self.check_layers):
-            raise InvalidRequestError("schedule needs one ratio per check layer")
         if self.signal not in SIGNALS:
             raise InvalidRequestError(f"signal must be one of {SIGNALS}, got {self.signal!r}")
         if self.chunk_prefix not in CHUNK_PREFIXES:
@@ -86,5 +103,16 @@ class BlendConfig:
             raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
 
     @property
+    def auto(self) -> bool:
+        return self.ratio == "auto"
+
+    @property
     def ratios(self) -> tuple[float, ...]:
-        return self.schedule if self.schedule is not None else (self.ratio,) * len(self.check_layers)
+        """Kept fraction per check layer (ValueError while the ratio is still 'auto')."""
+        if self.auto:
+            raise ValueError("the ratio is 'auto': resolve it first (BlendConfig.with_ratio)")
+        return self.schedule if self.schedule is not None else (float(self.ratio),) * len(self.check_layers)
+
+    def with_ratio(self, ratio: float) -> BlendConfig:
+        """This config with a fixed ratio (the controller's choice for one request)."""
+        return replace(self, ratio=ratio)

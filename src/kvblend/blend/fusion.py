@@ -18,13 +18,17 @@ The chunks' tensors are only ever read (they may be borrowed from the store).
 Each layer uses its own RoPE (position recovery rotates a layer's cached keys with that
 layer's frequencies: Gemma 3's local and global layers differ) and its own sliding
 window in the attention plan; both are built once per distinct config.
+
+A chunk hands out one layer at a time, when fusion reaches it (``CachedKV.layer``), so a
+loader can fetch layer i+1 while layer i is computed; a layer that cannot be had raises
+:class:`LayerUnavailable` before any of that layer's work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -37,12 +41,38 @@ from kvblend.models.transformer import DecoderLayer, Transformer
 from kvblend.store.chunk import ChunkKV
 
 
+class CachedKV(Protocol):
+    """A document's cached KV as fusion reads it: sizes up front, layers when reached.
+
+    ``layer(i)`` gives (K, V) of layer i, each (heads, n_tokens, head_dim), post-RoPE at
+    ``base_position``..., possibly blocking until loaded; None when it cannot be had.
+    ``ChunkKV`` (all layers in memory) is one."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def base_position(self) -> int: ...
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+class LayerUnavailable(Exception):
+    """Layer ``layer`` of the placed chunks at ``indices`` (into ``plan.placed``) could not be
+    loaded; raised before that layer is computed, so the caller can fuse again without them."""
+
+    def __init__(self, indices: tuple[int, ...], layer: int) -> None:
+        super().__init__(f"layer {layer} of placed chunks {indices} could not be loaded")
+        self.indices = indices
+        self.layer = layer
+
+
 @dataclass
 class PlacedChunk:
     """A document's cached KV and where it sits in this prompt."""
 
     start: int
-    chunk: ChunkKV
+    chunk: ChunkKV | CachedKV
 
 
 @dataclass
@@ -58,7 +88,7 @@ class FusionPlan:
     select_from_start: bool = False  # True: no full layer before the first check (full reuse)
     extra_capacity: int = 0
     # Strategy hooks (kvblend.blend.strategies; None: the paper's CacheBlend as above).
-    strategy: Any = None  # a strategies.Strategy: fuse() hands the whole fusion to it
+    strategy: Any = None  # a BlendConfig for strategies.fuse_planned (fuse() itself refuses it)
     recompute: torch.Tensor | None = None  # (N,) bool: cached tokens computed at every layer too
     pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
     observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None  # (layer, q, K, pos)
@@ -117,20 +147,30 @@ def _rotation(model: Transformer, plan: FusionPlan, p: PlacedChunk,
                                       model.dtype, model.device)
 
 
+def _cached_layer(plan: FusionPlan, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) of ``layer`` for every placed chunk (the one synchronisation point per layer
+    with a loader); LayerUnavailable naming the chunks that have none."""
+    kvs = [p.chunk.layer(layer) for p in plan.placed]
+    missing = tuple(i for i, kv in enumerate(kvs) if kv is None)
+    if missing:
+        raise LayerUnavailable(missing, layer)
+    return kvs  # type: ignore[return-value]
+
+
 def _write_cached_layer(model: Transformer, cache: KVCache, plan: FusionPlan, layer: int,
                         rotations: Rotations) -> None:
     """Re-rotated cached K/V of every placed chunk into this layer's slots."""
     dev, dt, rope = model.device, model.dtype, model.layers[layer].rope
     interleaved = rope.interleaved
-    for p, rot in zip(plan.placed, rotations[rope]):
+    for p, rot, (k, v) in zip(plan.placed, rotations[rope], _cached_layer(plan, layer)):
         end = p.start + p.chunk.n_tokens
         k_slots, v_slots = cache.keys[layer][:, p.start : end], cache.values[layer][:, p.start : end]
-        k = p.chunk.keys[layer].to(dev, dt)
+        k = k.to(dev, dt)
         if rot is None:
             k_slots.copy_(k)
         else:
             rope_lib.apply_rope(k, *rot, interleaved, out=k_slots)  # rotated straight into the cache
-        v_slots.copy_(p.chunk.values[layer])
+        v_slots.copy_(v)
 
 
 def _select(
@@ -160,15 +200,14 @@ def _select(
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     """Build the prompt's KV cache from the plan; returns it with the next-token logits.
 
-    Hooks (all None for the paper's algorithm): ``strategy`` runs the whole fusion its own
-    way (``strategies.run_strategy``, which calls back here); ``recompute`` adds cached
+    Hooks (all None for the paper's algorithm; a plan with a ``strategy`` goes through
+    ``strategies.fuse_planned``, which calls back here with the hooks set); ``recompute`` adds cached
     tokens to the always-computed set when ``select_from_start``; ``pick`` replaces the
     global top-k at a check layer; ``observe`` sees each layer's queries and keys;
-    ``correct`` sees fresh K/V before they overwrite the cache."""
+    ``correct`` sees fresh K/V before they overwrite the cache. Raises LayerUnavailable
+    when a placed chunk cannot hand out a layer (see ``fuse_or_drop``)."""
     if plan.strategy is not None:
-        from kvblend.blend.strategies import run_strategy  # it calls fuse() back
-
-        return run_strategy(model, plan)
+        raise ValueError("a plan with a strategy runs through blend.strategies.fuse_planned")
     n, dev = plan.ids.shape[0], model.device
     if max(plan.check_layers) >= len(model.layers):
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
@@ -238,3 +277,27 @@ def _active_rope(memo: dict[int, tuple[torch.Tensor, torch.Tensor]], table: tupl
     if id(table) not in memo:
         memo[id(table)] = (table[0][active], table[1][active])
     return memo[id(table)]
+
+
+def fuse_or_drop(model: Transformer, plan: FusionPlan,
+                 run: Callable[[Transformer, FusionPlan], FusionOutput] = fuse,
+                 ) -> tuple[FusionOutput, list[PlacedChunk]]:
+    """``run`` (``fuse`` or ``strategies.fuse_planned``), falling back to recomputing the
+    documents whose cached layers cannot be had.
+
+    A chunk missing layer l is dropped from the plan and fusion starts again from layer 0:
+    its tokens then run at every layer, exactly as if the document had missed the store.
+    (Making them active only from layer l on would need their hidden states at layer l,
+    which selective recompute never computed for tokens it left inactive; reusing the
+    earlier layers as they were would also leave the other tokens' states built on the
+    dropped chunk's KV.) Chunks that did load keep their layers, so the retry reads
+    nothing again; it costs at most the l layers already computed. Returns the output and
+    the dropped chunks."""
+    dropped: list[PlacedChunk] = []
+    while True:
+        try:
+            return run(model, plan), dropped
+        except LayerUnavailable as exc:
+            gone = set(exc.indices)
+            dropped += [p for i, p in enumerate(plan.placed) if i in gone]
+            plan = replace(plan, placed=[p for i, p in enumerate(plan.placed) if i not in gone])

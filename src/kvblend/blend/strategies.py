@@ -185,6 +185,11 @@ def oracle_scores(model: Transformer, plan: FusionPlan) -> torch.Tensor:
     return dev
 
 
+def fuse_planned(model: Transformer, plan: FusionPlan) -> FusionOutput:
+    """Fuse by ``plan.strategy`` when it names one, else the paper's ``fuse``."""
+    return run_strategy(model, plan) if plan.strategy is not None else fuse(model, plan)
+
+
 def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring."""
     cfg: BlendConfig = plan.strategy

@@ -2,24 +2,29 @@
 
     layout  = render_layout(...)             # prefix | doc_1 ... doc_n | suffix ids
     prefix  = prefix_cache.lookup(...)        # exact reuse of the longest known prefix
-    chunks  = store.get(key(doc)) per doc     # position-independent chunk KV
-    fused   = fuse(model, plan)               # re-rotate + selective recompute
+    chunks  = store.locate(key(doc)) per doc  # memory: lent whole; disk/Redis: read per layer
+    fused   = fuse(model, plan)               # re-rotate + selective recompute, while a
+                                              # loader thread fetches the next layer
     tokens  = stream_from(model, fused.cache) # decode
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
-from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop
+from kvblend.blend.strategies import fuse_planned
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.gate import RequestGate
@@ -30,6 +35,9 @@ from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
 from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
+from kvblend.pipeline.controller import DocLoad, RatioChoice, choose_ratio, choose_tier
+from kvblend.pipeline.loader import LayerFeed, LoadFailure, LoadStats, PendingChunk
+from kvblend.pipeline.profile import Profile, load_profile, measure_profile, measure_tier, profile_path, save_profile
 from kvblend.store.base import ChunkStore
 from kvblend.store.chunk import ChunkKV
 from kvblend.store.codec import compute_dtype_name
@@ -60,6 +68,8 @@ class _Built(NamedTuple):
     candidates: int
     fallback: str | None = None
     checks: tuple[CheckStat, ...] = ()
+    loading: LoadStats | None = None
+    controller: RatioChoice | None = None
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk]) -> tuple[CheckStat, ...]:
@@ -95,6 +105,35 @@ class _Chunks:
     placed: list[PlacedChunk] = field(default_factory=list)
     stats: list[DocStat] = field(default_factory=list)
     misses: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    feed: LayerFeed | None = None  # loads slow-tier chunks layer by layer during fusion
+    pending: dict[int, tuple[ChunkKey, PendingChunk]] = field(default_factory=dict)  # by document index
+
+
+def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats:
+    """Mark the documents fusion had to recompute (their chunk failed to load) as misses,
+    so they are reported and written back; the request's loading stats."""
+    failures = []
+    for i, (key, pending) in chunks.pending.items():
+        if id(pending) not in dropped:
+            continue
+        failure = pending.failure() or LoadFailure(pending.slot, pending.source.tier_name, -1, "missing or corrupt")
+        failures.append(failure._replace(slot=i))
+        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "fallback")
+        chunks.misses[key] = pending.source.token_ids
+    feed = chunks.feed
+    if feed is None:
+        return LoadStats(pipelined, 0, (), 0.0, tuple(failures))
+    return LoadStats(pipelined, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
+
+
+def _skip_loading(chunks: _Chunks) -> None:
+    """At ratio 1 every document token is recomputed and the slow tiers' KV would only be
+    waited for: do not load it (the documents are computed, like misses, and not written back)."""
+    chunks.placed = [p for p in chunks.placed if not isinstance(p.chunk, PendingChunk)]
+    for i, (_, pending) in chunks.pending.items():
+        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "skipped")
+    chunks.pending.clear()
+    chunks.feed = None
 
 
 class Engine:
@@ -110,8 +149,13 @@ class Engine:
 
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
-        prefix_cache: PrefixCache | None = None, self_check: bool = True,
+        prefix_cache: PrefixCache | None = None, self_check: bool = True, *, pipeline: bool = True,
+        load_timeout_s: float | None = 30.0, profile: Profile | None = None,
     ) -> None:
+        """``pipeline``: read disk/Redis chunks layer by layer while fusion runs (else each
+        chunk is read whole before fusion starts); a layer not loaded ``load_timeout_s``
+        after fusion asks for it makes its document fall back to recompute. ``profile``:
+        this model's measured costs (default: the stored one, measured when first needed)."""
         if loaded.model.device.type == "cpu":
             keep_freed_memory()
         self.loaded = loaded
@@ -123,6 +167,52 @@ class Engine:
         self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
         self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
+        self.pipeline = pipeline and hasattr(self.store, "locate")
+        self.load_timeout_s = load_timeout_s
+        self._profile = profile if profile is not None else load_profile(self._profile_path())
+        self._profile_lock = threading.Lock()
+        self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
+
+    # ----- profile, controller, placement -------------------------------------------
+    def _profile_path(self) -> Path:
+        return profile_path(self.loaded.fingerprint, self.model.device, self.model.dtype)
+
+    def profile(self) -> Profile:
+        """This model's costs on this device: as given or stored, else measured now (a few
+        seconds, progress bar on stderr) and saved; store tiers it lacks are measured and added."""
+        with self._profile_lock:
+            tiers = list(getattr(self.store, "tiers", ()))
+            if self._profile is None:
+                self._profile = measure_profile(self.model, self.loaded.fingerprint, tiers)
+            elif missing := [t for t in tiers if t.name not in self._profile.tiers]:
+                self._profile = self._profile.with_tiers({t.name: measure_tier(t, self.model.cfg) for t in missing})
+            else:
+                return self._profile
+            save_profile(self._profile, self._profile_path())
+            return self._profile
+
+    def _choose_ratio(self, request: Request, layout: PromptLayout, chunks: _Chunks, prefix_hit: int) -> RatioChoice:
+        cfg = request.blend
+        docs = [DocLoad(s.index, s.source, s.tokens) for s in chunks.stats if s.source not in ("computed", "empty")]
+        forced = len(layout) - prefix_hit - sum(d.tokens for d in docs)
+        return choose_ratio(self.profile(), self.model.cfg, docs, forced, len(layout), self.kv_dtype,
+                            cfg.r_min, cfg.r_max)
+
+    def _placement(self, n_tokens: int) -> tuple[str, ...] | None:
+        """The tier placement picks for a new ``n_tokens``-token chunk; None (every tier)
+        without a cost table. Write-backs pass it to ``store.put`` (``WriteBack.submit``)."""
+        costs = getattr(self.store, "costs", None)
+        if not costs:
+            return None
+        names = [t.name for t in self.store.tiers]
+        tier = choose_tier(self.profile(), self.model.cfg, n_tokens, self.kv_dtype, self.placement_r_min,
+                           costs, names)
+        return None if tier is None else (tier,)
+
+    def _put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+        """Store a chunk now, in the tier placement picks (every tier without a cost table)."""
+        tiers = self._placement(chunk.n_tokens)
+        return self.store.put(key, chunk) if tiers is None else self.store.put(key, chunk, tiers=tiers)
 
     # ----- keys and chunks ---------------------------------------------------------
     def key_context(self, chunk_prefix: tuple[int, ...], tenant: str) -> KeyContext:
@@ -149,7 +239,7 @@ class Engine:
                 ids = tokenize_document(self.tokenizer, doc)
                 key = chunk_key(ids, ctx)
                 if ids and not self.store.contains(key) and self.store.sighting(key):
-                    self.store.put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
+                    self._put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
                 keys.append(key)
         return keys
 
@@ -170,14 +260,16 @@ class Engine:
                 chunk, hit = seen[key]
                 source = "request"
             else:
-                chunk, source = self._get(key, ids)
+                chunk, source = self._get(key, ids, ctx, out)
                 hit = chunk is not None
                 if chunk is None and not request.blend.recompute_misses:
                     t = timer.add("lookup", t)
                     chunk, source = compute_chunk_kv(self.model, ctx.chunk_prefix, ids), "chunk"
                     t = timer.add("prefill", t)
-                    self.writeback.submit(key, chunk)
+                    self.writeback.submit(key, chunk, self._placement(len(ids)))
                 seen[key] = (chunk, hit)
+            if isinstance(chunk, PendingChunk):
+                out.pending[i] = (key, chunk)
             if chunk is None:
                 out.misses[key] = ids
                 out.stats.append(DocStat(i, len(ids), False, "computed"))
@@ -187,11 +279,21 @@ class Engine:
         timer.add("lookup", t)
         return out
 
-    def _get(self, key: ChunkKey, ids: tuple[int, ...]) -> tuple[ChunkKV | None, str]:
+    def _get(self, key: ChunkKey, ids: tuple[int, ...], ctx: KeyContext,
+             out: _Chunks) -> tuple[ChunkKV | PendingChunk | None, str]:
         """The stored chunk and the tier that served it ("memory", "disk", "redis"; "store"
         for a store without tiers); (None, "computed") on a miss.
 
-        Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own."""
+        Borrowed: ``fuse`` only reads chunk tensors, so the memory tier lends its own.
+        Pipelined: a slower tier's chunk is a PendingChunk of the request's LayerFeed."""
+        if self.pipeline:
+            found = self.store.locate(key, ids, len(ctx.chunk_prefix), len(self.model.layers))
+            if found.layered is None:
+                return found.chunk, found.tier or "computed"
+            if out.feed is None:
+                out.feed = LayerFeed(len(self.model.layers), self.model.device, self.model.dtype,
+                                     self.load_timeout_s)
+            return out.feed.add(found.layered), found.tier or "store"
         lookup = getattr(self.store, "lookup", None)
         if lookup is None:
             chunk = self.store.get(key, ids)
@@ -201,9 +303,10 @@ class Engine:
 
     def _write_back(self, misses: dict[ChunkKey, tuple[int, ...]], chunk_prefix: tuple[int, ...]) -> None:
         """Hand missed chunks to the write-back: each is computed alone on its thread, only
-        if the store admits it and it is not already pending (see ``WriteBack.submit``)."""
+        if the store admits it and it is not already pending (see ``WriteBack.submit``), and
+        stored in the tier placement picks."""
         for key, ids in misses.items():
-            self.writeback.submit(key, partial(self._compute_chunk, ids, chunk_prefix))
+            self.writeback.submit(key, partial(self._compute_chunk, ids, chunk_prefix), self._placement(len(ids)))
 
     def _compute_chunk(self, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> ChunkKV:
         return compute_chunk_kv(self.model, chunk_prefix, ids)
@@ -273,18 +376,33 @@ class Engine:
         n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
         hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
-        cfg = request.blend
+        cfg, choice = request.blend, None
+        if cfg.auto and request.method == "reuse":
+            cfg = cfg.with_ratio(0.0)
+        elif cfg.auto:
+            choice = self._choose_ratio(request, layout, chunks, hit.length if hit else 0)
+            cfg = cfg.with_ratio(choice.ratio)
+            if choice.ratio >= 1.0:
+                _skip_loading(chunks)
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
                           strategy=None if request.method == "reuse" or cfg.plain else cfg)
         t = time.perf_counter()
-        out = fuse(self.model, plan)
+        try:
+            if chunks.feed is not None:
+                chunks.feed.start()
+            out, dropped = fuse_or_drop(self.model, plan, fuse_planned)
+        finally:
+            if chunks.feed is not None:
+                chunks.feed.close()
         timer.add("prefill", t)
+        loading = _fall_back(chunks, {id(p.chunk) for p in dropped}, self.pipeline)
+        fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
         if n_prefix and (hit is None or hit.length < n_prefix):
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, chunks.placed))
+                      fallback, _doc_checks(out, layout, fused), loading, choice)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""
@@ -317,7 +435,7 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed, built.fallback, built.checks)
+                             elapsed, built.fallback, built.checks, built.loading, built.controller)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

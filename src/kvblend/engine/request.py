@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
 from kvblend.generation.stream import validate_messages
+from kvblend.pipeline.controller import RatioChoice
+from kvblend.pipeline.loader import LoadStats
 
 REQUEST_METHODS = (*METHODS, "auto")  # "auto": a quality guard decides (kvblend.guard.quality)
 
@@ -72,8 +74,9 @@ class DocStat(NamedTuple):
     hit: bool  # True only when the store served it (or, for a repeat, its first occurrence)
     source: str  # the tier that served it ("memory", "disk", "redis"; "store" for a store
     # without tiers), "computed" (a miss, recomputed in full), "chunk" (a miss whose chunk KV
-    # was computed alone in this request and blended), "request" (a repeat within this
-    # request) or "empty"
+    # was computed alone in this request and blended), "fallback" (found, but a layer failed
+    # to load: recomputed in full), "skipped" (stored on a tier slower than recomputing it:
+    # computed, see the controller), "request" (a repeat within this request) or "empty"
 
 
 class CheckStat(NamedTuple):
@@ -111,6 +114,8 @@ class RequestStats(NamedTuple):
     fallback: str | None = None  # why reuse the method allows was skipped, e.g. "dynamic-rope":
     # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed
     checks: tuple[CheckStat, ...] = ()  # blend's check layers, in order
+    loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
+    controller: RatioChoice | None = None  # ratio "auto": the ratio chosen and its inputs
 
     @property
     def recompute_frac(self) -> float:
@@ -124,6 +129,8 @@ class RequestStats(NamedTuple):
         out = self._asdict()
         out["docs"] = [d._asdict() for d in self.docs]
         out["checks"] = [c.to_dict() for c in self.checks]
+        out["loading"] = None if self.loading is None else self.loading.to_dict()
+        out["controller"] = None if self.controller is None else self.controller.to_dict()
         out["recompute_frac"] = self.recompute_frac
         return out
 

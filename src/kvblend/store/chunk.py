@@ -39,6 +39,10 @@ class ChunkKV:
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer; always available (the fusion's view of a loaded chunk)."""
+        return self.keys[layer], self.values[layer]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

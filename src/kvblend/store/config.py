@@ -32,6 +32,8 @@ class StoreConfig:
     ``admit_after``: store a chunk on its N-th sighting (a miss or a put attempt); the
     engine computes a missed chunk's KV only once it is admitted. ``writeback_queue``:
     how many chunks the engine's background write-back holds pending at most.
+    ``tier_costs``: (tier, price per GB) pairs; when set, new chunks go to the cheapest
+    tier whose loading hides behind recompute (placement) instead of to every tier.
     """
 
     tiers: tuple[str, ...] = TIER_NAMES
@@ -51,6 +53,7 @@ class StoreConfig:
     eviction: str = "lru"
     admit_after: int = 1
     writeback_queue: int = 64
+    tier_costs: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in TIER_NAMES]
@@ -68,6 +71,9 @@ class StoreConfig:
             raise ValueError("admit_after and writeback_queue must be >= 1")
         if self.tenant_bytes is not None and self.tenant_bytes < 0:
             raise ValueError("tenant_bytes must be >= 0")
+        object.__setattr__(self, "tier_costs", tuple((str(t), float(c)) for t, c in self.tier_costs))
+        if any(t not in TIER_NAMES or c < 0 for t, c in self.tier_costs):
+            raise ValueError(f"tier_costs must pair tier names from {TIER_NAMES} with costs >= 0")
         if not self.enabled_tiers:
             raise ValueError("no tier enabled: set memory_bytes > 0, disk_dir or redis_url")
 
@@ -110,4 +116,5 @@ def build_store(config: StoreConfig) -> TieredStore:
     """A TieredStore over the enabled tiers, in ``config.tiers`` order."""
     tiers = [TIER_BUILDERS[name](config) for name in config.enabled_tiers]
     return TieredStore(tiers, kv_dtype=config.kv_dtype, compute_dtype=config.compute_dtype,
-                       admission=SightingsAdmission(config.admit_after), writeback_queue=config.writeback_queue)
+                       admission=SightingsAdmission(config.admit_after), writeback_queue=config.writeback_queue,
+                       costs=dict(config.tier_costs))

@@ -17,6 +17,7 @@ class MemoryStore(IndexedTier):
     """
 
     name = "memory"
+    immediate = True
 
     def __init__(self, max_bytes: int, *, policy: EvictionPolicy | None = None,
                  tenant_bytes: int | None = None, kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:

@@ -66,6 +66,7 @@ class Tier(ChunkStore):
     """
 
     name: ClassVar[str] = "tier"
+    immediate: ClassVar[bool] = False  # reads cost no I/O (process memory): never worth pipelining
 
     def __init__(self, *, kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:
         codec.storage_dtype(kv_dtype)
@@ -129,12 +130,20 @@ class Tier(ChunkStore):
         return None if entry is None else decode_entry(entry, self.compute_dtype)
 
     def get_layer(self, key: ChunkKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        read = self.read_layer(key, layer)
+        return None if read is None else decode_layer(read.header, read.tensors, layer, self.compute_dtype,
+                                                      owned=read.owned)
+
+    def read_layer(self, key: ChunkKey, layer: int, token_ids: Sequence[int] | None = None) -> LayerRead | None:
+        """The verified header and stored tensors of one layer, reading only that layer;
+        None on a miss, a corrupt entry (removed), an out-of-range layer or other token ids.
+        Counted as a layer hit or miss."""
         read = self._guarded(key, lambda: self._checked_layer(key, layer))
-        if read is None:
+        if read is None or not tokens_match(read.header, token_ids):
             self.counters.add(key.tenant, "layer_misses")
             return None
         self.counters.add(key.tenant, "layer_hits")
-        return decode_layer(read.header, read.tensors, layer, self.compute_dtype, owned=read.owned)
+        return read
 
     def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
         return self.store(encode_chunk(key, chunk, self.kv_dtype))

@@ -11,6 +11,7 @@ from kvblend.store.base import ChunkStore, Counters, EntryInfo, StoreStats, merg
 from kvblend.store.chunk import ChunkKV
 from kvblend.store.entry import decode_entry, encode_chunk
 from kvblend.store.keys import ChunkKey
+from kvblend.store.layers import LayeredChunk
 from kvblend.store.policy import SightingsAdmission
 from kvblend.store.tier import Tier
 
@@ -20,6 +21,15 @@ class Lookup(NamedTuple):
     served it (None on a miss), for per-request reporting."""
 
     chunk: ChunkKV | None
+    tier: str | None
+
+
+class Located(NamedTuple):
+    """Result of :meth:`TieredStore.locate`: a whole chunk lent by an immediate tier, or a
+    handle that reads a slower tier's entry layer by layer, or neither (a miss)."""
+
+    chunk: ChunkKV | None
+    layered: LayeredChunk | None
     tier: str | None
 
 
@@ -34,15 +44,19 @@ class TieredStore(ChunkStore):
     - ``sighting``: a miss seen by a caller that would compute the chunk; True when the
       chunk is admitted (``admit_after`` sightings), so KV is computed only then.
     - ``put``: admission first (uses up an admission granted by ``sighting``, else counts
-      as a sighting); the chunk is encoded once and written through to every tier; True
-      when at least one tier stored it.
+      as a sighting); the chunk is encoded once and written through to every tier (or to
+      the ``tiers`` named: placement); True when at least one tier stored it.
     - ``delete``/``evict``/``clear``: applied to every tier.
     - ``stats``: hits/misses/puts/rejected counted here, the rest summed over tiers
       (an entry held by two tiers counts twice in entries/bytes); ``tier_stats`` per tier.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
-                 admission: SightingsAdmission | None = None, writeback_queue: int = 64) -> None:
+                 admission: SightingsAdmission | None = None, writeback_queue: int = 64,
+                 costs: dict[str, float] | None = None) -> None:
+        """``costs``: price per GB of each tier, for placement (``kvblend.pipeline.controller``);
+        with costs, a chunk read layer by layer from a slow tier is not promoted (placement
+        chose where it lives)."""
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         names = [t.name for t in tiers]
@@ -56,6 +70,7 @@ class TieredStore(ChunkStore):
         self.admission = admission or SightingsAdmission(1)
         self.writeback_queue = writeback_queue  # bound for a WriteBack over this store (StoreConfig)
         self.counters = Counters()
+        self.costs = dict(costs or {})
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -83,6 +98,28 @@ class TieredStore(ChunkStore):
         self.counters.add(key.tenant, "misses")
         return Lookup(None, None)
 
+    def locate(self, key: ChunkKey, token_ids: Sequence[int], base_position: int, n_layers: int) -> Located:
+        """Find the chunk without reading a slow tier: an immediate tier (memory) that holds
+        it lends it whole (borrowed, as ``lookup(borrow=True)``); otherwise the first tier
+        whose ``contains`` says yes gives a :class:`LayeredChunk` that verifies each layer as
+        it is read and, once complete, promotes the entry to the faster tiers. Counted as a
+        hit when found (a layer that later fails is counted by its tier)."""
+        for depth, tier in enumerate(self.tiers):
+            if tier.immediate:
+                entry = tier.load(key, token_ids)
+                if entry is None:
+                    continue
+                self.counters.add(key.tenant, "hits")
+                return Located(decode_entry(entry, self.compute_dtype, True), None, tier.name)
+            if tier.contains(key):
+                self.counters.add(key.tenant, "hits")
+                faster = self.tiers[:depth]
+                promote = (lambda entry: [t.store(entry) for t in faster]) if faster and not self.costs else None
+                return Located(None, LayeredChunk(tier, key, token_ids, base_position, n_layers,
+                                                  self.compute_dtype, promote), tier.name)
+        self.counters.add(key.tenant, "misses")
+        return Located(None, None, None)
+
     def contains(self, key: ChunkKey) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
@@ -104,12 +141,12 @@ class TieredStore(ChunkStore):
         self.counters.add(key.tenant, "rejected")
         return False
 
-    def put(self, key: ChunkKey, chunk: ChunkKV) -> bool:
+    def put(self, key: ChunkKey, chunk: ChunkKV, tiers: Sequence[str] | None = None) -> bool:
         if not self.admission.admit(key):
             self.counters.add(key.tenant, "rejected")
             return False
         entry = encode_chunk(key, chunk, self.kv_dtype)
-        stored = [tier.store(entry) for tier in self.tiers]
+        stored = [tier.store(entry) for tier in self.tiers if tiers is None or tier.name in tiers]
         self.counters.add(key.tenant, "puts" if any(stored) else "rejected")
         return any(stored)
 

@@ -72,9 +72,10 @@ class WriteBack:
         stop.atexit = False  # at exit the blocked daemon thread is simply abandoned
         _LIVE.add(self)
 
-    def submit(self, key: ChunkKey, chunk: ChunkSource) -> bool:
+    def submit(self, key: ChunkKey, chunk: ChunkSource, tiers: tuple[str, ...] | None = None) -> bool:
         """Queue ``chunk`` (or a function computing it, called on the write-back thread)
-        for ``store.put``. False, counted, when the key is already pending
+        for ``store.put`` (into the ``tiers`` named, when given: placement, which a
+        ``TieredStore`` supports). False, counted, when the key is already pending
         (deduplicated), the store would not admit it yet (not_admitted), or the queue is
         full or closed (dropped)."""
         if self._refusal(key) is None and not self.store.sighting(key):
@@ -86,7 +87,7 @@ class WriteBack:
                 return False
             self._pending.add(key)
             self._counts["queued"] += 1
-            self._queue.put((key, chunk))
+            self._queue.put((key, chunk, tiers))
         return True
 
     def _refusal(self, key: ChunkKey) -> str | None:
@@ -135,10 +136,11 @@ class WriteBack:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write(self, key: ChunkKey, chunk: ChunkSource) -> str:
+    def _write(self, key: ChunkKey, chunk: ChunkSource, tiers: tuple[str, ...] | None) -> str:
         try:
             computed = chunk() if callable(chunk) else chunk
-            return "written" if self.store.put(key, computed) else "refused"
+            stored = self.store.put(key, computed) if tiers is None else self.store.put(key, computed, tiers=tiers)
+            return "written" if stored else "refused"
         except Exception as exc:  # the worker must survive any failure; it is counted and logged
             log.warning("write-back of %s failed: %s: %s", key, type(exc).__name__, exc, exc_info=True)
             return "failed"
@@ -157,8 +159,8 @@ def _work(ref: weakref.ref[WriteBack], items: queue.Queue[object]) -> None:
         wb = ref()
         if item is _STOP or wb is None:
             return
-        key, chunk = item  # type: ignore[misc]
-        wb._finish(key, wb._write(key, chunk))
+        key, chunk, tiers = item  # type: ignore[misc]
+        wb._finish(key, wb._write(key, chunk, tiers))
         del wb, item, chunk
 
 
