@@ -29,9 +29,9 @@ from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
-from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result
+from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
 from kvblend.errors import ContextLengthError
-from kvblend.generation import SamplingParams, StreamEvent, collect, stream_from
+from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
@@ -454,11 +454,4 @@ class Engine:
     def generate(self, request: Request, sampling: SamplingParams | None = None) -> Result:
         """Run a request to completion."""
         sampling = sampling or SamplingParams()
-        stats, events = None, []
-        for item in self.stream(request, sampling):
-            if isinstance(item, RequestStats):
-                stats = item
-            else:
-                events.append(item)
-        completion = collect(iter(events), stats.prompt_tokens)
-        return Result(completion.text, completion.token_ids, completion.finish_reason, stats)
+        return result_of(self.stream(request, sampling))

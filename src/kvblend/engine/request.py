@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.errors import InvalidRequestError
-from kvblend.generation.stream import validate_messages
+from kvblend.generation.stream import StreamEvent, collect, validate_messages
 from kvblend.pipeline.controller import RatioChoice
 from kvblend.pipeline.loader import LoadStats
 
@@ -145,3 +145,20 @@ class Result(NamedTuple):
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "stats": self.stats.to_dict()}
 
+
+def result_of(items: Iterable[StreamEvent | RequestStats], on_text: Callable[[str], Any] | None = None) -> Result:
+    """The whole ``Result`` of a stream of token events with its ``RequestStats`` among
+    them (as ``Engine.stream`` and the scheduler yield them); ``on_text`` sees each piece
+    of text as it arrives."""
+    stats, events = None, []
+    for item in items:
+        if isinstance(item, RequestStats):
+            stats = item
+            continue
+        events.append(item)
+        if on_text is not None:
+            on_text(item.text)
+    if stats is None:
+        raise RuntimeError("the stream ended without its request stats")
+    done = collect(iter(events), stats.prompt_tokens)
+    return Result(done.text, done.token_ids, done.finish_reason, stats)

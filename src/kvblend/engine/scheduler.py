@@ -49,11 +49,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import NamedTuple
 
 from kvblend.engine.engine import Engine
-from kvblend.engine.request import Request, RequestStats, Result
+from kvblend.engine.request import Request, RequestStats, Result, result_of
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.generation.batch import DecodeSlot, decode_batch
 from kvblend.generation.sampling import SamplingParams
-from kvblend.generation.stream import StreamEvent, collect
+from kvblend.generation.stream import StreamEvent
 
 log = logging.getLogger(__name__)
 
@@ -223,14 +223,7 @@ class RequestHandle:
 
     def result(self) -> Result:
         """Block until the request ends and return it whole (raises its error)."""
-        stats, events = None, []
-        for item in self.events():
-            if isinstance(item, RequestStats):
-                stats = item
-            else:
-                events.append(item)
-        completion = collect(iter(events), stats.prompt_tokens)
-        return Result(completion.text, completion.token_ids, completion.finish_reason, stats)
+        return result_of(self.events())
 
 
 class _Running(NamedTuple):

@@ -11,9 +11,9 @@ from dataclasses import fields
 from typing import Any, NamedTuple
 
 from kvblend.engine import Engine, Request, Result
-from kvblend.engine.request import RequestStats
+from kvblend.engine.request import result_of
 from kvblend.errors import KvblendError
-from kvblend.generation import SamplingParams, collect
+from kvblend.generation import SamplingParams
 from kvblend.rag.retriever import Hit, Retriever
 from kvblend.store.keys import chunk_key
 
@@ -61,16 +61,7 @@ def _lazy_admission(engine: Engine, retriever: Retriever, hits: list[Hit], tenan
 
 
 def _stream(engine: Engine, request: Request, sampling: SamplingParams, on_text: Callable[[str], Any] | None) -> Result:
-    stats, events = None, []
-    for item in engine.stream(request, sampling):
-        if isinstance(item, RequestStats):
-            stats = item
-            continue
-        events.append(item)
-        if on_text is not None:
-            on_text(item.text)
-    done = collect(iter(events), stats.prompt_tokens)
-    return Result(done.text, done.token_ids, done.finish_reason, stats)
+    return result_of(engine.stream(request, sampling), on_text)
 
 
 def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "default", top_k: int = 6,
