@@ -65,6 +65,9 @@ def test_metrics_need_the_admin_key_and_parse(server, alice, model_id) -> None:
     assert after["kvblend:inter_token_latency_seconds_count"] - before["kvblend:inter_token_latency_seconds_count"] \
         == 4
     assert after["kvblend:recompute_fraction_count"] > before.get("kvblend:recompute_fraction_count", 0)
+    for name in ("selection_score_mean", "selection_score_max", "selection_kept_fraction"):  # check layer 1
+        key = f"kvblend:{name}_count{{layer=1}}"
+        assert after[key] - before.get(key, 0) == 2
     assert after["kvblend:request_decode_time_seconds_count"] - before["kvblend:request_decode_time_seconds_count"] == 2
     assert after["kvblend:request_queue_time_seconds_count"] > before["kvblend:request_queue_time_seconds_count"]
     hits = "kvblend:document_lookups_total{outcome=hit,tier=memory}"

@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+SCORE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4)
 P = "kvblend:"
 
 
@@ -91,6 +92,15 @@ class ServerMetrics:
         self.disconnects = Counter(P + "client_disconnects", "Requests cancelled because the client left",
                                    lab, registry=reg).labels(model_name)
         reg.register(StoreCollector(tier_stats, model_name))
+        self._check_score = Histogram(P + "selection_score_mean", "Mean selection score (KV deviation) at a check layer",
+                                      lab + ["layer"], buckets=SCORE_BUCKETS, registry=reg)
+        self._check_max = Histogram(P + "selection_score_max", "Largest selection score at a check layer",
+                                    lab + ["layer"], buckets=SCORE_BUCKETS, registry=reg)
+        self._check_kept = Histogram(P + "selection_kept_fraction", "Share of candidates a check layer kept",
+                                     lab + ["layer"], buckets=FRACTION_BUCKETS, registry=reg)
+        self._doc_share = Histogram(P + "document_selected_share",
+                                    "Each document's share of the tokens a check layer kept (by document position)",
+                                    lab, buckets=FRACTION_BUCKETS, registry=reg).labels(model_name)
 
     def observe_request(self, stats: RequestStats | None, cached: int, generated: int, finish_reason: str,
                         queue_s: float, e2e_s: float) -> None:
@@ -101,10 +111,24 @@ class ServerMetrics:
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(cached)
             self.decode.observe(max(0.0, e2e_s - stats.ttft_s))
+            self._observe_checks(stats)
         self.queue.observe(queue_s)
         self.e2e.observe(e2e_s)
         self.generation_tokens.inc(generated)
         self._success.labels(self.model_name, finish_reason).inc()
+
+    def _observe_checks(self, stats: RequestStats) -> None:
+        """Per check layer: score level, kept fraction and how the kept tokens fall on the
+        documents (labels: model and layer index only, never a document)."""
+        for check in getattr(stats, "checks", ()) or ():
+            layer = str(check.layer)
+            self._check_score.labels(self.model_name, layer).observe(check.mean_score)
+            self._check_max.labels(self.model_name, layer).observe(check.max_score)
+            if check.candidates:
+                self._check_kept.labels(self.model_name, layer).observe(check.selected / check.candidates)
+            if check.selected:
+                for share in check.doc_share:
+                    self._doc_share.observe(share)
 
     def error(self, type_: str) -> None:
         self._errors.labels(self.model_name, type_).inc()
