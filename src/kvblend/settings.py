@@ -21,6 +21,7 @@ from pydantic_settings import (
 from kvblend.blend.config import BlendConfig
 from kvblend.errors import KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
+from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
 from kvblend.store.config import TIER_NAMES, StoreConfig
 from kvblend.store.keys import validate_tenant
 from kvblend.store.plan import parse_size
@@ -99,6 +100,14 @@ class LimitSettings(_Section):
     default_max_tokens: int = Field(256, gt=0)  # when the client gives none
     max_stop: int = Field(8, ge=0)
     max_stored_documents: int = Field(10_000, ge=0)  # per tenant, documents API
+
+
+class DocumentSettings(_Section):
+    """``POST /v1/documents``: a document is cut by the ``kvblend.rag`` chunker into fixed
+    windows of ``chunk_tokens`` tokens of the serving model's tokenizer, each chunk's KV
+    stored on its own (default: the rag chunker's size)."""
+
+    chunk_tokens: int = Field(ChunkerConfig().size, ge=1, le=MAX_CHUNK_TOKENS)
 
 
 class SchedulerSettings(_Section):
@@ -201,6 +210,7 @@ class Settings(ModelSettings):
     store: StoreSettings = StoreSettings()
     blend: BlendSettings = BlendSettings()
     limits: LimitSettings = LimitSettings()
+    documents: DocumentSettings = DocumentSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     guard: GuardSettings = GuardSettings()

@@ -15,6 +15,7 @@ MAIN_CONFIG = {
     "limits": {"max_documents": 4, "max_document_bytes": 4000, "max_document_tokens": 300,
                "max_body_bytes": 65536, "max_tokens": 2000, "max_stop": 4},
     "scheduler": {"max_running": 2, "max_queued": 2},
+    "documents": {"chunk_tokens": 32},  # short documents stay one chunk; test_documents_chunked cuts longer ones
     "drain_timeout_s": 10,
 }
 

@@ -29,12 +29,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
-from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import RequestHandle, Scheduler
 from kvblend.errors import KvblendError
 from kvblend.models.loader import cache_home
-from kvblend.server.documents import DocumentRegistry, default_id, new_record, text_sha256
+from kvblend.rag.chunking import ChunkerConfig, chunk_text
+from kvblend.server.documents import DocumentRegistry, StoredChunk, default_id, new_record, text_sha256
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics
@@ -241,15 +241,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_answers_errors
     async def get_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         record = _own_document(state, tenant_of(request), doc_id)
-        tiers = await anyio.to_thread.run_sync(_tiers_holding, state.engine, record.chunk_key)
-        return record.public(tiers)
+        tiers = await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, record.keys)
+        return record.public(tiers, detail=True)
 
     @app.delete("/v1/documents/{doc_id}")
     @_answers_errors
     async def delete_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         tenant = tenant_of(request)
         record = _own_document(state, tenant, doc_id)
-        await anyio.to_thread.run_sync(state.engine.store.delete, ChunkKey.parse(record.chunk_key))
+        await anyio.to_thread.run_sync(_delete_keys, state.engine, record.keys)
         state.registry.delete(tenant, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
@@ -274,6 +274,17 @@ def _tiers_holding(engine: Engine, key_text: str) -> list[str]:
     return [t.name for t in tiers if t.contains(key)]
 
 
+def _tiers_holding_all(engine: Engine, keys: list[str]) -> list[str]:
+    """The tiers (in the store's order) that hold the KV of every one of ``keys``."""
+    held = [_tiers_holding(engine, k) for k in keys]
+    return [t for t in held[0] if all(t in h for h in held[1:])] if held else []
+
+
+def _delete_keys(engine: Engine, keys: list[str]) -> None:
+    for key in keys:
+        engine.store.delete(ChunkKey.parse(key))
+
+
 def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...]:
     """The chunk prefix a chat request with the server's defaults computes documents after."""
     probe = Request(documents=(), messages=[{"role": "user", "content": "?"}], blend=settings.blend.blend_config())
@@ -294,20 +305,30 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
     if existing is None and state.registry.count(tenant) >= limits.max_stored_documents:
         raise APIError(400, f"at most {limits.max_stored_documents} stored documents per tenant", "id")
 
-    def warm() -> tuple[int, str, list[str]]:
-        ids = tokenize_document(state.engine.tokenizer, body.text)
-        if len(ids) > limits.max_document_tokens:
-            raise APIError(413, f"the document has {len(ids)} tokens; the limit is {limits.max_document_tokens}",
+    def warm() -> tuple[list[StoredChunk], list[str]]:
+        engine = state.engine
+        config = ChunkerConfig(size=state.settings.documents.chunk_tokens)
+        chunks = chunk_text(engine.tokenizer, body.text, config, engine.loaded.tokenizer_fingerprint)
+        tokens = sum(c.n_tokens for c in chunks)
+        if tokens > limits.max_document_tokens:
+            raise APIError(413, f"the document has {tokens} tokens; the limit is {limits.max_document_tokens}",
                            "text")
-        prefix = _document_chunk_prefix(state.engine, state.settings)
-        (key,) = state.engine.warm([ids], prefix, tenant)
-        return len(ids), str(key), _tiers_holding(state.engine, str(key))
+        if not chunks or tokens == 0:
+            raise APIError(400, "the document text has no tokens", "text")
+        prefix = _document_chunk_prefix(engine, state.settings)
+        keys = [str(k) for k in engine.warm([c.token_ids for c in chunks], prefix, tenant)]
+        stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
+        return stored, _tiers_holding_all(engine, keys)
 
-    tokens, key, tiers = await anyio.to_thread.run_sync(warm)
-    record = existing if existing is not None else new_record(doc_id, body.text, tokens, key, body.metadata)
-    if existing is None or existing.metadata != body.metadata:
-        record = record._replace(metadata=dict(body.metadata))
+    chunks, tiers = await anyio.to_thread.run_sync(warm)
+    record = new_record(doc_id, body.text, chunks, body.metadata)
+    if existing is not None:  # idempotent: the same text keeps its creation time
+        record = record._replace(created=existing.created)
+    if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
         state.registry.put(tenant, record)
+        if existing is not None:  # re-cut (the chunk size changed): drop the old chunks' KV
+            stale = [k for k in existing.keys if k not in record.keys]
+            await anyio.to_thread.run_sync(_delete_keys, state.engine, stale)
     return record.public(tiers)
 
 

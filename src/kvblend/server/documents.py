@@ -1,8 +1,12 @@
 """The per-tenant registry of documents stored through ``/v1/documents``.
 
 One SQLite file (``documents.sqlite`` under the server's state directory) maps
-``(tenant, id)`` to the document's text, token count, chunk key and metadata, so that
-requests may name a stored document by id and the KV can be deleted from every tier.
+``(tenant, id)`` to the document's text, token count, metadata and its chunks (the
+``kvblend.rag`` chunker's fixed token windows: each chunk's id, store key, token count and
+token ids), so that requests may name a stored document by id (it expands to its chunks,
+in order, each hitting its stored KV) and the KV can be deleted from every tier. A row
+written before chunking (no chunks) stands for one chunk: its whole text under
+``chunk_key``.
 Every query takes the tenant: one tenant can never read, list, count or delete another's
 rows. Thread-safe (one connection behind a lock).
 """
@@ -21,9 +25,26 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS documents (
     tenant TEXT NOT NULL, id TEXT NOT NULL, sha256 TEXT NOT NULL, text TEXT NOT NULL,
     tokens INTEGER NOT NULL, chunk_key TEXT NOT NULL, metadata TEXT NOT NULL, created REAL NOT NULL,
+    chunks TEXT NOT NULL DEFAULT '[]',
     PRIMARY KEY (tenant, id)
 )
 """
+_COLUMNS = "id, sha256, text, tokens, chunk_key, metadata, created, chunks"
+
+
+class StoredChunk(NamedTuple):
+    """One chunk of a stored document: the rag chunk id, the store key of its KV, its ids."""
+
+    id: str
+    key: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "key": self.key, "ids": list(self.token_ids)}
 
 
 class DocumentRecord(NamedTuple):
@@ -34,11 +55,21 @@ class DocumentRecord(NamedTuple):
     chunk_key: str
     metadata: dict[str, Any]
     created: float
+    chunks: tuple[StoredChunk, ...] = ()
 
-    def public(self, tiers: list[str] | None = None) -> dict[str, Any]:
-        """What the API returns for the owner (never the text)."""
-        out = {"id": self.id, "object": "document", "tokens": self.tokens, "created": int(self.created),
-               "metadata": self.metadata}
+    @property
+    def keys(self) -> list[str]:
+        """The store keys of every chunk's KV (the one ``chunk_key`` for a row without chunks)."""
+        return [c.key for c in self.chunks] if self.chunks else [self.chunk_key]
+
+    def public(self, tiers: list[str] | None = None, detail: bool = False) -> dict[str, Any]:
+        """What the API returns for the owner (never the text). ``detail``: each chunk's id
+        and token count; ``tiers``: the tiers holding every chunk's KV."""
+        out = {"id": self.id, "object": "document", "tokens": self.tokens, "num_chunks": len(self.keys),
+               "created": int(self.created), "metadata": self.metadata}
+        if detail:
+            out["chunks"] = ([{"id": c.id, "tokens": c.tokens} for c in self.chunks] if self.chunks
+                             else [{"id": self.chunk_key, "tokens": self.tokens}])
         if tiers is not None:
             out["tiers"] = tiers
             out["tier"] = tiers[0] if tiers else None
@@ -65,12 +96,15 @@ class DocumentRegistry:
         self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
         self._db.execute(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(documents)")}
+        if "chunks" not in columns:  # a registry written before documents were chunked
+            self._db.execute("ALTER TABLE documents ADD COLUMN chunks TEXT NOT NULL DEFAULT '[]'")
         self._lock = threading.Lock()
 
     def get(self, tenant: str, doc_id: str) -> DocumentRecord | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT id, sha256, text, tokens, chunk_key, metadata, created FROM documents "
+                f"SELECT {_COLUMNS} FROM documents "
                 "WHERE tenant = ? AND id = ?", (tenant, doc_id)).fetchone()
         return _record(row) if row else None
 
@@ -78,7 +112,7 @@ class DocumentRegistry:
         """The tenant's documents ordered by id, at most ``limit``, starting after ``after``."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, sha256, text, tokens, chunk_key, metadata, created FROM documents "
+                f"SELECT {_COLUMNS} FROM documents "
                 "WHERE tenant = ? AND id > ? ORDER BY id LIMIT ?", (tenant, after or "", limit)).fetchall()
         return [_record(r) for r in rows]
 
@@ -89,9 +123,10 @@ class DocumentRegistry:
     def put(self, tenant: str, record: DocumentRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO documents (tenant, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
-                 json.dumps(record.metadata), record.created))
+                 json.dumps(record.metadata), record.created,
+                 json.dumps([c.to_json() for c in record.chunks], separators=(",", ":"))))
 
     def delete(self, tenant: str, doc_id: str) -> bool:
         with self._lock:
@@ -103,9 +138,14 @@ class DocumentRegistry:
             self._db.close()
 
 
-def new_record(doc_id: str, text: str, tokens: int, chunk_key: str, metadata: dict[str, Any]) -> DocumentRecord:
-    return DocumentRecord(doc_id, text_sha256(text), text, tokens, chunk_key, dict(metadata), time.time())
+def new_record(doc_id: str, text: str, chunks: list[StoredChunk], metadata: dict[str, Any]) -> DocumentRecord:
+    """A record for ``text`` cut into ``chunks`` (at least one); ``chunk_key`` is the first's."""
+    if not chunks:
+        raise ValueError("a stored document has at least one chunk")
+    return DocumentRecord(doc_id, text_sha256(text), text, sum(c.tokens for c in chunks), chunks[0].key,
+                          dict(metadata), time.time(), tuple(chunks))
 
 
 def _record(row: tuple[Any, ...]) -> DocumentRecord:
-    return DocumentRecord(row[0], row[1], row[2], int(row[3]), row[4], json.loads(row[5]), float(row[6]))
+    chunks = tuple(StoredChunk(c["id"], c["key"], tuple(int(t) for t in c["ids"])) for c in json.loads(row[7]))
+    return DocumentRecord(row[0], row[1], row[2], int(row[3]), row[4], json.loads(row[5]), float(row[6]), chunks)

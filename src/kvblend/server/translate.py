@@ -68,20 +68,26 @@ def check_common(body: _Common, settings: Settings, model_ids: tuple[str, ...]) 
             raise bad_request(f"stop strings must have 1-{MAX_STOP_CHARS} characters", f"stop.{i}")
 
 
-def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegistry, tenant: str) -> list[str]:
-    """Texts of the request's documents (stored ones looked up in the caller's registry),
-    with count and byte limits applied before any tokenization."""
+def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegistry,
+                      tenant: str) -> list[str | tuple[int, ...]]:
+    """The request's documents, with count and byte limits applied before any tokenization:
+    a text as given; a stored one (looked up in the caller's registry) expands to its
+    chunks' token ids, in order, one prompt document per chunk, so each chunk's stored KV
+    is hit (a row stored before chunking gives its text)."""
     docs = body.documents or []
     limits = settings.limits
     if len(docs) > limits.max_documents:
         raise bad_request(f"at most {limits.max_documents} documents per request; got {len(docs)}", "documents")
-    texts = []
+    texts: list[str | tuple[int, ...]] = []
     for i, doc in enumerate(docs):
         if isinstance(doc, DocumentRef) and doc.text is None:
             record = registry.get(tenant, doc.id)
             if record is None:
                 raise APIError(404, f"no stored document with id {doc.id!r}", f"documents.{i}.id", "NotFoundError")
-            texts.append(record.text)
+            if record.chunks:
+                texts.extend(c.token_ids for c in record.chunks)
+            else:
+                texts.append(record.text)
             continue
         text = doc.text if isinstance(doc, DocumentRef) else doc
         size = utf8_len(text, f"documents.{i}")
