@@ -51,8 +51,13 @@ def test_long_document_is_chunked_hit_by_id_and_deleted_everywhere(alice, bob) -
     inline = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32))).json()
     assert [d["source"] for d in inline["kvblend"]["documents"]] == ["memory"] * 3
 
+    twin = alice.post("/v1/documents", json={"text": TEXT}).json()  # the same chunks under another id
+    assert twin["id"] != "long-doc" and twin["num_chunks"] == 3
     assert alice.delete("/v1/documents/long-doc").json()["deleted"] is True
     assert alice.post("/v1/chat/completions", json=_chat(model, [{"id": "long-doc"}])).status_code == 404
+    kept = alice.post("/v1/chat/completions", json=_chat(model, [{"id": twin["id"]}])).json()
+    assert [d["source"] for d in kept["kvblend"]["documents"]] == ["memory"] * 3  # the twin still uses them
+    assert alice.delete(f"/v1/documents/{twin['id']}").json()["deleted"] is True
     after = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32))).json()
     assert all(d["source"] != "memory" and d["source"] != "redis" for d in after["kvblend"]["documents"])
 

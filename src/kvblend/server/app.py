@@ -249,8 +249,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def delete_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         tenant = tenant_of(request)
         record = _own_document(state, tenant, doc_id)
-        await anyio.to_thread.run_sync(_delete_keys, state.engine, record.keys)
         state.registry.delete(tenant, doc_id)
+        await anyio.to_thread.run_sync(_delete_unused, state, tenant, record.keys, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
 
@@ -280,9 +280,12 @@ def _tiers_holding_all(engine: Engine, keys: list[str]) -> list[str]:
     return [t for t in held[0] if all(t in h for h in held[1:])] if held else []
 
 
-def _delete_keys(engine: Engine, keys: list[str]) -> None:
-    for key in keys:
-        engine.store.delete(ChunkKey.parse(key))
+def _delete_unused(state: ServerState, tenant: str, keys: list[str], doc_id: str) -> None:
+    """Delete from every tier the KV under ``keys`` that no other document of the tenant uses."""
+    shared = state.registry.keys_in_use(tenant, keys, doc_id)
+    for key in dict.fromkeys(keys):
+        if key not in shared:
+            state.engine.store.delete(ChunkKey.parse(key))
 
 
 def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...]:
@@ -328,7 +331,7 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         state.registry.put(tenant, record)
         if existing is not None:  # re-cut (the chunk size changed): drop the old chunks' KV
             stale = [k for k in existing.keys if k not in record.keys]
-            await anyio.to_thread.run_sync(_delete_keys, state.engine, stale)
+            await anyio.to_thread.run_sync(_delete_unused, state, tenant, stale, doc_id)
     return record.public(tiers)
 
 

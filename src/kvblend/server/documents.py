@@ -128,6 +128,15 @@ class DocumentRegistry:
                  json.dumps(record.metadata), record.created,
                  json.dumps([c.to_json() for c in record.chunks], separators=(",", ":"))))
 
+    def keys_in_use(self, tenant: str, keys: list[str], except_id: str) -> set[str]:
+        """Those of ``keys`` that another of the tenant's documents (not ``except_id``) stores
+        its KV under (two documents may share a chunk), so deleting one keeps the other's KV."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM documents WHERE tenant = ? AND id != ?",
+                                    (tenant, except_id)).fetchall()
+        wanted = set(keys)
+        return {k for r in rows for k in _record(r).keys if k in wanted}
+
     def delete(self, tenant: str, doc_id: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id))
