@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvblend.cli import build_parser, main
+from kvblend.rag.chunking import ChunkerConfig
 from kvblend.settings import Settings, SettingsError
 
 
@@ -30,6 +31,7 @@ def test_defaults() -> None:
     assert (s.host, s.port, s.model, s.device, s.dtype) == ("127.0.0.1", 8000, "smollm2-135m", "cpu", "float32")
     assert s.model_id == "smollm2-135m" and s.api_keys == {} and s.admin_key is None
     assert s.blend.blend_config().ratio == 0.15 and s.store.store_config().memory_bytes == 1024**3
+    assert s.documents.chunk_tokens == ChunkerConfig().size  # the rag chunker's default
 
 
 def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
@@ -53,6 +55,8 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("api_keys:\n  short: alice\n", {}, "at least 8 characters"),
     ("api_keys:\n  long-enough-key: 'bad tenant!'\n", {}, "tenant must be"),
     ("store:\n  memory_bytes: lots\n", {}, "not a size"),
+    ("documents:\n  chunk_tokens: 0\n", {}, "documents.chunk_tokens"),
+    ("documents:\n  chunk_tokens: 100000\n", {}, "documents.chunk_tokens"),
 ])
 def test_invalid_settings_are_named(tmp_path, monkeypatch, yaml_text, env, needle) -> None:
     for k, v in env.items():
