@@ -48,6 +48,21 @@ def test_ingest_is_incremental(tmp_path):
     engine.close()
 
 
+def test_reingest_restores_chunk_kv_that_left_the_store(tmp_path):
+    """An unchanged corpus whose chunk KV was cleared (or keyed anew by another model or key
+    version) gets its KV computed again, not the stale word of the catalog."""
+    write_corpus(tmp_path / "docs", 3)
+    engine, retriever, ingestor = pipeline(tmp_path)
+    first = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert engine.store.clear("default") > 0
+    again = ingestor.ingest([tmp_path / "docs"], progress=False)
+    assert (again.unchanged, again.chunks_new) == (3, 0)
+    assert again.kv_chunks == first.kv_chunks and again.kv_tokens == first.kv_tokens
+    assert _consistent(engine, retriever) == (3, first.chunks_new)
+    retriever.close()
+    engine.close()
+
+
 def test_killed_mid_batch_leaves_a_consistent_index_and_a_rerun_completes(tmp_path):
     write_corpus(tmp_path / "docs", 30)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}

@@ -160,6 +160,7 @@ class Ingestor:
             summary.documents += 1
             if old is not None and old.sha256 == sha:
                 summary.unchanged += 1
+                self._restore_kv(old.chunk_ids, summary)
                 continue
             chunks = self.chunk(doc.text)
             ids = [c.chunk_id for c in chunks]
@@ -175,6 +176,18 @@ class Ingestor:
             waiting.append(_Doc(row, waiting_on, orphans))
             summary.chunks += len(chunks)
         return todo, waiting
+
+    def _restore_kv(self, chunk_ids: tuple[str, ...], summary: IngestSummary) -> None:
+        """An unchanged document's chunk KV may have left the store since (evicted, cleared,
+        or keyed anew by another model, dtype or key version): compute what is missing."""
+        if self.warmer is None or self.config.precompute == "lazy":
+            return
+        for row in self.catalog.chunks(self.config.tenant, list(chunk_ids)):
+            t = time.perf_counter()
+            if self.warmer.warm(row.token_ids, self.config.tenant):
+                summary.kv_s += time.perf_counter() - t
+                summary.kv_chunks += 1
+                summary.kv_tokens += len(row.token_ids)
 
     def _store_batch(self, batch: list[tuple[Chunk, str]], summary: IngestSummary) -> list[NewChunk]:
         tenant, lazy = self.config.tenant, self.config.precompute == "lazy"
