@@ -133,6 +133,7 @@ def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tm
 
     streamed = []
     question = corpus_texts(8)[3][:60]
+    admission = engine.store.admission
     a = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4), compare=True,
             on_text=streamed.append)
     assert len(a.hits) == 3 and a.hits[0].source.endswith("doc003.txt")
@@ -140,6 +141,7 @@ def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tm
     assert [d.tokens for d in a.result.stats.docs] == [len(h.token_ids) for h in a.hits]
     assert not any(d.hit for d in a.result.stats.docs)  # nothing precomputed
     assert engine.store.stats("default").puts == 0  # first retrieval: not stored yet
+    assert engine.store.admission is admission  # the lazy swap never outlives the request
     b = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
     assert engine.store.stats("default").puts == 3  # second retrieval: written back
     c = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))

@@ -48,7 +48,9 @@ def chunk_prefix(engine: Engine) -> tuple[int, ...]:
 
 def _lazy_admission(engine: Engine, retriever: Retriever, hits: list[Hit], tenant: str) -> list[str]:
     """Count this retrieval. Under lazy precompute (``precompute_after:<tenant>`` N > 0 in
-    the catalog) only chunks at their N-th retrieval may be written to the store."""
+    the catalog) only chunks at their N-th retrieval may be written to the store: the
+    store's admission is swapped until ``ask`` has flushed this request's write-back (an
+    engine serving other requests at the same time should not use lazy precompute)."""
     ids = [h.chunk_id for h in hits]
     retriever.catalog.record_retrievals(tenant, ids)
     after = int(retriever.catalog.get_meta(f"precompute_after:{tenant}") or 0)
@@ -75,10 +77,15 @@ def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "d
     if not hits:
         raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
                            "run `kvblend ingest PATH...` first (with the same --model and --tenant)")
-    due = _lazy_admission(engine, retriever, hits, tenant)
     request = Request(documents=[h.token_ids for h in hits], question=question, tenant=tenant, **(request_kw or {}))
-    result = _stream(engine, request, sampling, on_text)
-    engine.flush()
+    store_admission = getattr(engine.store, "admission", None)
+    try:
+        due = _lazy_admission(engine, retriever, hits, tenant)
+        result = _stream(engine, request, sampling, on_text)
+        engine.flush()
+    finally:  # the swap is for this request's write-back only, never the engine's from now on
+        if store_admission is not None:
+            engine.store.admission = store_admission
     if due:
         retriever.catalog.mark_kv_ready(tenant, due)
     full = None
