@@ -18,7 +18,7 @@ from pydantic_settings import (
     BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource,
 )
 
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig
 from kvblend.errors import KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
@@ -68,15 +68,33 @@ class StoreSettings(_Section):
                            compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
 
 
+_BLEND = BlendConfig()  # the engine's defaults: the one place a default blend is decided
+SERVED_SELECTIONS = tuple(s for s in SELECTIONS if s != "oracle")  # oracle costs a full prefill: eval only
+
+
 class BlendSettings(_Section):
-    """Server-wide defaults of the per-request ``kvblend`` options."""
+    """Server-wide defaults of the per-request ``kvblend`` options; every default is the
+    engine's own (``BlendConfig()``), so the CLI, the server and the library agree."""
 
     method: Literal["full", "prefix", "reuse", "blend", "auto"] = "blend"  # auto: the guard routes (guard.enabled)
-    ratio: float = Field(0.15, ge=0.0, le=1.0)
-    check_layers: tuple[int, ...] = (1,)
-    schedule: tuple[float, ...] | None = None
-    signal: Literal["v", "k", "kv"] = "v"
-    chunk_prefix: Literal["bos", "prompt"] = "bos"
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = _BLEND.ratio  # auto: the loading controller picks it per request
+    check_layers: tuple[int, ...] = _BLEND.check_layers
+    schedule: tuple[float, ...] | None = _BLEND.schedule
+    signal: Literal["v", "k", "kv"] = _BLEND.signal  # type: ignore[assignment]
+    chunk_prefix: Literal["bos", "prompt"] = _BLEND.chunk_prefix  # type: ignore[assignment]
+    selection: str = _BLEND.selection
+    budget: bool = _BLEND.budget
+    sinks: int = Field(_BLEND.sinks, ge=0, le=MAX_SINKS)
+    shift: bool = _BLEND.shift
+    r_min: float = Field(_BLEND.r_min, ge=0.0, le=1.0)
+    r_max: float = Field(_BLEND.r_max, ge=0.0, le=1.0)
+
+    @field_validator("selection")
+    @classmethod
+    def _served(cls, value: str) -> str:
+        if value not in SERVED_SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SERVED_SELECTIONS)}; got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _valid(self) -> BlendSettings:
@@ -85,7 +103,9 @@ class BlendSettings(_Section):
 
     def blend_config(self) -> BlendConfig:
         return BlendConfig(ratio=self.ratio, check_layers=self.check_layers, schedule=self.schedule,
-                           signal=self.signal, chunk_prefix=self.chunk_prefix)
+                           signal=self.signal, chunk_prefix=self.chunk_prefix, selection=self.selection,
+                           budget=self.budget, sinks=self.sinks, shift=self.shift, r_min=self.r_min,
+                           r_max=self.r_max)
 
 
 class LimitSettings(_Section):

@@ -63,6 +63,21 @@ def test_chat_with_documents_through_the_openai_client(client, model_id) -> None
     assert 0 < again.model_extra["kvblend"]["recompute_fraction"] < 1
 
 
+def test_per_request_strategy_options_reach_the_engine(client, model_id) -> None:
+    def ask(**kvblend):
+        return client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0,
+            extra_body={"documents": DOCS, "kvblend": kvblend})
+
+    full = ask(method="full")
+    chosen = ask(method="blend", selection="question", sinks=2, shift=True, ratio=0.5)
+    assert chosen.model_extra["kvblend"]["strategy"] == "question+sinks2+shift"
+    assert 0 < chosen.model_extra["kvblend"]["recompute_fraction"] < 1
+    exact = ask(method="blend", selection="question", shift=True, ratio=1.0)  # ratio 1 is a full prefill
+    assert exact.choices[0].message.content == full.choices[0].message.content
+    assert "strategy" not in full.model_extra["kvblend"]
+
+
 def test_chat_streaming_with_usage_through_the_openai_client(client, model_id) -> None:
     stream = client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,

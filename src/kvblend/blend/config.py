@@ -103,6 +103,12 @@ class BlendConfig:
             raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
 
     @property
+    def strategy(self) -> str:
+        """How tokens are chosen and corrected, e.g. ``deviation`` or ``question+sinks4+shift``."""
+        mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + ["shift"] * self.shift
+        return "+".join([self.selection, *mods])
+
+    @property
     def auto(self) -> bool:
         return self.ratio == "auto"
 

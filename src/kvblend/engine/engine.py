@@ -435,7 +435,8 @@ class Engine:
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
-                             elapsed, built.fallback, built.checks, built.loading, built.controller)
+                             elapsed, built.fallback, built.checks, built.loading, built.controller,
+                             request.blend.strategy if request.method == "blend" else None)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -116,6 +116,7 @@ class RequestStats(NamedTuple):
     checks: tuple[CheckStat, ...] = ()  # blend's check layers, in order
     loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
     controller: RatioChoice | None = None  # ratio "auto": the ratio chosen and its inputs
+    strategy: str | None = None  # blend only: the selection and corrections (BlendConfig.strategy)
 
     @property
     def recompute_frac(self) -> float:

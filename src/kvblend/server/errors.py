@@ -54,7 +54,8 @@ def _is_field(part: Any) -> bool:
     if isinstance(part, int):
         return True
     text = str(part)
-    return text not in _TYPE_TAGS and "[" not in text and not text[:1].isupper()
+    return (text not in _TYPE_TAGS and "[" not in text and not text[:1].isupper()
+            and not text.startswith("constrained-"))
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -8,7 +8,7 @@ but every option that would change the answer and is not implemented is refused 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,15 +41,20 @@ class DocumentRef(BaseModel):
 
 
 class KvblendOptions(BaseModel):
-    """Per-request overrides of the server's blend defaults."""
+    """Per-request overrides of the server's blend defaults (``settings.BlendSettings``,
+    which validates the merged result: its errors name the field)."""
 
     model_config = ConfigDict(extra="forbid")
     method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None  # auto: the quality guard picks
-    ratio: float | None = Field(None, ge=0.0, le=1.0)
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] | None = None
     check_layers: list[int] | None = Field(None, min_length=1, max_length=256)
     schedule: list[float] | None = Field(None, min_length=1, max_length=256)
     signal: Literal["v", "k", "kv"] | None = None
     chunk_prefix: Literal["bos", "prompt"] | None = None
+    selection: str | None = Field(None, max_length=32)
+    budget: bool | None = None
+    sinks: int | None = None
+    shift: bool | None = None
 
 
 class RetrievalOptions(BaseModel):

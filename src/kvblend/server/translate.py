@@ -19,7 +19,7 @@ from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported,
 )
-from kvblend.settings import Settings
+from kvblend.settings import BlendSettings, Settings
 
 log = logging.getLogger("kvblend.server")
 MAX_STOP_CHARS = 256
@@ -99,24 +99,26 @@ def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegis
 
 
 def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[str, BlendConfig]:
+    """The request's method and blend config: its ``kvblend`` options over the server's
+    defaults, validated as one ``BlendSettings`` (a 400 naming the field when invalid)."""
     base = settings.blend
     opts = body.kvblend
     if opts is None:
         return base.method, base.blend_config()
-    values = base.model_dump()
-    values.update({k: v for k, v in opts.model_dump().items() if v is not None})
-    if opts.check_layers is not None and opts.schedule is None:
+    given = {k: v for k, v in opts.model_dump().items() if v is not None}
+    values = {**base.model_dump(), **given}
+    if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
-    layers = values["check_layers"]
-    if max(layers) >= num_layers:
+    if max(values["check_layers"]) >= num_layers:
         raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")
     try:
-        cfg = BlendConfig(ratio=values["ratio"], check_layers=tuple(layers),
-                          schedule=tuple(values["schedule"]) if values["schedule"] is not None else None,
-                          signal=values["signal"], chunk_prefix=values["chunk_prefix"])
-    except InvalidRequestError as exc:
-        raise bad_request(str(exc), "kvblend") from None
-    return values["method"], cfg
+        merged = BlendSettings.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = next((str(p) for p in err["loc"] if str(p) in values), None)
+        raise bad_request(err["msg"].removeprefix("Value error, "),
+                          f"kvblend.{field}" if field else "kvblend") from None
+    return merged.method, merged.blend_config()
 
 
 def chat_messages(body: ChatCompletionRequest, settings: Settings) -> list[dict[str, str]]:

@@ -31,6 +31,7 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
     hits = Counter(d.source for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
     return {
         "method": stats.method,
+        **({"strategy": stats.strategy} if stats.strategy else {}),
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "documents": [{"index": d.index, "tokens": d.tokens, "source": d.source} for d in stats.docs],
         "doc_hits": dict(hits),
