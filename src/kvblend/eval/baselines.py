@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend.engine import Engine, Prepared, Request
-from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, musique_query
+from kvblend.eval.datasets import Example, check_layout, musique_prompt
 from kvblend.eval.runner import Reference, decode_answer, score_prepared
 from kvblend.generation import SamplingParams
 from kvblend.generation.decode import decode_steps
@@ -40,9 +40,20 @@ MAP_INSTRUCTION = (
 STOP = ("\n",)
 
 
+MAP_CUE = "Relevant facts from the passage:"
+
+
 def map_query(question: str) -> str:
     """The user turn of a MapReduce map call (the passage precedes it)."""
-    return f"Question: {question}\nRelevant facts from the passage:"
+    return f"Question: {question}\n{MAP_CUE}"
+
+
+def map_prompt(question: str, layout: str = "after") -> tuple[str, str]:
+    """(system prompt, text after the passage) of a map call: the question after the
+    passage (`map_query`), or ``before`` it in the system prompt with only the cue after."""
+    if check_layout(layout) == "after":
+        return MAP_INSTRUCTION, map_query(question)
+    return f"{MAP_INSTRUCTION}\n\nQuestion: {question}", MAP_CUE
 
 
 def format_note(index: int, text: str) -> str:
@@ -54,13 +65,16 @@ def format_note(index: int, text: str) -> str:
 class BaselineConfig:
     """``map_tokens``: the longest MapReduce note; ``max_tokens``: the longest answer
     (MapRerank's map answers included); ``kl_tokens``: full-prefill answer tokens
-    teacher-forced for KL."""
+    teacher-forced for KL; ``layout``: the question ``after`` or ``before`` the documents
+    in every call (as in the full-prefill reference it is scored against)."""
 
     map_tokens: int = 32
     max_tokens: int = 32
     kl_tokens: int = 8
+    layout: str = "after"
 
     def __post_init__(self) -> None:
+        check_layout(self.layout)
         for name in ("map_tokens", "max_tokens", "kl_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -132,28 +146,29 @@ def _map_call(engine: Engine, index: int, request: Request, max_tokens: int) -> 
     return call, prepared
 
 
-def map_request(ex: Example, index: int) -> Request:
+def map_request(ex: Example, index: int, layout: str = "after") -> Request:
     """MapReduce's map call for document ``index``: that document alone."""
-    return Request(documents=[ex.documents[index]], question=map_query(ex.question),
-                   system=MAP_INSTRUCTION, method="full")
+    system, query = map_prompt(ex.question, layout)
+    return Request(documents=[ex.documents[index]], question=query, system=system, method="full")
 
 
-def answer_request(ex: Example, documents: Sequence[str]) -> Request:
+def answer_request(ex: Example, documents: Sequence[str], layout: str = "after") -> Request:
     """A full-prefill answer call over ``documents`` with the evaluation prompt."""
-    return Request(documents=list(documents), question=musique_query(ex.question),
-                   system=MUSIQUE_INSTRUCTION, method="full")
+    system, query = musique_prompt(ex.question, layout)
+    return Request(documents=list(documents), question=query, system=system, method="full")
 
 
-def reduce_request(ex: Example, maps: Sequence[MapCall]) -> Request:
+def reduce_request(ex: Example, maps: Sequence[MapCall], layout: str = "after") -> Request:
     """MapReduce's final call: the question over every map call's notes, in order."""
-    return answer_request(ex, [format_note(m.document, m.text) for m in maps])
+    return answer_request(ex, [format_note(m.document, m.text) for m in maps], layout)
 
 
 def map_reduce(engine: Engine, ex: Example, config: BaselineConfig = BaselineConfig()) -> BaselineRun:
     """MapReduce: per-document notes, then one answer from the notes."""
     start = time.perf_counter()
-    maps = [_map_call(engine, i, map_request(ex, i), config.map_tokens)[0] for i in range(len(ex.documents))]
-    final = engine.prepare(reduce_request(ex, maps), config.max_tokens)
+    maps = [_map_call(engine, i, map_request(ex, i, config.layout), config.map_tokens)[0]
+            for i in range(len(ex.documents))]
+    final = engine.prepare(reduce_request(ex, maps, config.layout), config.max_tokens)
     ttft = time.perf_counter() - start
     text, ids = decode_answer(engine, final, config.max_tokens)
     return BaselineRun(final, text, ids, maps, ttft, None)
@@ -172,7 +187,7 @@ def map_rerank(engine: Engine, ex: Example, config: BaselineConfig = BaselineCon
     maps: list[MapCall] = []
     best: Prepared | None = None
     for i, doc in enumerate(ex.documents):
-        call, prepared = _map_call(engine, i, answer_request(ex, [doc]), config.max_tokens)
+        call, prepared = _map_call(engine, i, answer_request(ex, [doc], config.layout), config.max_tokens)
         maps.append(call)
         if pick_answer(maps) == i:
             best = prepared

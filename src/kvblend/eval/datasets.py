@@ -37,6 +37,39 @@ def musique_query(question: str) -> str:
     )
 
 
+LAYOUTS = ("after", "before")  # where the question sits: after the documents (the paper's prompt) or before
+MUSIQUE_INSTRUCTION_BEFORE = (
+    "You will be asked a question and then read several passages. Please directly answer "
+    "the question based on the given passages. Do NOT repeat the question. The answer "
+    "should be within 5 words."
+)
+MUSIQUE_ANSWER_CUE = (
+    "Answer the question directly based on the given passages. Do NOT repeat the "
+    "question. The answer should be within 5 words.\nAnswer:"
+)
+
+
+def check_layout(layout: str) -> str:
+    """``layout`` itself, or ValueError naming the choices."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def musique_prompt(question: str, layout: str = "after") -> tuple[str, str]:
+    """(system prompt, text after the documents) of the MuSiQue prompt for ``question``.
+
+    ``after`` is the CacheBlend prompt (`MUSIQUE_INSTRUCTION`, then the documents, then
+    `musique_query`). ``before`` puts the question into the prompt prefix, ahead of the
+    documents (`MUSIQUE_INSTRUCTION_BEFORE` + ``"\n\nQuestion: ..."``), and leaves after
+    them only the answer cue (`MUSIQUE_ANSWER_CUE`), without repeating the question. The
+    documents' own ids are the same either way, so their chunk KV (computed after the
+    prompt's first token) and its keys do not depend on the layout."""
+    if check_layout(layout) == "after":
+        return MUSIQUE_INSTRUCTION, musique_query(question)
+    return f"{MUSIQUE_INSTRUCTION_BEFORE}\n\nQuestion: {question}", MUSIQUE_ANSWER_CUE
+
+
 def format_musique_passage(title: str, text: str) -> str:
     """One retrieved passage as it enters the prompt."""
     return f"{title}\n\n{text}\n\n"

@@ -11,7 +11,7 @@ line (a crash mid-write) is dropped. Full prefill is always run: it is the refer
 every other method is scored against (`kvblend.eval.runner`).
 
     kvblend eval --dataset PATH|synthetic:n=..,docs=..,doc_tokens=.. \\
-        --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR
+        --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR [--layout after|before]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from kvblend.cliargs import add_model_args, load_from_args
 from kvblend.engine import Engine, Request
 from kvblend.eval.baselines import BaselineConfig, score_baseline
-from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, load_dataset
+from kvblend.eval.datasets import LAYOUTS, Example, check_layout, load_dataset, musique_prompt
 from kvblend.eval.report import Summary, machine_info, summarize, write_report
 from kvblend.eval.runner import (
     BASELINES, MethodSpec, Reference, parse_method, reference, score_method, split_methods, warm_documents,
@@ -38,7 +38,9 @@ EXAMPLES_FILE = "examples.jsonl"
 SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"
 DEFAULT_METHODS = ("full", "prefix", "reuse", "blend:0.15")
-RESUME_KEYS = ("dataset", "model", "n_docs", "store", "max_tokens", "kl_tokens", "map_tokens")  # must not change
+# must not change when a run resumes
+RESUME_KEYS = ("dataset", "model", "n_docs", "store", "max_tokens", "kl_tokens", "map_tokens", "layout")
+RESUME_DEFAULTS = {"layout": "after"}  # what a run.json written before the key existed was computed with
 
 Record = dict[str, Any]
 
@@ -47,15 +49,19 @@ Record = dict[str, Any]
 class EvalConfig:
     """Which methods to run and how long answers may be. ``methods`` are `parse_method`
     specs (``full`` is added first when missing); ``kl_tokens`` full-prefill answer
-    tokens are teacher-forced for KL; ``map_tokens`` caps MapReduce's per-document notes."""
+    tokens are teacher-forced for KL; ``map_tokens`` caps MapReduce's per-document notes;
+    ``layout`` places the question ``after`` the documents (the paper's prompt) or
+    ``before`` them (`datasets.musique_prompt`), for every method and the reference."""
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_tokens: int = 32
     kl_tokens: int = 8
     map_tokens: int = 32
     progress: bool = True
+    layout: str = "after"
 
     def __post_init__(self) -> None:
+        check_layout(self.layout)
         object.__setattr__(self, "methods", tuple(self.methods))
         if not self.methods:
             raise ValueError("give at least one method")
@@ -71,7 +77,7 @@ class EvalConfig:
 
     @property
     def baseline(self) -> BaselineConfig:
-        return BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)
+        return BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens, self.layout)
 
 
 class EvalResult(NamedTuple):
@@ -125,25 +131,27 @@ def append_record(path: Path, record: Record) -> None:
 
 
 # ----- one example ------------------------------------------------------------------
-def warm_prefix(engine: Engine, system: str = MUSIQUE_INSTRUCTION) -> None:
+def warm_prefix(engine: Engine, layout: str = "after") -> None:
     """Put the system prompt into the prefix cache (a server has it cached), so that the
-    first example does not pay for it in some methods and not in others."""
-    engine.prepare(Request(documents=[], question="warm-up", system=system, method="prefix"))
+    first example does not pay for it in some methods and not in others. With the question
+    ``before`` the documents only the part ahead of the question is shared (radix tree)."""
+    system, query = musique_prompt("warm-up", layout)
+    engine.prepare(Request(documents=[], question=query, system=system, method="prefix"))
 
 
 def score_spec(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, config: EvalConfig) -> Record:
     """One method on one example, scored against full prefill's ``ref``."""
     if spec.method in BASELINES:
         return score_baseline(engine, ex, spec.method, ref, config.baseline)
-    return score_method(engine, ex, spec, ref, config.max_tokens, config.kl_tokens)
+    return score_method(engine, ex, spec, ref, config.max_tokens, config.kl_tokens, config.layout)
 
 
 def run_pending(engine: Engine, ex: Example, todo: Sequence[MethodSpec], config: EvalConfig,
                 emit: Callable[[Record], None]) -> None:
     """Score the methods ``todo`` on ``ex``; ``emit`` gets each record as soon as it is done."""
-    warm_documents(engine, ex, todo)
+    warm_documents(engine, ex, todo, config.layout)
     engine.flush()
-    ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens)
+    ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens, config.layout)
     for spec in todo:
         scores = full if spec.label == "full" else score_spec(engine, ex, spec, ref, config)
         emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
@@ -189,7 +197,8 @@ def _open_run(out: Path, examples: Sequence[Example], config: EvalConfig,
     """Settings of this run, and the records already done (checked to be compatible)."""
     out.mkdir(parents=True, exist_ok=True)
     _check_ids(examples)
-    meta = {**meta, "max_tokens": config.max_tokens, "kl_tokens": config.kl_tokens, "map_tokens": config.map_tokens}
+    meta = {**meta, "max_tokens": config.max_tokens, "kl_tokens": config.kl_tokens, "map_tokens": config.map_tokens,
+            "layout": config.layout}
     done = {(r["example_id"], r["method"]): r for r in read_records(out / EXAMPLES_FILE)}
     before = _read_run(out) if done else {}
     check_resumable(out, before, meta)
@@ -210,7 +219,7 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
     bar = _progress(total, total - sum(len(todo) for _, todo in pending), config.progress, out.name)
     sink = _Sink(out / EXAMPLES_FILE, done, bar)
     if any(todo for _, todo in pending):
-        warm_prefix(engine)
+        warm_prefix(engine, config.layout)
     for ex, todo in pending:
         if todo:
             run_pending(engine, ex, todo, config, sink)
@@ -221,7 +230,10 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
 
 
 def check_resumable(out: Path, before: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Refuse to add to results computed with other settings (`RESUME_KEYS`)."""
+    """Refuse to add to results computed with other settings (`RESUME_KEYS`; a key an
+    older run.json lacks counts as its `RESUME_DEFAULTS` value)."""
+    if before:
+        before = {**RESUME_DEFAULTS, **before}
     changed = [k for k in RESUME_KEYS if k in before and k in meta and before[k] != meta[k]]
     if changed:
         diff = ", ".join(f"{k}: {before[k]!r} -> {meta[k]!r}" for k in changed)
@@ -278,6 +290,8 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--map-tokens", type=int, default=32, help="MapReduce note length")
+    p.add_argument("--layout", choices=LAYOUTS, default="after",
+                   help="the question after the documents (the paper's prompt) or before them (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_eval)
@@ -285,7 +299,7 @@ def add_eval_commands(sub: Any) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
-                        not args.no_progress)
+                        not args.no_progress, args.layout)
     engine = Engine(load_from_args(args))
     start = time.perf_counter()
     try:

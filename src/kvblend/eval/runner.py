@@ -18,7 +18,7 @@ import torch
 
 from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
-from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, Example, musique_query
+from kvblend.eval.datasets import Example, musique_prompt
 from kvblend.eval.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
@@ -139,9 +139,11 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
         raise ValueError(f"method {spec!r}: {exc}") from exc
 
 
-def example_request(ex: Example, spec: MethodSpec, system: str = MUSIQUE_INSTRUCTION) -> Request:
-    return Request(documents=ex.documents, question=musique_query(ex.question), system=system,
-                   method=spec.method, blend=spec.blend)
+def example_request(ex: Example, spec: MethodSpec, layout: str = "after") -> Request:
+    """The MuSiQue prompt of ``ex`` for ``spec``, the question placed by ``layout``
+    (`datasets.musique_prompt`: ``after`` or ``before`` the documents)."""
+    system, query = musique_prompt(ex.question, layout)
+    return Request(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
 
 
 @dataclass
@@ -182,10 +184,11 @@ def gold_nll(engine: Engine, prepared: Prepared, answers: Sequence[str]) -> floa
     return mean_nll(logp[torch.arange(len(ids)), torch.tensor(ids)])
 
 
-def reference(engine: Engine, ex: Example, max_tokens: int, kl_tokens: int) -> tuple[Reference, dict[str, Any]]:
+def reference(engine: Engine, ex: Example, max_tokens: int, kl_tokens: int,
+              layout: str = "after") -> tuple[Reference, dict[str, Any]]:
     spec = MethodSpec("full", "full")
     t = time.perf_counter()
-    prepared = engine.prepare(example_request(ex, spec), max_tokens)
+    prepared = engine.prepare(example_request(ex, spec, layout), max_tokens)
     ttft = time.perf_counter() - t
     text, ids = decode_answer(engine, prepared, max_tokens)
     ref = Reference(first_line(text), ids, teacher_force(engine, prepared, ids[:kl_tokens]) if ids else prepared.logits[None])
@@ -209,33 +212,34 @@ def score_prepared(engine: Engine, prepared: Prepared, ex: Example, ref: Referen
     }
 
 
-def warm_documents(engine: Engine, ex: Example, specs: Sequence[MethodSpec]) -> None:
+def warm_documents(engine: Engine, ex: Example, specs: Sequence[MethodSpec], layout: str = "after") -> None:
     """Store every document's chunk KV (for each chunk-prefix mode used) before timing."""
     for mode in {s.blend.chunk_prefix for s in specs if s.method in ("reuse", "blend")}:
-        req = example_request(ex, MethodSpec("warm", "blend", BlendConfig(chunk_prefix=mode)))
+        req = example_request(ex, MethodSpec("warm", "blend", BlendConfig(chunk_prefix=mode)), layout)
         layout = engine.layout(req)
         engine.warm(list(layout.docs), engine.chunk_prefix(req, layout))
 
 
 def score_method(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, max_tokens: int = 32,
-                 kl_tokens: int = 8) -> dict[str, Any]:
-    """One engine method on one example, scored against full prefill's ``ref``
-    (chunk KV should already be stored: `warm_documents`). TTFT = the prepare call."""
+                 kl_tokens: int = 8, layout: str = "after") -> dict[str, Any]:
+    """One engine method on one example, scored against full prefill's ``ref`` (made with
+    the same ``layout``; chunk KV should already be stored: `warm_documents`). TTFT = the
+    prepare call."""
     t = time.perf_counter()
-    prepared = engine.prepare(example_request(ex, spec), max_tokens)
+    prepared = engine.prepare(example_request(ex, spec, layout), max_tokens)
     ttft = time.perf_counter() - t
     text, ids = decode_answer(engine, prepared, max_tokens)
     return score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
 
 
 def run_example(engine: Engine, ex: Example, specs: Sequence[MethodSpec], max_tokens: int = 32,
-                kl_tokens: int = 8) -> dict[str, dict[str, Any]]:
+                kl_tokens: int = 8, layout: str = "after") -> dict[str, dict[str, Any]]:
     """Scores of every engine method on one example, keyed by method label ("full" always
     included); `harness.score_spec` also runs the multi-call baselines."""
-    warm_documents(engine, ex, specs)
-    ref, full_scores = reference(engine, ex, max_tokens, kl_tokens)
+    warm_documents(engine, ex, specs, layout)
+    ref, full_scores = reference(engine, ex, max_tokens, kl_tokens, layout)
     out = {"full": full_scores}
     for spec in specs:
         if spec.label != "full":
-            out[spec.label] = score_method(engine, ex, spec, ref, max_tokens, kl_tokens)
+            out[spec.label] = score_method(engine, ex, spec, ref, max_tokens, kl_tokens, layout)
     return out

@@ -16,7 +16,7 @@ import json
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -170,7 +170,7 @@ def open_store(spec: StoreSpec, workdir: Path | None = None) -> Iterator[Any]:
 def run_spec(loaded: LoadedModel, run: RunSpec, out_dir: Path, config: EvalConfig) -> EvalResult:
     """Evaluate ``run`` into ``out_dir`` with a fresh engine (own store and prefix cache)."""
     examples = load_dataset(run.dataset, n_docs=run.n_docs, limit=run.limit)
-    config = EvalConfig(run.methods, config.max_tokens, config.kl_tokens, config.map_tokens, config.progress)
+    config = replace(config, methods=run.methods)  # the run's methods, the rest (layout too) as given
     meta = {"title": f"run {run.name}", "dataset": run.dataset, "model": loaded.name,
             "n_docs": run.n_docs or "dataset default", "store": f"{run.store.tier}, KV {run.store.kv_dtype}"}
     with open_store(run.store, out_dir.parent) as store:
