@@ -35,7 +35,7 @@ from kvblend.models import DEFAULT_MODEL, load_model
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
 STRATEGIES = ("cacheblend:{r}", "blend:{r}:q", "blend:{r}:q+budget+sinks4", "blend:{r}:q+budget+sinks4+shift",
-              "blend:{r}:q+shift", "blend:{r}:oracle")
+              "blend:{r}:q+shift", "blend:{r}:q+vdev", "blend:{r}:oracle")
 PARETO_COLUMNS = (Column("ttft_over_full", "TTFT/full", "{:.3f}"), *(c for c in COLUMNS if c.key in (
     "n", "kl", "agree_f1", "first_token_agree", "gold_f1", "recompute_frac")), Column("frontier", "Pareto", "{}"))
 

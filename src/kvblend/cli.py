@@ -78,7 +78,7 @@ def _blend_config(args: argparse.Namespace):
         return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
     return BlendConfig(ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal,
                        chunk_prefix=args.chunk_prefix, selection=args.selection, budget=args.budget,
-                       sinks=args.sinks, shift=args.shift)
+                       sinks=args.sinks, shift=args.shift, vdev=args.vdev)
 
 
 def _ratio(text: str) -> float | str:
@@ -103,6 +103,9 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=BlendConfig.sinks, help="first K tokens of each document always")
     p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=BlendConfig.shift,
                    help="correct tokens not recomputed by their document's mean residual")
+    p.add_argument("--vdev", type=float, default=BlendConfig.vdev,
+                   help="with --selection question: weight in [0, 1] of the layer-1 V deviation's "
+                        "within-document rank in a hybrid score (0.5: equal; 0: off)")
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

@@ -33,6 +33,9 @@ class BlendConfig:
     ``sinks``: the first k tokens of every document are chosen first (within the budget);
     ``shift``: tokens not recomputed are moved by their document's mean fresh - stale
     residual of the recomputed ones (K in the pre-RoPE frame), at every layer.
+    ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
+    question-attention score's rank within its document + ``vdev`` x the layer-1 V
+    deviation's rank within its document (ranks scaled to [0, 1]); 0.5 weighs them equally.
     ``question`` and ``oracle`` select once, with the last ratio of the schedule.
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
 
@@ -51,6 +54,7 @@ class BlendConfig:
     budget_floor: float = 0.5
     sinks: int = 0
     shift: bool = False
+    vdev: float = 0.0
 
     @classmethod
     def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
@@ -101,6 +105,10 @@ class BlendConfig:
             raise InvalidRequestError(f"sinks must be within [0, {MAX_SINKS}], got {self.sinks}")
         if not 0.0 <= self.budget_floor <= 1.0:
             raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
+        if not 0.0 <= self.vdev <= 1.0:
+            raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}")
+        if self.vdev and self.selection != "question":
+            raise InvalidRequestError("vdev (the V-deviation hybrid) combines with question selection only")
 
     @property
     def strategy(self) -> str:

@@ -8,6 +8,11 @@
   attention sink among them, are not candidates and so are never ranked). The top tokens
   are then recomputed at every layer from layer 0 in a second pass, in the first pass's
   cache (its chunks are already re-rotated). No layer runs in full.
+* ``question`` with ``vdev`` (a hybrid): the question pass's scores and CacheBlend's
+  layer-1 V deviation, each turned into ranks within its document (scaled to [0, 1]), are
+  averaged with weight ``vdev`` on the deviation (``hybrid_scores``). The deviation costs
+  layer 0 over the document tokens and their layer-1 V projection, over the question
+  pass's cache (``vdev_scores``). Budgets still split by question-attention mass.
 * ``oracle`` (eval only): the KV of a full prefill is computed, and the tokens whose
   reused K/V deviate most from it, summed over layers, are recomputed: a ceiling for any
   selection of that size.
@@ -34,8 +39,9 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse
-from kvblend.blend.select import kept_count, select_tokens
-from kvblend.models.attention import causal_mask
+from kvblend.blend.select import deviation, kept_count, select_tokens
+from kvblend.errors import InvalidRequestError
+from kvblend.models.attention import attend_planned, causal_mask, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
 
@@ -75,13 +81,14 @@ def allocate(total: int, sizes: Sequence[int], weights: Sequence[float], floor: 
     return out
 
 
-def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequence[Span], cfg: BlendConfig
-           ) -> torch.Tensor:
+def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequence[Span], cfg: BlendConfig,
+           mass: torch.Tensor | None = None) -> torch.Tensor:
     """Indices (ascending) of the ``keep`` candidates to recompute.
 
     scores, positions: (T,) per candidate. The first ``cfg.sinks`` tokens of each document
     rank above everything; with ``cfg.budget`` each document keeps its ``allocate`` share
-    by score mass, else one global top-k. Ties keep the earlier token."""
+    by the mass of ``mass`` (T,; default the scores), else one global top-k. Ties keep the
+    earlier token."""
     ranked = scores.float().clone()
     doc = torch.full_like(positions, -1)
     for i, (a, b) in enumerate(spans):
@@ -95,8 +102,9 @@ def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequ
     outside = (doc < 0).nonzero().squeeze(1)
     if outside.numel():
         groups.append(outside)
-    mass = [float(scores[g].float().clamp_min(0).sum()) for g in groups]
-    budgets = allocate(keep, [int(g.numel()) for g in groups], mass, cfg.budget_floor)
+    weigh = scores if mass is None else mass
+    masses = [float(weigh[g].float().clamp_min(0).sum()) for g in groups]
+    budgets = allocate(keep, [int(g.numel()) for g in groups], masses, cfg.budget_floor)
     picked = [g[select_tokens(ranked[g], b)] for g, b in zip(groups, budgets)]
     return torch.cat(picked).sort().values if picked else select_tokens(ranked, 0)
 
@@ -171,6 +179,68 @@ def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor,
     return scorer.total, out
 
 
+@torch.inference_mode()
+def vdev_scores(model: Transformer, plan: FusionPlan, reused: KVCache) -> torch.Tensor:
+    """(N,) CacheBlend's signal at layer 1 for every candidate document token (0 elsewhere):
+    squared L2 between its fresh and cached layer-1 V, summed over heads and dims.
+
+    ``reused`` is the question pass's cache (full reuse): its layer 0 holds the prefix, the
+    re-rotated chunks and the other tokens' fresh K/V, which is exactly what layer 0 reads
+    in ``fuse`` (layer 0's K/V depend on nothing but the token and its position), so the
+    candidates' layer-1 inputs computed over it are those ``fuse`` compares at check layer
+    1; its layer 1 holds the chunks' cached V. Only the candidates run, and only layer 0."""
+    if len(model.layers) < 2:
+        raise InvalidRequestError("the V-deviation hybrid needs a model with at least 2 layers")
+    n = plan.ids.shape[0]
+    pos = _candidate_mask(plan, n, model.device).nonzero().squeeze(1)  # (T,)
+    out = torch.zeros(n, dtype=torch.float32, device=model.device)
+    if pos.numel() == 0:
+        return out
+    first, second = model.layers[0], model.layers[1]
+    tables = model.layer_rope_tables(pos)
+    h = model.embed(plan.ids[pos])  # (T, D)
+    q, _, _ = first.project_known_kv(h, *tables[0], pos.new_empty(0))  # queries only: K/V are the cache's
+    keys, values = reused.view(0, n)
+    attn = plan_attention(pos, n, first.window, model.dtype, heads_per_kv=model.cfg.heads_per_kv)
+    h = first.finish(h, attend_planned(q, keys, values, attn))  # (T, D) layer-1 inputs
+    _, v = second.project_kv(h, *tables[1], keys=False)  # (Hkv, T, d)
+    out[pos] = deviation(None, v, None, reused.values[1][:, pos], "v")
+    return out
+
+
+def doc_ranks(scores: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    """(T,) each candidate's rank among the candidates of its document (tokens outside
+    every span rank among themselves), scaled to [0, 1]: 0 the lowest score, 1 the highest;
+    tied scores share their mean rank, and a lone token (or an all-tied document) gets 0.5.
+    scores, positions: (T,)."""
+    out = torch.full(scores.shape, 0.5, dtype=torch.float32, device=scores.device)
+    inside = torch.zeros_like(positions, dtype=torch.bool)
+    groups = []
+    for a, b in spans:
+        g = (positions >= a) & (positions < b)
+        inside |= g
+        groups.append(g)
+    groups.append(~inside)
+    for g in groups:
+        idx = g.nonzero().squeeze(1)
+        m = idx.numel()
+        if m < 2:
+            continue
+        s = scores[idx].float()
+        ordered = s.sort().values
+        below = torch.searchsorted(ordered, s)  # (m,) scores strictly lower
+        upto = torch.searchsorted(ordered, s, right=True)  # (m,) scores lower or equal
+        out[idx] = (below + upto - 1).float() / (2 * (m - 1))
+    return out
+
+
+def hybrid_scores(question: torch.Tensor, vdev: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
+                  weight: float) -> torch.Tensor:
+    """(T,) ``(1 - weight)`` x the question score's within-document rank + ``weight`` x the
+    V deviation's (`doc_ranks`). question, vdev, positions: (T,) per candidate."""
+    return (1.0 - weight) * doc_ranks(question, positions, spans) + weight * doc_ranks(vdev, positions, spans)
+
+
 def oracle_scores(model: Transformer, plan: FusionPlan) -> torch.Tensor:
     """(N,) squared distance between the reused (re-rotated) K/V and a full prefill's,
     summed over layers, heads and dims. Costs a full prefill and a reuse pass."""
@@ -208,8 +278,11 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     else:
         scores, reused = oracle_scores(model, plan), None
     pos = is_cand.nonzero().squeeze(1)
+    ranked, mass = scores[pos], None
+    if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
+        ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
-    recompute[pos[choose(scores[pos], pos, keep, spans, cfg)]] = True
+    recompute[pos[choose(ranked, pos, keep, spans, cfg, mass)]] = True
     # the question pass's cache already holds every chunk re-rotated (only the rows it
     # computed itself differ, and those are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None

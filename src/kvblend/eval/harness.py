@@ -282,7 +282,7 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--dataset", required=True, help="MuSiQue .json, .jsonl, or synthetic:n=..,docs=..,doc_tokens=..")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated: full, prefix, reuse, blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]"
-                        "[+budget][+sinksK][+shift], cacheblend[:RATIO], mapreduce, maprerank "
+                        "[+budget][+sinksK][+shift][+vdev[W]], cacheblend[:RATIO], mapreduce, maprerank "
                         "(default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (rerun to resume)")
     p.add_argument("--limit", type=int, default=None, help="first N examples")

@@ -82,18 +82,24 @@ def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig
     return replace(base, ratio=ratios[-1], check_layers=layers, schedule=ratios)
 
 
-def _modifier(spec: str, name: str, base: BlendConfig) -> BlendConfig:
-    """One ``+NAME``: a chunk prefix, ``budget``, ``sinksK`` or ``shift``."""
+VDEV_EQUAL = 0.5  # ``+vdev``: question attention and V deviation weigh the same
+
+
+def _modifier(spec: str, name: str) -> dict[str, Any]:
+    """One ``+NAME`` as BlendConfig fields: a chunk prefix, ``budget``, ``sinksK``, ``shift``
+    or ``vdev[W]`` (the V-deviation hybrid, weight W of the deviation's rank, default 0.5)."""
     if name in CHUNK_PREFIXES:
-        return replace(base, chunk_prefix=name)
+        return {"chunk_prefix": name}
     if name == "budget":
-        return replace(base, budget=True)
+        return {"budget": True}
     if name == "shift":
-        return replace(base, shift=True)
+        return {"shift": True}
     if name.startswith("sinks") and name[5:].isdigit():
-        return replace(base, sinks=int(name[5:]))
+        return {"sinks": int(name[5:])}
+    if name.startswith("vdev"):
+        return {"vdev": _floats(name[4:], "the vdev weight", spec)[0] if name[4:] else VDEV_EQUAL}
     raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
-                     "budget, sinksK or shift")
+                     "budget, sinksK, shift or vdev[W]")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
@@ -108,7 +114,10 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     tokens deviating most from full prefill). Modifiers follow with ``+``: ``+prompt`` /
     ``+bos`` (the chunk prefix documents' KV is computed after; also on reuse), ``+budget``
     (per-document budgets), ``+sinks4`` (first 4 tokens of each document), ``+shift``
-    (correct the tokens not recomputed), e.g. ``blend:0.15:q+budget+sinks4+shift``.
+    (correct the tokens not recomputed), ``+vdev`` (with ``q``: rank question attention and
+    layer-1 V deviation within each document and average the ranks; ``+vdev0.3`` weighs the
+    deviation 0.3), e.g. ``blend:0.15:q+budget+sinks4+shift``, ``blend:0.15:q+vdev``.
+    Modifiers apply after the selection, whatever their order in the spec.
     """
     from kvblend.errors import InvalidRequestError
 
@@ -121,20 +130,21 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     if name not in METHODS + BASELINES + ("cacheblend",):
         raise ValueError(f"method {spec!r}: unknown; expected one of {', '.join(METHODS + BASELINES)}, cacheblend")
     try:
+        fields: dict[str, Any] = {}
         for m in mods:
-            base = _modifier(spec, m, base)
+            fields.update(_modifier(spec, m))
         if name == "cacheblend":
             if len(rest) > 1:
                 raise ValueError(f"method {spec!r}: expected cacheblend[:RATIO]")
             ratio = _floats(rest[0], "ratio", spec)[0] if rest and rest[0] else base.ratio
             paper = BlendConfig.cacheblend(ratio, base.chunk_prefix)
-            return MethodSpec(spec.strip(), "blend", replace(paper, budget=base.budget, sinks=base.sinks,
-                                                             shift=base.shift))
+            keep = {k: getattr(base, k) for k in ("budget", "sinks", "shift")}
+            return MethodSpec(spec.strip(), "blend", replace(paper, **{**keep, **fields}))
         if name != "blend":
             if rest:
                 raise ValueError(f"method {spec!r}: only blend takes options")
-            return MethodSpec(spec.strip(), name, base)
-        return MethodSpec(spec.strip(), "blend", _blend_options(spec, rest, base))
+            return MethodSpec(spec.strip(), name, replace(base, **fields))
+        return MethodSpec(spec.strip(), "blend", replace(_blend_options(spec, rest, base), **fields))
     except InvalidRequestError as exc:
         raise ValueError(f"method {spec!r}: {exc}") from exc
 
