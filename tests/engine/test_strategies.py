@@ -11,7 +11,7 @@ from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
-from kvblend.blend.strategies import ShiftCorrection, allocate, choose, question_scores
+from kvblend.blend.strategies import ShiftCorrection, allocate, choose, question_scores, shift_samples
 from kvblend.engine import Engine, Request
 from kvblend.eval.runner import parse_method
 from kvblend.models.config import ModelConfig
@@ -156,3 +156,41 @@ def test_method_grammar_names_the_strategies() -> None:
         parse_method("reuse+budget")
     with pytest.raises(ValueError, match="sinksK"):
         parse_method("blend:0.1+sinks")
+
+
+def test_the_shift_averages_only_its_uniform_sample() -> None:
+    """Residuals of the tokens a selection picked are not averaged when a sample is given:
+    a selected outlier must not move the rest of its document."""
+    cfg = make_loaded().config
+    n, hkv, d = 12, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(n))
+    torch.manual_seed(1)
+    stale_k, stale_v = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    cache = KVCache(1, hkv, d, n, torch.float32, "cpu")
+    cache.keys[0][:], cache.values[0][:] = stale_k, stale_v
+    written = torch.tensor([3, 5])  # 3 is the sample; 5 a selected token with a huge residual
+    samples = torch.zeros(n, dtype=torch.bool)
+    samples[3] = True
+    c_v = torch.randn(hkv, 1, d)
+    fresh_k = stale_k[:, written].clone()
+    fresh_v = stale_v[:, written] + torch.cat([c_v, 1000 * torch.ones(hkv, 1, d)], dim=1)
+    ShiftCorrection([(2, 8)], [(cos, sin)], cfg.rope.interleaved, samples)(cache, 0, written, fresh_k, fresh_v)
+    moved = torch.tensor([2, 4, 6, 7])
+    torch.testing.assert_close(cache.values[0][:, moved], stale_v[:, moved] + c_v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.keys[0][:, moved], stale_k[:, moved], atol=1e-5, rtol=1e-5)
+
+
+def test_the_shift_sample_is_uniform_kept_first_and_at_most_half_the_budget() -> None:
+    spans = [(4, 68), (70, 198)]
+    n_cand = 64 + 128
+    for keep, stride in ((40, 16), (8, 16), (100, 4)):
+        mask = shift_samples(spans, 200, keep, n_cand, stride, torch.device("cpu"))
+        s = max(stride, -(-2 * n_cand // keep))
+        want = [p for a, b in spans for p in range(a + s // 2, b, s)]
+        assert mask.nonzero().squeeze(1).tolist() == want
+        assert len(want) <= keep // 2 + len(spans)
+        positions = torch.tensor([p for a, b in spans for p in range(a, b)])
+        scores = torch.rand(positions.shape[0])
+        kept = positions[choose(scores, positions, keep, spans, BlendConfig(shift=True), forced=mask)]
+        assert set(want) <= set(kept.tolist()) and kept.numel() == keep
+    assert not shift_samples(spans, 200, 0, n_cand, 16, torch.device("cpu")).any()

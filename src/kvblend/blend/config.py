@@ -32,7 +32,11 @@ class BlendConfig:
     it receives, with a floor of ``budget_floor`` of its length-proportional share;
     ``sinks``: the first k tokens of every document are chosen first (within the budget);
     ``shift``: tokens not recomputed are moved by their document's mean fresh - stale
-    residual of the recomputed ones (K in the pre-RoPE frame), at every layer.
+    residual (K in the pre-RoPE frame), at every layer, estimated on a uniform sample of the
+    document — every s-th token, s = max(``shift_stride``, 2 x candidates / kept, so that
+    the sample is at most half of the kept tokens), recomputed within the budget. The
+    tokens a selection picks are not a fair sample: their residuals misestimate the rest's
+    (on Qwen2.5 shifting by them multiplied reuse's KL several times).
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
     question-attention score's rank within its document + ``vdev`` x the layer-1 V
     deviation's rank within its document (ranks scaled to [0, 1]); 0.5 weighs them equally.
@@ -54,6 +58,7 @@ class BlendConfig:
     budget_floor: float = 0.5
     sinks: int = 0
     shift: bool = False
+    shift_stride: int = 16
     vdev: float = 0.0
 
     @classmethod
@@ -105,6 +110,8 @@ class BlendConfig:
             raise InvalidRequestError(f"sinks must be within [0, {MAX_SINKS}], got {self.sinks}")
         if not 0.0 <= self.budget_floor <= 1.0:
             raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
+        if not 2 <= self.shift_stride <= 4096:
+            raise InvalidRequestError(f"shift_stride must be within [2, 4096], got {self.shift_stride}")
         if not 0.0 <= self.vdev <= 1.0:
             raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}")
         if self.vdev and self.selection != "question":

@@ -22,7 +22,8 @@
 ``choose`` turns scores into a kept set: the first ``sinks`` tokens of every document
 first, then by score, globally or within per-document budgets (``allocate``).
 ``ShiftCorrection`` moves each document's non-recomputed K/V by the mean fresh - stale
-residual of its recomputed tokens, at every layer, before attention reads them.
+residual of a uniform sample of its tokens (``shift_samples``, recomputed within the
+budget), at every layer, before attention reads them.
 
 Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
 ``shift`` is full reuse, and a document at its own position stays exact.
@@ -81,15 +82,32 @@ def allocate(total: int, sizes: Sequence[int], weights: Sequence[float], floor: 
     return out
 
 
+def shift_samples(spans: Sequence[Span], n: int, keep: int, n_cand: int, stride: int,
+                  device: torch.device) -> torch.Tensor:
+    """(N,) bool: the uniform sample on which ``ShiftCorrection`` estimates each document's
+    residual — every s-th token of each document from s // 2, s = max(``stride``,
+    2 x ``n_cand`` / ``keep``), so that it takes at most about half of the ``keep`` tokens."""
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    if keep <= 0:
+        return mask
+    s = max(stride, math.ceil(2 * n_cand / keep))
+    for a, b in spans:
+        mask[a + s // 2 : b : s] = True
+    return mask
+
+
 def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequence[Span], cfg: BlendConfig,
-           mass: torch.Tensor | None = None) -> torch.Tensor:
+           mass: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Indices (ascending) of the ``keep`` candidates to recompute.
 
     scores, positions: (T,) per candidate. The first ``cfg.sinks`` tokens of each document
-    rank above everything; with ``cfg.budget`` each document keeps its ``allocate`` share
+    rank above everything, then the positions ``forced`` (N,) marks (the shift's sample);
+    with ``cfg.budget`` each document keeps its ``allocate`` share
     by the mass of ``mass`` (T,; default the scores), else one global top-k. Ties keep the
     earlier token."""
     ranked = scores.float().clone()
+    if forced is not None:
+        ranked[forced[positions]] = torch.finfo(torch.float32).max
     doc = torch.full_like(positions, -1)
     for i, (a, b) in enumerate(spans):
         inside = (positions >= a) & (positions < b)
@@ -113,11 +131,14 @@ class ShiftCorrection:
     """``FusionPlan.correct``: before fresh K/V of the written tokens replace the cache,
     every document's tokens that are not written are moved by the mean fresh - stale
     residual of its written ones (V as is, K un-rotated to the pre-RoPE frame, averaged,
-    and rotated to each moved token's position). A document with no written token stays."""
+    and rotated to each moved token's position). With ``samples`` only the written tokens it
+    marks are averaged (a uniform sample: see ``shift_samples``). A document with no such
+    token stays."""
 
     def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 interleaved: bool) -> None:
+                 interleaved: bool, samples: torch.Tensor | None = None) -> None:
         self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
+        self.samples = samples  # (N,) bool: only these written tokens' residuals count (None: all)
 
     def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         keys, values = cache.keys[layer], cache.values[layer]
@@ -126,10 +147,14 @@ class ShiftCorrection:
             rows = ((written >= a) & (written < b)).nonzero().squeeze(1)
             if rows.numel() == 0 or rows.numel() == b - a:
                 continue
-            pos = written[rows]
             others = torch.ones(b - a, dtype=torch.bool, device=written.device)
-            others[pos - a] = False
+            others[written[rows] - a] = False
             others = others.nonzero().squeeze(1) + a
+            if self.samples is not None:
+                rows = rows[self.samples[written[rows]]]
+                if rows.numel() == 0:
+                    continue
+            pos = written[rows]
             dv = (v[:, rows] - values[:, pos]).float().mean(dim=1, keepdim=True)  # (Hkv, 1, d)
             dk_rot = (k[:, rows] - keys[:, pos]).float()  # (Hkv, m, d), post-RoPE
             dk = rope_lib.apply_rope(dk_rot, cos[pos].float(), -sin[pos].float(), self.interleaved)
@@ -165,9 +190,9 @@ def _base(plan: FusionPlan) -> FusionPlan:
     return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None)
 
 
-def _correction(model: Transformer, plan: FusionPlan, n: int) -> ShiftCorrection:
+def _correction(model: Transformer, plan: FusionPlan, n: int, samples: torch.Tensor) -> ShiftCorrection:
     tables = model.layer_rope_tables(torch.arange(n, device=model.device))
-    return ShiftCorrection(spans_of(plan), tables, model.cfg.rope.interleaved)
+    return ShiftCorrection(spans_of(plan), tables, model.cfg.rope.interleaved, samples)
 
 
 def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
@@ -265,12 +290,16 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     cfg: BlendConfig = plan.strategy
     n, spans = plan.ids.shape[0], spans_of(plan)
     base = _base(plan)
-    correct = _correction(model, plan, n) if cfg.shift else None
-    if cfg.selection == "deviation":
-        pick = lambda d, pos, k: choose(d, pos, k, spans, cfg)  # noqa: E731
-        return fuse(model, replace(base, pick=pick, correct=correct))
     is_cand = _candidate_mask(plan, n, model.device)
-    keep = kept_count(plan.ratios[-1], int(is_cand.sum()))
+    n_cand = int(is_cand.sum())
+    keep = kept_count(plan.ratios[-1], n_cand)
+    samples, correct = None, None
+    if cfg.shift:  # the sample is recomputed at every check (the smallest budget fits it): nested sets
+        samples = shift_samples(spans, n, keep, n_cand, cfg.shift_stride, model.device) & is_cand
+        correct = _correction(model, plan, n, samples)
+    if cfg.selection == "deviation":
+        pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
+        return fuse(model, replace(base, pick=pick, correct=correct))
     if cfg.selection == "question":
         scores, reused = question_scores(model, plan)
         if keep == 0 and correct is None:
@@ -282,7 +311,7 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
-    recompute[pos[choose(ranked, pos, keep, spans, cfg, mass)]] = True
+    recompute[pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]] = True
     # the question pass's cache already holds every chunk re-rotated (only the rows it
     # computed itself differ, and those are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None
