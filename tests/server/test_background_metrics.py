@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
@@ -29,7 +30,7 @@ def _scrape(client: TestClient) -> dict[str, float]:
 
 def test_cache_usage_and_background_gauges_move(tmp_path) -> None:
     store = build_store(StoreConfig(tiers=("memory",), memory_bytes=CAP))
-    engine = Engine(make_loaded(), store=store)
+    engine = Engine(make_loaded(), store=store, self_check=False)
     settings = Settings.load(model="tiny", state_dir=str(tmp_path), guard={"enabled": True, "shadow_fraction": 1.0})
     app = create_app(engine, settings)
     with TestClient(app) as client:
@@ -60,4 +61,11 @@ def test_cache_usage_and_background_gauges_move(tmp_path) -> None:
         while (m := _scrape(client)).get("kvblend:shadow_checks_total/ok", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert m["kvblend:shadow_checks_total/ok"] == 1 and m["kvblend:num_background_jobs"] == 0.0
+        hold.clear()  # another check waits behind a held job when the app shuts down
+        assert app.state.kvblend.scheduler.submit_background(held()) is not None
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    text = generate_latest(app.state.kvblend.metrics.registry).decode()
+    dropped = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvblend:shadow_checks_total" and s.labels["outcome"] == "dropped"]
+    assert dropped == [1.0]  # drain dropped it (and did not wait for the held job)
     assert kv_cache_usage(object()) == 0.0  # a store without capped tiers reports 0
