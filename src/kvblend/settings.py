@@ -131,9 +131,13 @@ class DocumentSettings(_Section):
 
 
 class SchedulerSettings(_Section):
+    """The model worker (``kvblend.engine.scheduler``): ``max_background`` bounds its
+    low-priority lane (shadow checks); more jobs are dropped and counted."""
+
     max_running: int = Field(8, gt=0)
     max_queued: int = Field(64, ge=0)
     request_deadline_s: float | None = Field(300.0, gt=0)
+    max_background: int = Field(16, ge=0, le=4096)
 
 
 class RetrievalSettings(_Section):
@@ -152,8 +156,9 @@ class RetrievalSettings(_Section):
 class GuardSettings(_Section):
     """The quality guard (``kvblend.guard.quality``): off unless enabled. ``shadow_fraction``
     of blended requests are shadow-checked against full prefill off the request's path
-    (one background thread, at most ``max_pending`` waiting; more are dropped and counted);
-    ``method: auto`` requests are routed by the guard."""
+    (low-priority jobs of the scheduler's model worker, at most ``max_pending`` queued or
+    running; more are dropped and counted), their prefill and teacher forcing run in steps
+    of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard."""
 
     enabled: bool = False
     shadow_fraction: float = Field(0.05, ge=0.0, le=1.0)
@@ -164,6 +169,7 @@ class GuardSettings(_Section):
     fallback_ratio: float | None = Field(None, ge=0.0, le=1.0)
     override_explicit: bool = True
     max_pending: int = Field(8, ge=1, le=1024)
+    chunk_tokens: int = Field(256, ge=1, le=MAX_CHUNK_TOKENS)
 
     @model_validator(mode="after")
     def _valid(self) -> GuardSettings:

@@ -6,17 +6,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import pytest
 import torch
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
+from kvblend.engine.scheduler import Scheduler
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
 from kvblend.guard import quality
 from kvblend.guard.quality import GuardConfig, QualityGuard, ShadowRunner, serve
-from kvblend.guard.shadow import ShadowResult, shadow_check
+from kvblend.guard.shadow import ShadowResult, shadow_check, shadow_steps
 from kvblend.store.keys import chunk_key
 from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS
@@ -170,26 +172,104 @@ def test_auto_without_a_guard_is_blend(eng: Engine) -> None:
 
 
 def test_the_runner_never_blocks_the_answer(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shadow check waiting on the model worker's lane never holds a request: the next
+    request is served while the check is still unfinished (its steps keep yielding)."""
     release, started = threading.Event(), threading.Event()
 
-    def slow(engine, req, served, probe):
+    def slow(engine, req, served, probe, chunk_tokens):
         started.set()
-        release.wait(30)
+        while not release.is_set():
+            yield
         return shadow(kl=0.0, tenant=req.tenant)
 
-    monkeypatch.setattr(quality, "shadow_check", slow)
+    monkeypatch.setattr(quality, "shadow_steps", slow)
     guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1))
-    runner = ShadowRunner(guard, max_pending=1)
+    sched = Scheduler(eng)
+    sched.start()
+    runner = ShadowRunner(guard, sched, max_pending=1)
     try:
         first = serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)
         assert first.token_ids and started.wait(30)
-        serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)  # queue full: dropped
-        assert runner.dropped == 1 and guard.state("m", "default").samples == 0
+        second = serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)  # check dropped
+        assert second.token_ids == first.token_ids
+        assert runner.dropped == 1 and guard.state("m", "default").samples == 0 and sched.num_background == 1
         release.set()
+        deadline = time.monotonic() + 30
+        while runner.ok == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         release.set()
-        runner.close()
-    assert guard.state("m", "default").samples == 1
+        sched.drain(5)
+    assert runner.ok == 1 and guard.state("m", "default").samples == 1
+
+
+def test_shadow_checks_on_the_worker_never_change_the_served_answer(eng: Engine) -> None:
+    """Every blended request shadow-checked in the scheduler's lane, interleaved with the
+    next requests: the same tokens as with shadow checks off, every check recorded."""
+    want = [eng.generate(Request(documents=DOCS, question=q, method="blend"), SAMPLING).token_ids for q in QUESTIONS]
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=8, min_f1=None, max_kl=100.0))
+    sched = Scheduler(eng)
+    sched.start()
+    runner = ShadowRunner(guard, sched, max_pending=8, chunk_tokens=4)  # small steps: many turns interleave
+    try:
+        handles = [sched.submit(Request(documents=DOCS, question=q, method="blend"), SAMPLING) for q in QUESTIONS]
+        results = [h.result() for h in handles]
+        jobs = [runner.submit(h.request, r, None) for h, r in zip(handles, results)]
+        again = [sched.submit(h.request, SAMPLING).result() for h in handles]  # served beside the checks
+        judged = [j.result(60) for j in jobs]
+    finally:
+        sched.drain(5)
+    assert [r.token_ids for r in results] == want == [r.token_ids for r in again]
+    assert all(j is not None and j.tokens == len(r.token_ids) for j, r in zip(judged, results))
+    assert runner.ok == len(QUESTIONS) and runner.failed == runner.dropped == 0
+    assert guard.state("tiny-llama", "default").samples == len(QUESTIONS)
+
+
+def test_shadow_steps_in_small_chunks_judge_as_one_pass(eng: Engine) -> None:
+    """Chunked prefill and teacher forcing change where the check runs, not what it finds."""
+    req = Request(documents=DOCS, question=QUESTIONS[2], method="blend")
+    served = eng.generate(req, SAMPLING)
+    whole = shadow_check(eng, req, served, chunk_tokens=4096)
+    steps = shadow_steps(eng, req, served, chunk_tokens=3)
+    n = 0
+    while True:
+        try:
+            next(steps)
+            n += 1
+        except StopIteration as stop:
+            small = stop.value
+            break
+    prompt = len(eng.layout(req))
+    assert n >= -(-prompt // 3) + len(served.token_ids)  # prefill chunks, decode tokens, ...
+    assert (small.answer_f1, small.first_token_agree, small.tokens) == (whole.answer_f1, whole.first_token_agree,
+                                                                        whole.tokens)
+    assert small.kl == pytest.approx(whole.kl, abs=1e-4) and small.score == pytest.approx(whole.score)
+
+
+def test_a_failing_shadow_check_is_counted_and_the_next_request_served(eng: Engine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(engine, req, served, probe, chunk_tokens):
+        yield
+        raise RuntimeError("corrupt state in the shadow check")
+
+    monkeypatch.setattr(quality, "shadow_steps", broken)
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1))
+    sched = Scheduler(eng)
+    sched.start()
+    runner = ShadowRunner(guard, sched)
+    try:
+        served = serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner)
+        deadline = time.monotonic() + 30
+        while runner.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.failed == 1 and sched.alive
+        assert serve(eng, guard, request(method="blend", tenant="default"), SAMPLING, runner).token_ids \
+            == served.token_ids
+        while runner.failed < 2 and time.monotonic() < deadline:  # the second check fails alone too
+            time.sleep(0.01)
+    finally:
+        sched.drain(5)
+    assert runner.failed == sched.background_stats().failed == 2 and guard.state("m", "default").samples == 0
 
 
 def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_checks(eng: Engine) -> None:

@@ -10,8 +10,10 @@ Contract (the HTTP server builds on exactly this)::
                                                  # token's event; raises the request's KvblendError
     async for item in handle.aevents(): ...      # the same, for asyncio
     handle.cancel()                              # client gone: slot freed within one step
+    job = sched.submit_background(steps)         # low-priority lane: a Future of the job's result,
+                                                 # or None when the lane is full (counted dropped)
     sched.drain(timeout_s)                       # stop accepting, finish, flush write-back
-    sched.alive, sched.draining, sched.num_running, sched.num_waiting
+    sched.alive, sched.draining, sched.num_running, sched.num_waiting, sched.num_background
 
 How the worker runs:
 
@@ -24,6 +26,16 @@ How the worker runs:
   a new prefill delays running streams by one prefill, never more.
 * Sampling, stop strings, EOS and max_tokens per request, by ``DecodeSlot`` (the same
   rules as ``Engine.stream``).
+* Background jobs (shadow checks) are a low-priority lane of at most ``max_background``
+  jobs, run one at a time in FIFO order. A job is an iterator whose every ``next()`` does
+  one small piece of model work (a prefill chunk, a decode token); its return value
+  (``StopIteration.value``) resolves the job's Future. The worker runs ONE step of the
+  current job at the end of a turn, and only when no request waits in the queue: so a
+  newly waiting request is admitted before the next background step, and running
+  streams get a decode step between any two. A job that raises ends alone (its Future
+  holds the exception; logged, counted ``failed``); the worker goes on. Drain does not
+  wait for background jobs: pending and running ones are dropped at once (their Futures
+  cancelled, counted ``dropped``), as on worker death.
 * A cancelled request leaves the queue at once, or the batch before the next step; a
   request past its deadline (queued time included) ends with ``DeadlineExceededError``.
 * A request's own error (too long, invalid) ends that request only; so does an
@@ -46,7 +58,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from typing import NamedTuple
+from concurrent.futures import Future
+from typing import Any, NamedTuple
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result, result_of
@@ -231,18 +244,38 @@ class _Running(NamedTuple):
     slot: DecodeSlot
 
 
+class _Job(NamedTuple):
+    name: str
+    steps: Iterator[Any]
+    future: Future
+
+
+class BackgroundStats(NamedTuple):
+    """The background lane's counters since the scheduler was made: jobs queued or running
+    now, and jobs ended by outcome (ok, failed: the job raised, dropped: the lane was
+    full, or it was dropped by drain or worker death)."""
+
+    pending: int
+    ok: int
+    failed: int
+    dropped: int
+
+
 # ----- scheduler ------------------------------------------------------------------------------
 class Scheduler:
     """Owns the engine's model on one worker thread; see the module docstring.
 
-    ``deadline_s``: default per-request deadline in seconds (None: no deadline)."""
+    ``deadline_s``: default per-request deadline in seconds (None: no deadline);
+    ``max_background``: background jobs queued or running at most (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
-                 observer: SchedulerObserver | None = None) -> None:
+                 observer: SchedulerObserver | None = None, max_background: int = 16) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        if max_background < 0:
+            raise ValueError(f"max_background must be >= 0, got {max_background}")
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.engine = engine
@@ -258,6 +291,9 @@ class Scheduler:
         self._drain_until: float | None = None
         self._dead: str | None = None
         self._service_s = 1.0  # moving average of a request's time in the worker, for Retry-After
+        self.max_background = max_background
+        self._background: deque[_Job] = deque()  # the head is the job being stepped
+        self._bg_counts = {"ok": 0, "failed": 0, "dropped": 0}
 
     # -- state
     @property
@@ -281,6 +317,15 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_background(self) -> int:
+        """Background jobs queued or running now."""
+        return len(self._background)
+
+    def background_stats(self) -> BackgroundStats:
+        with self._cond:
+            return BackgroundStats(len(self._background), **self._bg_counts)
 
     # -- the caller side
     def start(self) -> None:
@@ -308,10 +353,30 @@ class Scheduler:
             self._cond.notify()
         return handle
 
+    def submit_background(self, steps: Iterator[Any], name: str = "background") -> Future | None:
+        """Queue a low-priority job (see the module docstring); returns at once. The Future
+        resolves to the job's return value on the worker thread (its done-callbacks run
+        there: keep them quick), holds its exception if it raised, and is cancelled if
+        the job is dropped by drain or worker death. Returns None, counted ``dropped``,
+        when the lane holds ``max_background`` jobs or the scheduler is draining or dead."""
+        job = _Job(name, steps, Future())
+        with self._cond:
+            if self._dead is not None or self._draining or len(self._background) >= self.max_background:
+                self._bg_counts["dropped"] += 1
+                drop = True
+            else:
+                self._background.append(job)
+                self._cond.notify()
+                drop = False
+        if drop:
+            _close_quietly(job)
+            return None
+        return job.future
+
     def drain(self, timeout_s: float) -> None:
-        """Stop accepting; let queued and running requests finish for up to ``timeout_s``,
-        then end the rest with DrainingError; stop the worker and flush the engine's
-        background chunk writes. Blocks until done."""
+        """Stop accepting; drop background jobs; let queued and running requests finish for
+        up to ``timeout_s``, then end the rest with DrainingError; stop the worker and flush
+        the engine's background chunk writes. Blocks until done."""
         with self._cond:
             self._draining = True
             self._drain_until = time.perf_counter() + max(timeout_s, 0.0)
@@ -320,6 +385,7 @@ class Scheduler:
             self._thread.join()
         else:
             self._end_all(DrainingError("the server shut down before this request ran"), "drained")
+        self._drop_background()  # what a worker that never ran, or died, left
         self.engine.flush()
 
     def _retry_after(self) -> int:
@@ -335,17 +401,24 @@ class Scheduler:
                 self._admit_one()
                 if self._running:
                     self._step()
+                self._background_step()
         except BaseException as exc:  # noqa: BLE001 - the worker must report any death
             log.exception("model worker crashed")
             with self._cond:
                 self._dead = f"{type(exc).__name__}: {exc}"
             self._end_all(WorkerDeadError("the model worker stopped on an internal error"), "worker_dead")
+            self._drop_background()
 
     def _next_turn(self) -> bool:
-        """Wait for work; False once draining has nothing left (or its time ran out)."""
+        """Wait for work; False once draining has nothing left (or its time ran out).
+        Draining drops the background lane at once."""
         with self._cond:
-            while not self._running and not self._waiting and not self._draining:
+            while not self._running and not self._waiting and not self._background and not self._draining:
                 self._cond.wait()
+            draining = self._draining
+        if draining:
+            self._drop_background()
+        with self._cond:
             past = self._drain_until is not None and time.perf_counter() >= self._drain_until
             if not self._draining or (not past and (self._running or self._waiting)):
                 return True
@@ -423,6 +496,35 @@ class Scheduler:
             for r, reason in finished:
                 self._end(r.handle, "ok", reason, None)
 
+    def _background_step(self) -> None:
+        """One step of the current background job, unless a request waits (or draining)."""
+        with self._cond:
+            if self._waiting or self._draining or not self._background:
+                return
+            job = self._background[0]
+        try:
+            next(job.steps)
+            return
+        except StopIteration as stop:
+            outcome, value = "ok", stop.value
+        except Exception as exc:  # noqa: BLE001 - a job's failure ends that job only
+            log.exception("background job %s failed", job.name)
+            outcome, value = "failed", exc
+        with self._cond:
+            self._background.popleft()
+            self._bg_counts[outcome] += 1
+        _settle(job.future, outcome, value)
+
+    def _drop_background(self) -> None:
+        """Drop every queued or running background job (drain, worker death)."""
+        with self._cond:
+            jobs = list(self._background)
+            self._background.clear()
+            self._bg_counts["dropped"] += len(jobs)
+        for job in jobs:
+            _close_quietly(job)
+            job.future.cancel()
+
     def _emit(self, handle: RequestHandle, event: StreamEvent) -> None:
         handle.completion_tokens += 1
         handle._push(event)
@@ -450,3 +552,22 @@ class Scheduler:
             getattr(self.observer, hook)(*args)
         except Exception:  # noqa: BLE001 - metrics must never break serving
             log.exception("scheduler observer %s failed", hook)
+
+
+def _settle(future: Future, outcome: str, value: Any) -> None:
+    """Resolve a background job's Future; a done-callback's error is logged by Future."""
+    if outcome == "ok":
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _close_quietly(job: _Job) -> None:
+    """Close a dropped job's generator (its ``finally`` blocks run); never raises."""
+    close = getattr(job.steps, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - a dropped job must not break drain
+        log.exception("background job %s failed while being dropped", job.name)

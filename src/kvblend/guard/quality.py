@@ -30,7 +30,9 @@ bound (and its scores, if banded, are in band). Each switch is logged on the
 ``kvblend.guard`` logger (with model and tenant) and counted in ``switches``;
 ``state``/``snapshot`` expose the rolling values for metrics.
 ``serve`` is the reference composition of these calls; ``ShadowRunner`` runs shadow
-checks on one background thread with a bounded queue (a full queue drops, counted).
+checks as jobs of small steps in a scheduler's low-priority lane (the model worker runs
+them only when no request waits, between decode steps), at most ``max_pending`` at a
+time (more are dropped, counted), and records their results into the guard.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ import logging
 import random
 import threading
 from collections import Counter, OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
+from kvblend.engine.scheduler import Scheduler
 from kvblend.generation import SamplingParams
-from kvblend.guard.shadow import ShadowResult, first_score, shadow_check
+from kvblend.guard.shadow import DEFAULT_CHUNK_TOKENS, ShadowResult, first_score, shadow_check, shadow_steps
 
 log = logging.getLogger("kvblend.guard")
 GUARDED = ("auto", "blend", "reuse")
@@ -272,57 +275,90 @@ def _means(results: deque[ShadowResult]) -> tuple[float, float, float]:
 
 
 class ShadowRunner:
-    """Shadow checks on one background thread, recorded into a guard; never blocks a caller.
+    """Shadow checks as low-priority jobs of ``scheduler`` (``Scheduler.submit_background``),
+    recorded into a guard; never blocks a caller.
 
-    At most ``max_pending`` checks wait; more are dropped and counted in ``dropped``.
-    A failing check is counted in ``failed`` and logged, never raised to the caller."""
+    At most ``max_pending`` checks are queued or running; more, or any the scheduler's lane
+    refuses (full, draining), are dropped and counted in ``dropped``, as are checks the
+    scheduler drops on drain. A failing check is counted in ``failed`` and logged (by the
+    scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill.
+    The Future ``submit`` returns resolves to the ``ShadowResult`` (None when the check
+    failed) or is cancelled (dropped), on the scheduler's worker thread."""
 
-    def __init__(self, guard: QualityGuard, max_pending: int = 8) -> None:
+    def __init__(self, guard: QualityGuard, scheduler: Scheduler, max_pending: int = 8,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        if max_pending < 1 or chunk_tokens < 1:
+            raise ValueError(f"max_pending and chunk_tokens must be >= 1, got {max_pending}, {chunk_tokens}")
         self.guard = guard
+        self.scheduler = scheduler
         self.max_pending = max_pending
+        self.chunk_tokens = chunk_tokens
         self.dropped = 0
         self.failed = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-shadow")
-        self._pending: list[Future] = []
+        self.ok = 0
+        self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, engine: Engine, request: Request, served: Result, probe: Request | None) -> Future | None:
+    def submit(self, request: Request, served: Result, probe: Request | None) -> Future | None:
+        """Queue the shadow check of a served request; None (counted) when it is dropped now."""
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            if len(self._pending) >= self.max_pending:
+            if self._pending >= self.max_pending:
                 self.dropped += 1
                 return None
-            job = self._pool.submit(self._run, engine, request, served, probe)
-            self._pending.append(job)
-            return job
-
-    def _run(self, engine: Engine, request: Request, served: Result, probe: Request | None) -> ShadowResult | None:
-        try:
-            result = shadow_check(engine, request, served, probe)
-            self.guard.record(result)
-            return result
-        except Exception:  # a shadow check must never take the server down
+            self._pending += 1
+        steps = shadow_steps(self.scheduler.engine, request, served, probe, self.chunk_tokens)
+        job = self.scheduler.submit_background(steps, name=f"shadow check (tenant {request.tenant})")
+        if job is None:
             with self._lock:
-                self.failed += 1
-            log.exception("shadow check failed (tenant %s)", request.tenant)
+                self._pending -= 1
+                self.dropped += 1
             return None
+        out: Future = Future()
+        job.add_done_callback(lambda done: self._done(done, out))
+        return out
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def _done(self, job: Future, out: Future) -> None:
+        """On the worker thread: count the job's outcome, record its result."""
+        result: ShadowResult | None = None
+        try:
+            result = job.result()
+        except CancelledError:
+            outcome = "dropped"
+        except Exception:  # noqa: BLE001 - logged by the scheduler; a check must never break serving
+            outcome = "failed"
+        else:
+            try:
+                self.guard.record(result)
+                outcome = "ok"
+            except Exception:  # noqa: BLE001 - as above
+                log.exception("recording a shadow check failed (tenant %s)", result.tenant)
+                outcome, result = "failed", None
+        with self._lock:
+            self._pending -= 1
+            setattr(self, outcome, getattr(self, outcome) + 1)
+        if outcome == "dropped":
+            out.cancel()
+        else:
+            out.set_result(result)
 
 
 def serve(engine: Engine, guard: QualityGuard, request: Request, sampling: SamplingParams | None = None,
           runner: ShadowRunner | None = None) -> Result:
-    """One request under the guard: route, generate, then shadow-check in the background
-    (``runner``) or, without one, inline after the answer is complete."""
+    """One request under the guard: route, generate, then shadow-check. With a ``runner``
+    the request is served by its scheduler (whose worker owns the model) and the check
+    queued there at low priority; without one, generated here and checked inline after
+    the answer is complete."""
     routing = guard.route(engine.loaded.name, request)
-    result = engine.generate(routing.request, sampling)
+    if runner is not None:
+        result = runner.scheduler.submit(routing.request, sampling or SamplingParams()).result()
+    else:
+        result = engine.generate(routing.request, sampling)
     guard.observe(engine.loaded.name, request.tenant, result.stats)
     if routing.fallback is not None:
         result = result._replace(stats=result.stats._replace(fallback=routing.fallback))
     if routing.shadow:
         if runner is not None:
-            runner.submit(engine, routing.request, result, routing.probe)
+            runner.submit(routing.request, result, routing.probe)
         else:
             guard.record(shadow_check(engine, routing.request, result, routing.probe))
     return result

@@ -15,27 +15,40 @@ is the blended request it would otherwise have served: the same measures are tak
 with the roles of served and generated answers swapped, so that the guard keeps
 learning whether blending has recovered.
 
-A shadow check never changes a served answer: it runs after it, on its own caches
-(``Engine.prepare`` of a full request touches no cache; re-preparing the blended
-request adds only what serving it already added). It costs one full prefill, one
-blended prompt, a greedy decode and two teacher-forced passes over the answer (the
-other side's own answer is decoded from the same prefill as its teacher forcing).
+A shadow check never changes a served answer: it runs after it, on its own caches (a
+full prefill touches no cache; re-preparing the blended request adds only what serving
+it already added). It costs one full prefill, one blended prompt, a greedy decode and
+two teacher-forced passes over the answer (the other side's own answer is decoded from
+the same prefill as its teacher forcing).
+
+``shadow_steps`` is the same check as a job of small steps for the scheduler's
+low-priority lane (``Scheduler.submit_background``): each ``next()`` does one piece of
+model work — a chunk of at most ``chunk_tokens`` tokens of the full prefill or of a
+teacher-forced pass (``generation.chunked``), the blended re-prepare, or one greedy
+decode token — and its return value is the ``ShadowResult``. ``shadow_check`` runs
+those steps to the end inline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from typing import NamedTuple
 
 import torch
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
-from kvblend.errors import InvalidRequestError
+from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.eval.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams, collect, stream_from
+from kvblend.generation.chunked import forward_chunks
+from kvblend.models.kv_cache import KVCache
 
 BLENDED = ("reuse", "blend")
+DEFAULT_CHUNK_TOKENS = 256  # tokens per prefill / teacher-forcing step of a shadow job
+
+Steps = Generator[None, None, "ShadowResult"]
 
 
 class ShadowResult(NamedTuple):
@@ -51,25 +64,53 @@ class ShadowResult(NamedTuple):
     score: float | None = None  # the blended prompt's mean selection score at its first check layer
 
 
-@torch.inference_mode()
-def teacher_forced(engine: Engine, request: Request, answer: list[int],
-                   own_answer: bool = False) -> tuple[torch.Tensor, RequestStats, str | None]:
+class _Prompt(NamedTuple):
+    cache: KVCache
+    logits: torch.Tensor  # (V,) after the prompt's last token
+    stats: RequestStats | None  # the engine's stats (blended prompts); None for the chunked full prefill
+
+
+def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[None, None, _Prompt]:
+    """Full prefill of the request's prompt, ``chunk_tokens`` per step, into a fresh cache
+    with room for ``extra`` more tokens (what ``Engine.prepare`` of a full request builds)."""
+    layout = engine.layout(request)
+    n, limit = len(layout), engine.model.cfg.context_length
+    if n + 1 > limit:
+        raise ContextLengthError(f"the prompt has {n} tokens; the model's context is {limit} tokens")
+    cache = engine.model.new_cache(n + max(0, min(extra, limit - n)))
+    ids = torch.tensor(layout.ids, dtype=torch.long, device=engine.model.device)  # (n,)
+    logits = yield from forward_chunks(engine.model, ids, cache, chunk_tokens)  # (1, V)
+    return _Prompt(cache, logits[0], None)
+
+
+def _engine_prompt(engine: Engine, request: Request, extra: int) -> Generator[None, None, _Prompt]:
+    """The request's prompt by its own method, through ``Engine.prepare``: one step."""
+    prepared = engine.prepare(request, extra_capacity=extra)
+    yield
+    return _Prompt(prepared.cache, prepared.logits, prepared.stats)
+
+
+def _teacher_forced(engine: Engine, prompt: Generator[None, None, _Prompt], answer: list[int], own_answer: bool,
+                    chunk_tokens: int) -> Generator[None, None, tuple[torch.Tensor, RequestStats | None, str | None]]:
     """Next-token logits (T, V) before each of ``answer``'s T tokens, the prompt built by
-    the request's method and then fed the answer's tokens; the prompt's stats; and, with
+    ``prompt`` and then fed the answer's tokens; the prompt's stats; and, with
     ``own_answer``, the prompt's own greedy answer of up to T tokens, decoded first from
-    the same prefill (the cache is then cut back to the prompt)."""
-    prepared = engine.prepare(request, extra_capacity=len(answer))
-    n, text = prepared.cache.length, None
+    the same prefill, one token per step (the cache is then cut back to the prompt)."""
+    built = yield from prompt
+    n, text = built.cache.length, None
     if own_answer:
-        events = stream_from(engine.model, engine.tokenizer, prepared.cache, prepared.logits,
-                             SamplingParams(max_tokens=len(answer)), engine.loaded.eos_token_ids)
-        text = collect(events, n).text
-        prepared.cache.truncate(n)
-    rows = [prepared.logits.reshape(1, -1)]  # (1, V)
+        events = []
+        for event in stream_from(engine.model, engine.tokenizer, built.cache, built.logits,
+                                 SamplingParams(max_tokens=len(answer)), engine.loaded.eos_token_ids):
+            events.append(event)
+            yield
+        text = collect(iter(events), n).text
+        built.cache.truncate(n)
+    rows = [built.logits.reshape(1, -1)]  # (1, V)
     if len(answer) > 1:
-        ids = torch.tensor(answer[:-1], dtype=torch.long, device=engine.model.device)
-        rows.append(engine.model(ids, prepared.cache, logits_for="all"))  # (T-1, V)
-    return torch.cat(rows).float(), prepared.stats, text
+        ids = torch.tensor(answer[:-1], dtype=torch.long, device=engine.model.device)  # (T-1,)
+        rows.append((yield from forward_chunks(engine.model, ids, built.cache, chunk_tokens, "all")))  # (T-1, V)
+    return torch.cat(rows).float(), built.stats, text
 
 
 def first_score(stats: RequestStats) -> float | None:
@@ -87,15 +128,37 @@ def _roles(request: Request, probe: Request | None) -> tuple[Request, Request, b
     return dataclasses.replace(request, method="full"), probe, False
 
 
-def shadow_check(engine: Engine, request: Request, served: Result, probe: Request | None = None) -> ShadowResult:
-    """Compare the blended and full-prefill answers to ``request`` (see the module doc)."""
+@torch.inference_mode()
+def shadow_steps(engine: Engine, request: Request, served: Result, probe: Request | None = None,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Steps:
+    """The shadow check of ``request`` as a job of small steps (see the module doc);
+    raises (on the first ``next()``) what ``shadow_check`` raises."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     full_req, blended_req, served_blended = _roles(request, probe)
     answer = list(served.token_ids)
     if not answer:
         raise InvalidRequestError("the served answer is empty: there is nothing to compare along")
-    full_logits, _, full_text = teacher_forced(engine, full_req, answer, own_answer=served_blended)  # (T, V)
-    blended_logits, stats, blended_text = teacher_forced(engine, blended_req, answer, own_answer=not served_blended)
+    full_logits, _, full_text = yield from _teacher_forced(  # (T, V)
+        engine, _full_prompt(engine, full_req, len(answer), chunk_tokens), answer, served_blended, chunk_tokens)
+    blended_logits, stats, blended_text = yield from _teacher_forced(  # (T, V)
+        engine, _engine_prompt(engine, blended_req, len(answer)), answer, not served_blended, chunk_tokens)
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
     f1 = token_f1(served.text, full_text if served_blended else blended_text)
     return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, f1, agree,
                         kl_divergence(full_logits, blended_logits), len(answer), first_score(stats))
+
+
+def run_steps(steps: Generator[None, None, object]) -> object:
+    """Run a job of steps to its end here; returns its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def shadow_check(engine: Engine, request: Request, served: Result, probe: Request | None = None,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ShadowResult:
+    """Compare the blended and full-prefill answers to ``request`` (see the module doc), inline."""
+    return run_steps(shadow_steps(engine, request, served, probe, chunk_tokens))

@@ -37,7 +37,7 @@ from kvblend.rag.chunking import ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry, StoredChunk, default_id, new_record, text_sha256
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.guard import Guard, read_json, tenant_of
-from kvblend.server.metrics import ServerMetrics
+from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
 from kvblend.server.quality import ServerGuard, open_guard
@@ -102,15 +102,16 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
         engine = target
         sch = settings.scheduler
         scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
-                              deadline_s=sch.request_deadline_s)
+                              deadline_s=sch.request_deadline_s, max_background=sch.max_background)
     model_id = settings.model_id
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
-                            lambda: _tier_stats(engine))
+                            lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
+                            cache_usage=lambda: kv_cache_usage(engine.store))
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
     retriever = open_retriever(settings, engine.loaded.tokenizer_fingerprint)
-    guard = open_guard(settings.guard, metrics.registry, model_id, engine.loaded.name)
+    guard = open_guard(settings.guard, metrics.registry, model_id, engine.loaded.name, scheduler)
     return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard)
 
 
@@ -128,9 +129,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
         state.draining = True
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
-        state.registry.close()
-        if state.guard is not None:
-            await anyio.to_thread.run_sync(state.guard.close)
+        state.registry.close()  # drain dropped any pending shadow checks (counted)
         if state.retriever is not None:
             state.retriever.close()
 
@@ -364,7 +363,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     def finish(out: Outcome) -> None:
         guarded = {}
         if routing is not None:  # the shadow check is queued, never awaited
-            guarded = {"guard": routing.fallback, "shadow": state.guard.after(state.engine, routing, out)}
+            guarded = {"guard": routing.fallback, "shadow": state.guard.after(routing, out)}
         _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:

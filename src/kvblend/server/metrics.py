@@ -7,6 +7,7 @@ outcome, error type, finish reason): never a tenant's document id or text.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvblend.engine.request import RequestStats
+
+log = logging.getLogger("kvblend.server")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -54,11 +57,34 @@ class StoreCollector(Collector):
         yield lookups
 
 
+def kv_cache_usage(store: Any) -> float:
+    """Share (0..1) of the chunk store's KV byte capacity in use: bytes held by its fastest
+    tier that has a byte cap (the memory tier whenever it is enabled, since every memory
+    tier is capped) over that cap. 0.0 when no tier has a cap, or its occupancy cannot be
+    read (the tier is down)."""
+    for tier in getattr(store, "tiers", None) or (store,):
+        cap = getattr(tier, "capacity_bytes", None)
+        if not cap:
+            continue
+        try:
+            used = tier.stats().bytes
+        except Exception:  # noqa: BLE001 - a scrape must not fail because a tier is down
+            log.warning("store occupancy unavailable", exc_info=True)
+            return 0.0
+        return min(1.0, used / cap)
+    return 0.0
+
+
 class ServerMetrics:
-    """The app's metrics; ``observe_request`` records one finished request."""
+    """The app's metrics; ``observe_request`` records one finished request.
+
+    ``running``/``waiting``/``background``: the scheduler's requests decoding, requests
+    queued and background jobs (shadow checks) queued or running; ``cache_usage``: see
+    ``kv_cache_usage``; all read at scrape time."""
 
     def __init__(self, model_name: str, running: Callable[[], float], waiting: Callable[[], float],
-                 tier_stats: Callable[[], dict[str, Any]]) -> None:
+                 tier_stats: Callable[[], dict[str, Any]], *, background: Callable[[], float],
+                 cache_usage: Callable[[], float]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
@@ -79,6 +105,10 @@ class ServerMetrics:
             model_name).set_function(running)
         Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
             model_name).set_function(waiting)
+        Gauge(P + "num_background_jobs", "Background jobs (shadow checks) queued or running on the model worker",
+              lab, registry=reg).labels(model_name).set_function(background)
+        Gauge(P + "kv_cache_usage_perc", "Share (0..1) of the chunk KV store's byte capacity in use: its fastest "
+              "capped tier (the memory tier when enabled)", lab, registry=reg).labels(model_name).set_function(cache_usage)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", lab,
                                      registry=reg).labels(model_name)
         self.cached_tokens = Counter(P + "cached_prompt_tokens", "Prompt tokens whose KV was reused", lab,

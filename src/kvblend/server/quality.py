@@ -4,10 +4,12 @@
     routing = guard.route(model, request)      # before submit: resolves "auto", applies fallback
     ... the scheduler serves routing.request ...
     guard.observe(model, tenant, stats)        # when the request ends (free selection-score signal)
-    runner.submit(engine, routed, served, probe)  # when routing.shadow: on the runner's own thread
+    runner.submit(routed, served, probe)       # when routing.shadow: a low-priority scheduler job
 
-Shadow checks never touch the served answer and never block the request: the runner's
-queue is bounded (``guard.max_pending``; a full queue drops, counted). The guard's state
+Shadow checks never touch the served answer and never block the request: they run as
+jobs of small steps in the scheduler's background lane, on the one model worker, only
+while no request waits and between decode steps; at most ``guard.max_pending`` are
+pending (more are dropped, counted), and drain drops the rest (counted). The guard's state
 is exported as Prometheus metrics labelled by model name only (never tenant ids):
 ``kvblend:shadow_checks_total{outcome}``, ``kvblend:guard_fallbacks_total``,
 ``kvblend:shadow_agreement_f1`` and ``kvblend:shadow_kl`` histograms,
@@ -24,8 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvblend.engine import Engine, Request
+from kvblend.engine import Request
 from kvblend.engine.request import Result
+from kvblend.engine.scheduler import Scheduler
 from kvblend.guard.quality import QualityGuard, Routing, ShadowRunner
 from kvblend.guard.shadow import ShadowResult
 from kvblend.server.metrics import FRACTION_BUCKETS, P
@@ -56,12 +59,14 @@ class _GuardCollector(Collector):
 
 
 class ServerGuard:
-    """One app's guard, runner and guard metrics (``registry``: the app's)."""
+    """One app's guard, runner and guard metrics (``registry``: the app's); shadow checks
+    run on ``scheduler``'s model worker."""
 
     def __init__(self, settings: GuardSettings, registry: CollectorRegistry, model_name: str,
-                 guard_model: str) -> None:
+                 guard_model: str, scheduler: Scheduler) -> None:
         self.guard = QualityGuard(settings.guard_config())
-        self.runner = ShadowRunner(self.guard, max_pending=settings.max_pending)
+        self.runner = ShadowRunner(self.guard, scheduler, max_pending=settings.max_pending,
+                                   chunk_tokens=settings.chunk_tokens)
         self.model_name = model_name  # the metrics label (served id)
         self.guard_model = guard_model  # the guard's key (the loaded model's name, as ShadowResult has it)
         labels = ["model_name"]
@@ -84,7 +89,7 @@ class ServerGuard:
             self.fallbacks.labels(self.model_name).inc()
         return routing
 
-    def after(self, engine: Engine, routing: Routing, out: Outcome) -> bool:
+    def after(self, routing: Routing, out: Outcome) -> bool:
         """The request ended: feed the guard its stats and, when routed so, queue its shadow
         check (never waits). Returns whether a check was queued."""
         stats = out.stats
@@ -95,7 +100,7 @@ class ServerGuard:
         if not routing.shadow or not out.token_ids:
             return False
         served = Result("".join(out.text), list(out.token_ids), out.finish_reason or "stop", stats)
-        job = self.runner.submit(engine, routing.request, served, routing.probe)
+        job = self.runner.submit(routing.request, served, routing.probe)
         if job is None:
             self.checks.labels(self.model_name, "dropped").inc()
             return False
@@ -103,6 +108,9 @@ class ServerGuard:
         return True
 
     def _done(self, job: Future) -> None:
+        if job.cancelled():  # dropped by drain
+            self.checks.labels(self.model_name, "dropped").inc()
+            return
         result: ShadowResult | None = job.result()  # the runner catches and counts failures
         if result is None:
             self.checks.labels(self.model_name, "failed").inc()
@@ -113,15 +121,11 @@ class ServerGuard:
         if result.first_token_agree:
             self.first_token.labels(self.model_name).inc()
 
-    def close(self) -> None:
-        """Wait for queued shadow checks, then stop the runner's thread."""
-        self.runner.close()
-
 
 def open_guard(settings: GuardSettings, registry: CollectorRegistry, model_name: str,
-               guard_model: str) -> ServerGuard | None:
+               guard_model: str, scheduler: Scheduler) -> ServerGuard | None:
     """The app's guard, or None when ``settings.enabled`` is off."""
-    return ServerGuard(settings, registry, model_name, guard_model) if settings.enabled else None
+    return ServerGuard(settings, registry, model_name, guard_model, scheduler) if settings.enabled else None
 
 
 __all__ = ["ServerGuard", "open_guard"]

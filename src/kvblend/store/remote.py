@@ -148,6 +148,10 @@ class RedisStore(Tier):
         self._down_until = 0.0
         self._lock = threading.Lock()
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self.max_bytes
+
     # -- key names ---------------------------------------------------------------------
 
     def _k(self, tenant: str, what: str) -> str:

@@ -74,6 +74,11 @@ class Tier(ChunkStore):
         self.compute_dtype = codec.compute_dtype(compute_dtype)
         self.counters = Counters()
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The tier's byte cap (None: it has none)."""
+        return None
+
     @abstractmethod
     def _read(self, key: ChunkKey) -> Entry | None: ...
 
@@ -220,6 +225,10 @@ class IndexedTier(Tier):
             raise ValueError("max_bytes must be >= 0")
         self._index = ByteIndex(policy or LRUPolicy(), max_bytes, tenant_bytes)
         self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.max_bytes
 
     @abstractmethod
     def _delete_locked(self, key: ChunkKey) -> None:

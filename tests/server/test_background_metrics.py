@@ -1,0 +1,71 @@
+"""``kvblend:kv_cache_usage_perc`` (share of the store's memory-tier byte cap in use) and
+``kvblend:num_background_jobs`` (the model worker's low-priority lane), on the app built
+in-process over a tiny engine; and the guard's shadow checks running in that lane."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from kvblend.engine import Engine
+from kvblend.server import create_app
+from kvblend.server.metrics import kv_cache_usage
+from kvblend.settings import Settings
+from kvblend.store.config import StoreConfig, build_store
+from tests.conftest import make_loaded
+
+CAP = 4 * 2**20
+
+
+def _scrape(client: TestClient) -> dict[str, float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return {s.name + "".join(f"/{v}" for k, v in sorted(s.labels.items()) if k != "model_name"): s.value
+            for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+
+def test_cache_usage_and_background_gauges_move(tmp_path) -> None:
+    store = build_store(StoreConfig(tiers=("memory",), memory_bytes=CAP))
+    engine = Engine(make_loaded(), store=store, self_check=False)
+    settings = Settings.load(model="tiny", state_dir=str(tmp_path), guard={"enabled": True, "shadow_fraction": 1.0})
+    app = create_app(engine, settings)
+    with TestClient(app) as client:
+        before = _scrape(client)
+        assert before["kvblend:kv_cache_usage_perc"] == 0.0 and before["kvblend:num_background_jobs"] == 0.0
+        r = client.post("/v1/documents", json={"text": "the doctor works in paris and rides a red bike ."})
+        assert r.status_code == 200, r.text
+        after = _scrape(client)
+        used = store.tier_stats()["memory"].bytes
+        assert used > 0 and after["kvblend:kv_cache_usage_perc"] == used / CAP
+        assert 0.0 < after["kvblend:kv_cache_usage_perc"] < 1.0
+        hold = threading.Event()
+
+        def held():  # a background job that keeps yielding until released
+            while not hold.is_set():
+                time.sleep(0.001)
+                yield
+
+        assert app.state.kvblend.scheduler.submit_background(held()) is not None
+        assert _scrape(client)["kvblend:num_background_jobs"] == 1.0
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "who rides a bike ?"}], "max_tokens": 4,
+                "documents": ["the doctor works in paris and rides a red bike ."], "kvblend": {"method": "blend"},
+                "temperature": 0}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200  # served beside the job
+        assert _scrape(client)["kvblend:num_background_jobs"] == 2.0  # its shadow check waits in the lane
+        hold.set()
+        deadline = time.monotonic() + 30
+        while (m := _scrape(client)).get("kvblend:shadow_checks_total/ok", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m["kvblend:shadow_checks_total/ok"] == 1 and m["kvblend:num_background_jobs"] == 0.0
+        hold.clear()  # another check waits behind a held job when the app shuts down
+        assert app.state.kvblend.scheduler.submit_background(held()) is not None
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    text = generate_latest(app.state.kvblend.metrics.registry).decode()
+    dropped = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvblend:shadow_checks_total" and s.labels["outcome"] == "dropped"]
+    assert dropped == [1.0]  # drain dropped it (and did not wait for the held job)
+    assert kv_cache_usage(object()) == 0.0  # a store without capped tiers reports 0
