@@ -30,31 +30,35 @@ once it cannot pass any more (a 429 or lost request, or more late first tokens a
 measured arrivals than p95 allows, counting requests still waiting longer than 2 S);
 what it already sent still drains and is accounted for. A step that stopped early fails.
 
-How the ladder searches. Sustained-ness is a threshold in f (the same pattern,
+How the ladder searches. Sustained-ness is (up to noise) a threshold in f (the same pattern,
 compressed). The first method (the cheapest, by S) starts at ``f_start``; a passing
-step is followed by one ``factor`` higher, a failing one by one ``factor`` lower,
-until the outcome flips (or ``max_steps``, or f < ``f_min``); then one bisection step
-at the geometric mean of the highest pass and the lowest fail above it (``refine``).
-Later methods start one factor above the load the previous method sustained (the knee
-of one pattern is close for all methods), so that a search usually costs one cheap
-failing step, one passing step and the bisection. The method's sustained rate is its
-highest passing f / S_m in requests/s.
+step is followed by one ``factor`` higher, a failing one by one ``factor`` lower, until
+the outcome flips (or ``max_steps``, or f < ``f_min``). Later methods start one factor
+above the load the previous method sustained (the knee of one pattern is close for all
+methods), so that a search usually costs one cheap failing step (it stops early) and one
+passing step. When every method is bracketed within one factor, each gets one bisection
+step at the geometric mean of its highest pass and lowest fail above it (``refine``,
+cheapest method first, while the budget lasts). A method's sustained rate is its
+highest passing f / S_m in requests/s; ``bracket_rate_req_s`` gives it with the lowest
+failing rate above it, so the resolution of every ratio is on record.
 
 Why this measures capacity fairly: every method gets the same pool, the same request
 sequence (same documents, questions and 32-token answers), the same arrival pattern
 in units of its own service time, the same number of measured arrivals, the same
 criterion (p95 TTFT <= 2 x its own unloaded TTFT, no 429, nothing lost) and the same
-search resolution (factor^(1/2) after the bisection). Only the time unit differs, so a
-method's sustained load f reflects how its serving overheads (decode steps
-interleaved with prefills, HTTP, lookups) grow under load, and the ratios
-(blend_over_full_rate, prefix_over_full_rate) compare absolute rates in requests/s.
+search grid (factor, then one bisection). Only the time unit differs, so a method's
+sustained load f reflects how its serving overheads (decode steps interleaved with
+prefills, HTTP, lookups) grow under load, and the ratios (blend_over_full_rate,
+prefix_over_full_rate) compare absolute rates in requests/s.
 
 Bounded duration. A step's length is planned before it starts (its last arrival at
-``S U_n / f`` plus a drain of 2 S and one answer's decode); ``--budget-min`` splits the
-time left after phases 1-3 between the methods in proportion to S (cost grows with S,
-unused share passes on), and a step that would not fit its method's share is not run:
-the method's search then ends unbracketed (``search_end``: "budget"). Defaults: 24
-passages, 2 per request (full's TTFT ~4 s on a quiet 2-core host), about 20 minutes.
+``S U_n / f``, plus a drain of 2 S and one answer's decode). With ``--budget-min`` (20):
+a search step runs only if it ends within the budget with one step's time kept for
+each method still to search (else that search ends with ``search_end`` "budget"), and
+a bisection step only if it ends within the budget. The cost of a step is ~(warmup +
+arrivals) S / f: with 2 passages of ~600 tokens per request (full's TTFT ~4 s on a
+quiet 2-core host) and the knee near f = 0.3-0.6, a passing step of full takes 2-5
+minutes, of blend under one; ``--docs-per-request 4`` doubles full's cost.
 
 Every request ends as ok, rejected (429) or lost (an error, a broken or unfinished
 stream, or no end within ``--request-timeout`` s: hung). Timings on a shared host drift:
@@ -125,7 +129,7 @@ class Plan:
     def quick(cls) -> Plan:
         """A smoke run: 4 passages, 1 per request, 6 measured arrivals, factor 2, no bisection."""
         return cls(pool=4, docs_per_request=1, unloaded=2, warmup=1, arrivals=6, min_step_s=5.0, max_arrivals=20,
-                   f_start=0.5, factor=2.0, f_min=0.1, max_steps=3, refine=False, budget_s=480.0, decode_rounds=1,
+                   f_start=0.5, factor=2.0, f_min=0.1, max_steps=3, refine=False, budget_s=600.0, decode_rounds=1,
                    decode_tokens=32)
 
 
@@ -229,35 +233,43 @@ def step_times(pattern: list[float], load: float, service_s: float, plan: Plan) 
     return [u * scale for u in pattern[:n]]
 
 
+def bracket(history: list[tuple[float, bool]]) -> tuple[float | None, float | None]:
+    """The highest passing load and the lowest failing load above it (None where there is none)."""
+    lo = max((f for f, ok in history if ok), default=None)
+    hi = min((f for f, ok in history if not ok and (lo is None or f > lo)), default=None)
+    return lo, hi
+
+
 def next_load(history: list[tuple[float, bool]], plan: Plan, start: float) -> tuple[float | None, str]:
-    """The next load to try after ``history`` ((load, passed) in the order run), or None
-    and why the search ended: "bracketed" (a pass and a fail above it, refined once when
-    ``plan.refine``), "max_steps", or "floor" (every load down to ``f_min`` failed)."""
+    """The next search load after ``history`` ((load, passed) in the order run), or None
+    and why the search ended: "bracketed" (a pass and a fail above it), "max_steps", or
+    "floor" (every load down to ``f_min`` failed). Up by ``factor`` while every step
+    passed, down while every step failed."""
     if not history:
         return start, ""
-    passed = [f for f, ok in history if ok]
-    lo = max(passed, default=None)
-    hi = min((f for f, ok in history if not ok and (lo is None or f > lo)), default=None)
+    lo, hi = bracket(history)
     if lo is not None and hi is not None:
-        refined = hi / lo <= math.sqrt(plan.factor) * 1.001
-        return (math.sqrt(lo * hi), "") if plan.refine and not refined else (None, "bracketed")
+        return None, "bracketed"
     if len(history) >= plan.max_steps:
         return None, "max_steps"
-    if lo is not None:  # every step so far passed: climb
+    if lo is not None:
         return lo * plan.factor, ""
     down = history[-1][0] / plan.factor
     return (down, "") if down >= plan.f_min * 0.999 else (None, "floor")
 
 
+def refine_load(history: list[tuple[float, bool]], plan: Plan) -> float | None:
+    """The bisection load (geometric mean of the bracket), once per bracket of one
+    ``factor`` (None without ``plan.refine``, a bracket, or once refined)."""
+    lo, hi = bracket(history)
+    if not plan.refine or lo is None or hi is None or hi / lo <= math.sqrt(plan.factor) * 1.001:
+        return None
+    return math.sqrt(lo * hi)
+
+
 def sustained_load(history: list[tuple[float, bool]]) -> float:
     """The highest load that passed (0 if none)."""
     return max((f for f, ok in history if ok), default=0.0)
-
-
-def budget_shares(left_s: float, service_s: dict[str, float]) -> dict[str, float]:
-    """The first method's share of ``left_s``: in proportion to S among the methods left."""
-    total = sum(service_s.values())
-    return {m: left_s * s / total for m, s in service_s.items()}
 
 
 # ----- workload ----------------------------------------------------------------------------
@@ -486,24 +498,32 @@ class Ladder:
     steps: list[Step] = field(default_factory=list)
     history: list[tuple[float, bool]] = field(default_factory=list)
     end: str = ""
+    refined: bool = False  # the bisection step ran
 
 
-async def climb(bench: Bench, method: str, base: Unloaded, start: float, share_s: float) -> Ladder:
-    """Search ``method``'s sustained load from ``start`` within ``share_s`` seconds."""
-    ladder, t0 = Ladder(), time.perf_counter()
+async def climb(bench: Bench, method: str, base: Unloaded, start: float, deadline: float,
+                reserve_s: float) -> Ladder:
+    """Search ``method``'s sustained load from ``start``; a step runs only if it ends
+    ``reserve_s`` before ``deadline`` (perf_counter)."""
+    ladder = Ladder()
     while True:
         load, ladder.end = next_load(ladder.history, bench.plan, start)
-        if load is None:
+        if load is None or not await _maybe_step(bench, method, base, load, deadline - reserve_s, ladder):
+            ladder.end = ladder.end or "budget"
             return ladder
-        if time.perf_counter() - t0 + bench.step_cost(load, base) > share_s:
-            ladder.end = "budget"
-            print(f"  {method:6s} load {load:.3f}: a step of ~{bench.step_cost(load, base):.0f} s would not fit "
-                  f"the {share_s - (time.perf_counter() - t0):.0f} s left of its share", flush=True)
-            return ladder
-        step = await bench.at_load(method, load, base)
-        ladder.steps.append(step)
-        ladder.history.append((load, passes(step, base.ttft_s)))
-        _print_step(method, step, ladder.history[-1][1])
+
+
+async def _maybe_step(bench: Bench, method: str, base: Unloaded, load: float, until: float, ladder: Ladder) -> bool:
+    """Run one step at ``load`` if its planned length ends by ``until``; False if not."""
+    cost = bench.step_cost(load, base)
+    if time.perf_counter() + cost > until:
+        print(f"  {method:6s} load {load:.3f}: a step of ~{cost:.0f} s does not fit the budget", flush=True)
+        return False
+    step = await bench.at_load(method, load, base)
+    ladder.steps.append(step)
+    ladder.history.append((load, passes(step, base.ttft_s)))
+    _print_step(method, step, ladder.history[-1][1])
+    return True
 
 
 def _print_step(method: str, step: Step, ok: bool) -> None:
@@ -543,17 +563,22 @@ async def run(url: str, model: str, args: argparse.Namespace, plan: Plan, worklo
 
 
 async def _ladders(bench: Bench, base: dict[str, Unloaded], left_s: float) -> dict[str, Ladder]:
-    """Every method's search, cheapest S first; each starts one factor above the load the
-    previous one sustained; each gets its share of what is left of the budget."""
+    """Every method's search, cheapest S first, each starting one factor above the load
+    the previous one sustained; a search step keeps one step's time (at that start) for
+    each method still to come. Then the bisection steps, cheapest first, while the budget lasts."""
     order = sorted(base, key=lambda m: base[m].ttft_s)
     ladders, start, deadline = {}, bench.plan.f_start, time.perf_counter() + left_s
     print(f"ladders: {left_s:.0f} s of the budget left", flush=True)
     for i, m in enumerate(order):
-        share = budget_shares(deadline - time.perf_counter(), {k: base[k].ttft_s for k in order[i:]})[m]
-        ladders[m] = await climb(bench, m, base[m], start, share)
+        reserve = sum(bench.step_cost(start, base[k]) for k in order[i + 1:])
+        ladders[m] = await climb(bench, m, base[m], start, deadline, reserve)
         found = sustained_load(ladders[m].history)
         print(f"  {m}: sustained load {found:.3f} = {found / base[m].ttft_s:.3f} req/s ({ladders[m].end})", flush=True)
         start = found * bench.plan.factor if found else bench.plan.f_start
+    for m in order:
+        load = refine_load(ladders[m].history, bench.plan)
+        if load is not None:
+            ladders[m].refined = await _maybe_step(bench, m, base[m], load, deadline, ladders[m])
     return {m: ladders[m] for m in base}
 
 
@@ -572,6 +597,9 @@ def _result(base: dict[str, Unloaded], ladders: dict[str, Ladder], burst: list[S
         "sustained_rate_req_s": {m: round(v, 6) for m, v in rate.items()},
         "sustained_load": {m: round(sustained_load(lad.history), 4) for m, lad in ladders.items()},
         "search_end": {m: lad.end for m, lad in ladders.items()},
+        "refined": {m: lad.refined for m, lad in ladders.items()},
+        "bracket_rate_req_s": {m: [None if f is None else round(f / base[m].ttft_s, 6) for f in bracket(lad.history)]
+                               for m, lad in ladders.items()},
         "decode_tok_s": {"1": round(statistics.median(one), 2), "8": round(statistics.median(eight), 2)},
         "ladder": {m: [st.summary() for st in lad.steps] for m, lad in ladders.items()},
     }
@@ -600,7 +628,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--max-queued", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrival pattern and the request sequence")
-    p.add_argument("--budget-min", type=float, default=None, help="whole-run budget (default 20; --quick: 8)")
+    p.add_argument("--budget-min", type=float, default=None, help="whole-run budget (default 20; --quick: 10)")
     p.add_argument("--arrivals", type=int, default=None, help="measured arrivals per step (default 20; --quick: 6)")
     p.add_argument("--min-step-s", type=float, default=None, help="shortest span of a step's arrivals")
     p.add_argument("--max-steps", type=int, default=None, help="search steps per method (bisection not counted)")

@@ -27,13 +27,18 @@ bs = _load()
 
 
 def search(threshold: float, plan, start: float) -> tuple[list[tuple[float, bool]], str]:
-    """Run next_load against a server that sustains every load <= threshold."""
+    """Run next_load, then refine_load, against a server that sustains every load <= threshold."""
     history: list[tuple[float, bool]] = []
     while True:
         load, end = bs.next_load(history, plan, start)
         if load is None:
-            return history, end
+            break
         history.append((load, load <= threshold))
+    load = bs.refine_load(history, plan)
+    if load is not None:
+        history.append((load, load <= threshold))
+        assert bs.refine_load(history, plan) is None  # once
+    return history, end
 
 
 @pytest.mark.parametrize("start", [0.6, 0.1, 2.0])
@@ -42,10 +47,11 @@ def test_search_brackets_the_threshold_to_half_a_factor(threshold: float, start:
     plan = bs.Plan(max_steps=10)
     history, end = search(threshold, plan, start)
     found = bs.sustained_load(history)
-    assert end == "bracketed"
-    assert found <= threshold < found * math.sqrt(plan.factor) * 1.001
-    # one pass and one fail above it at most one factor apart, then exactly one bisection step
-    assert len(history) <= 2 + abs(round(math.log(start / threshold, plan.factor))) + 1
+    lo, hi = bs.bracket(history)
+    assert end == "bracketed" and lo == found
+    assert found <= threshold < hi <= found * math.sqrt(plan.factor) * 1.001
+    # the search walks from start to the threshold, flips once, then one bisection step
+    assert len(history) <= abs(math.log(start / threshold, plan.factor)) + 3
 
 
 def test_search_without_refine_stops_at_the_first_flip() -> None:
@@ -53,6 +59,7 @@ def test_search_without_refine_stops_at_the_first_flip() -> None:
     history, end = search(0.31, plan, 0.6)
     assert end == "bracketed" and [ok for _, ok in history] == [False, False, True]
     assert bs.sustained_load(history) == pytest.approx(0.6 / 2)
+    assert bs.bracket(history) == (pytest.approx(0.3), pytest.approx(0.6 / math.sqrt(2)))
 
 
 def test_search_ends_at_the_floor_or_after_max_steps() -> None:
@@ -61,6 +68,7 @@ def test_search_ends_at_the_floor_or_after_max_steps() -> None:
     assert bs.Plan().f_min * 0.999 <= min(f for f, _ in history) < bs.Plan().f_min * bs.Plan().factor
     history, end = search(100.0, bs.Plan(max_steps=3), 0.6)
     assert end == "max_steps" and len(history) == 3 and all(ok for _, ok in history)
+    assert bs.refine_load(history, bs.Plan()) is None  # no fail above: nothing to bisect
 
 
 def test_step_times_are_one_pattern_in_units_of_each_methods_service_time() -> None:
@@ -118,11 +126,6 @@ def test_a_flight_is_late_once_its_wait_passes_the_limit() -> None:
     assert f.late(10.0, 2.0)
 
 
-def test_budget_shares_follow_service_time() -> None:
-    shares = bs.budget_shares(900.0, {"blend": 1.0, "full": 4.0, "prefix": 4.0})
-    assert shares == pytest.approx({"blend": 100.0, "full": 400.0, "prefix": 400.0})
-
-
 def test_plan_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         bs.Plan(arrivals=0)
@@ -149,3 +152,5 @@ def test_quick_run_end_to_end_on_the_tiny_model(tiny_model_dir) -> None:
         assert steps and all(st["rate"] == pytest.approx(st["load"] / s, rel=1e-3) for st in steps)
         assert result["sustained_rate_req_s"][m] == pytest.approx(result["sustained_load"][m] / s, rel=1e-3)
         assert result["search_end"][m] in ("bracketed", "max_steps", "floor", "budget")
+        lo, hi = result["bracket_rate_req_s"][m]
+        assert (lo or 0.0) == pytest.approx(result["sustained_rate_req_s"][m]) and (hi is None or hi > (lo or 0.0))
