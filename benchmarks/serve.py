@@ -589,6 +589,8 @@ def _result(base: dict[str, Unloaded], ladders: dict[str, Ladder], burst: list[S
     return {
         "blend_over_full_rate": _ratio(rate.get("blend"), rate.get("full")),
         "prefix_over_full_rate": _ratio(rate.get("prefix"), rate.get("full")),
+        "ratio_bounds": {f"{m}_over_full": _ratio_bounds(ladders[m], ladders["full"], base[m].ttft_s, base["full"].ttft_s)
+                         for m in ("blend", "prefix") if m in ladders and "full" in ladders},
         "decode_batch8_over_1": round(statistics.median(eight) / statistics.median(one), 3),
         "lost_requests": lost,
         "rejected_requests": sum(st.count("rejected") for lad in ladders.values() for st in lad.steps),
@@ -614,7 +616,17 @@ def _sustained_p95(ladder: Ladder) -> float | None:
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
+    """a / b; None unless both methods sustained some rate (see ``search_end`` for why not)."""
+    return round(a / b, 3) if a and b else None
+
+
+def _ratio_bounds(num: Ladder, den: Ladder, num_s: float, den_s: float) -> list[float | None]:
+    """The range the two brackets allow for num's rate over den's: [lo/hi, hi/lo]
+    (None where a bracket has no pass or no fail above it)."""
+    (a_lo, a_hi), (b_lo, b_hi) = bracket(num.history), bracket(den.history)
+    low = round((a_lo / num_s) / (b_hi / den_s), 3) if a_lo and b_hi else None
+    high = round((a_hi / num_s) / (b_lo / den_s), 3) if a_hi and b_lo else None
+    return [low, high]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:

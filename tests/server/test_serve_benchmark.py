@@ -126,6 +126,16 @@ def test_a_flight_is_late_once_its_wait_passes_the_limit() -> None:
     assert f.late(10.0, 2.0)
 
 
+def test_ratios_use_absolute_rates_and_say_none_without_a_pass() -> None:
+    blend = bs.Ladder(history=[(0.6, False), (0.42, True)])  # S = 1 s: sustains 0.42 req/s, fails 0.6
+    full = bs.Ladder(history=[(0.6, True), (0.85, False)])  # S = 4 s: sustains 0.15 req/s, fails 0.2125
+    assert bs._ratio(0.42 / 1.0, 0.6 / 4.0) == pytest.approx(2.8)
+    assert bs._ratio_bounds(blend, full, 1.0, 4.0) == [pytest.approx(0.42 / 0.2125, abs=1e-3),
+                                                        pytest.approx(0.6 / 0.15, abs=1e-3)]
+    assert bs._ratio(0.0, 0.15) is None and bs._ratio(0.42, 0.0) is None
+    assert bs._ratio_bounds(bs.Ladder(history=[(0.6, False)]), full, 1.0, 4.0) == [None, pytest.approx(4.0)]
+
+
 def test_plan_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         bs.Plan(arrivals=0)
