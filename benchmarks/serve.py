@@ -10,7 +10,8 @@ queue so that overload answers 429) and drives it with httpx over SSE. Phases:
    drawn by Zipf popularity (rank^-s: a few documents are hot, as in RAG traffic) and
    one of the questions; answers are 32 tokens (`ignore_eos`), greedy.
 2. Per method, its unloaded service time S: the median TTFT of sequential requests
-   (after a warm-up). TTFT is measured by the client: request sent -> first text chunk.
+   (after a warm-up; the same requests for every method). TTFT is measured by the
+   client: request sent -> first text chunk.
 3. Overload: a burst of 2 x (max_running + max_queued) short requests at once; each must
    end as ok or 429, none lost. Decode throughput: 8 concurrent streams vs 1.
 4. Per method, a ladder of load steps to the highest Poisson arrival rate it sustains:
@@ -411,6 +412,7 @@ class Bench:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout), limits=limits)
         self.requests = [workload.draw() for _ in range(plan.max_arrivals)]  # every step sends these, in order
+        self.unloaded_requests = [workload.draw() for _ in range(plan.unloaded + 1)]  # every method's S from these
         self.pattern = unit_arrivals(plan.max_arrivals, args.seed)
 
     async def request(self, method: str, max_tokens: int | None = None, docs: list[str] | None = None,
@@ -425,8 +427,8 @@ class Bench:
             r.raise_for_status()
 
     async def unloaded(self, method: str) -> Unloaded:
-        await self.request(method)  # warm-up (also fills the prefix cache with the system prompt)
-        samples = [await self.request(method) for _ in range(self.plan.unloaded)]
+        """The first request warms up (and fills the prefix cache with the system prompt)."""
+        samples = [await self.request(method, docs=d, question=q) for d, q in self.unloaded_requests][1:]
         ok = [s for s in samples if s.status == "ok"]
         if not ok:
             raise SystemExit(f"{method}: no unloaded request succeeded: {[s.detail for s in samples]}")
