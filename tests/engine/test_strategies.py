@@ -12,7 +12,7 @@ from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
 from kvblend.blend.strategies import QuestionScores, ShiftCorrection, allocate, choose, question_scores
-from kvblend.models.attention import causal_mask
+from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, Request
 from kvblend.eval.runner import parse_method
 from kvblend.models.config import ModelConfig
@@ -205,12 +205,30 @@ def test_question_scores_mask_only_what_a_query_cannot_see(window: int | None) -
     torch.manual_seed(0)
     hkv, per_kv, d, n = 2, 3, 8, 24
     positions = torch.tensor([0, 1, 9, 10, 11, 18, 20, 21, 22, 23])  # the active rows, ascending
-    q, keys = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d)
+    q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
     scorer = QuestionScores(n, 4, [window], torch.device("cpu"))
-    scorer(0, q, keys, positions)
+    assert scorer(0, q, keys, values, positions) is None  # rows 0, 1 are not question rows: fusion attends
     rows = positions > 4
     qq = q[:, rows].reshape(hkv, per_kv * int(rows.sum()), d)
     logits = qq @ keys.transpose(1, 2) / d**0.5
     allowed = causal_mask(positions[rows], torch.arange(n), window).repeat(per_kv, 1)
     want = logits.masked_fill(~allowed, float("-inf")).softmax(-1).sum(dim=(0, 1))
     torch.testing.assert_close(scorer.total, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | None) -> None:
+    # every active row is a question row: the scorer's attention output replaces fusion's, and
+    # splitting the rows into blocks (a long question) changes neither scores nor output
+    torch.manual_seed(1)
+    hkv, per_kv, d, n = 2, 3, 8, 24
+    positions = torch.tensor([12, 15, 16, 17, 20, 21, 22, 23])
+    q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    whole = QuestionScores(n, 4, [window], torch.device("cpu"))
+    blocks = QuestionScores(n, 4, [window], torch.device("cpu"), max_elements=2 * hkv * per_kv * n)  # 2 rows
+    out, out_blocks = whole(0, q, keys, values, positions), blocks(0, q, keys, values, positions)
+    want = attend(q, keys, values, mask=causal_mask(positions, torch.arange(n), window))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_blocks, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(blocks.total, whole.total, atol=1e-6, rtol=1e-6)
+    assert abs(float(whole.total.sum()) - hkv * per_kv * positions.numel()) < 1e-4  # each row's weights sum to 1

@@ -182,29 +182,56 @@ def _shift_rows(spans: Sequence[Span], written: torch.Tensor) -> _ShiftRows | No
 
 class QuestionScores:
     """``FusionPlan.observe``: accumulates, per key position, the softmax attention weight
-    that queries after ``first_doc`` pay it, summed over heads, queries and layers."""
+    that queries after ``first_doc`` pay it, summed over heads, queries and layers.
 
-    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device) -> None:
+    When every active query is such a query (the question pass), those weights are the
+    layer's attention: it returns the attention output (weights @ V) for fusion to use
+    instead of computing the same attention again. Query rows go in blocks of at most
+    ``max_elements`` weights, so a long question never materialises heads x queries x N
+    at once."""
+
+    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device,
+                 max_elements: int = 1 << 24) -> None:
         self.total = torch.zeros(n, dtype=torch.float32, device=device)  # (N,)
         self.first_doc, self.windows = first_doc, list(windows)  # sliding window per layer
+        self.max_elements = max_elements
 
-    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor | None:
         rows = (positions > self.first_doc).nonzero().squeeze(1)
         if rows.numel() == 0:
-            return
-        (hkv, n, d), per_kv = keys.shape, q.shape[0] // keys.shape[0]
-        if rows.numel() < positions.numel():
+            return None
+        every_row = rows.numel() == positions.numel()
+        if not every_row:
             q, positions = q[:, rows], positions[rows]
+        (hq, t, d), n = q.shape, keys.shape[1]
+        step = max(1, self.max_elements // (hq * n))
+        parts = [self._block(layer, q[:, i : i + step], keys, values, positions[i : i + step], every_row)
+                 for i in range(0, t, step)]
+        if not every_row:
+            return None
+        return torch.cat(parts).to(q.dtype) if len(parts) > 1 else parts[0].to(q.dtype)  # (Tq, Hq*d)
+
+    def _block(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor, attend: bool) -> torch.Tensor | None:
+        """Adds the weights of query rows q (Hq, Tb, d) at ``positions`` (ascending); their
+        attention output (Tb, Hq*d) in float32 when ``attend``."""
+        (hkv, n, d), (hq, t, _) = keys.shape, q.shape
         # the query heads sharing a KV head stacked along the rows: keys are never copied per head
-        qq = q.float().reshape(hkv, per_kv * positions.numel(), d)  # (Hkv, hpk*Tq, d)
-        logits = torch.bmm(qq, keys.float().transpose(1, 2)).div_(math.sqrt(d))  # (Hkv, hpk*Tq, N)
+        qq = q.float().reshape(hkv, hq // hkv * t, d)  # (Hkv, hpk*Tb, d)
+        logits = torch.bmm(qq, keys.float().transpose(1, 2)).div_(math.sqrt(d))  # (Hkv, hpk*Tb, N)
         window = self.windows[layer]
         # keys up to the first query are seen by every query unless a window cuts them: mask the rest only
         start = int(positions[0]) + 1 if window is None or int(positions[-1]) < window else 0
         if start < n:
-            allowed = causal_mask(positions, torch.arange(start, n, device=q.device), window)  # (Tq, N - start)
-            logits[:, :, start:].masked_fill_(~allowed.repeat(per_kv, 1), float("-inf"))
-        self.total[:n] += logits.softmax(dim=-1).sum(dim=(0, 1))
+            allowed = causal_mask(positions, torch.arange(start, n, device=q.device), window)  # (Tb, N - start)
+            logits[:, :, start:].masked_fill_(~allowed.repeat(hq // hkv, 1), float("-inf"))
+        weights = logits.softmax(dim=-1)
+        self.total[:n] += weights.sum(dim=(0, 1))
+        if not attend:
+            return None
+        out = torch.bmm(weights, values.float())  # (Hkv, hpk*Tb, d)
+        return out.view(hq, t, d).transpose(0, 1).reshape(t, hq * d)
 
 
 def _base(plan: FusionPlan) -> FusionPlan:
