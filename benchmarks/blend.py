@@ -2,8 +2,10 @@
 
     .venv/bin/python benchmarks/blend.py [--dataset ../shared/data/musique_dev.json]
         [--limit 10] [--ratios 0.05,0.15,0.3,0.5] [--repeats 5] [--skip-quality]
+        [--blend-method blend:0.15:q+shift] [--threads 1]
 
-TTFT part (``blend`` = the default strategy, ``cacheblend`` = the paper's selection):
+TTFT part (``blend`` = the engine's default strategy at ``--ratio``, or the method spec
+``--blend-method`` names; ``cacheblend`` = the paper's selection at ``--ratio``):
 6 documents of 512 tokens (MuSiQue passages cut to length), all cached; the
 prefix cache has seen them in another order, so `prefix` reuses the system prompt only.
 Methods are timed alternately so machine noise hits all alike; ratios are given of the
@@ -26,7 +28,7 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, load_musique, musique_query
-from kvblend.eval.runner import parse_method, run_example
+from kvblend.eval.runner import MethodSpec, parse_method, run_example
 from kvblend.models import DEFAULT_MODEL, load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
@@ -43,16 +45,29 @@ def fixed_length_docs(engine: Engine, examples, n_docs: int, tokens: int) -> lis
     return [tuple(stream[i * tokens : (i + 1) * tokens]) for i in range(n_docs)]
 
 
-def ttft_section(engine: Engine, examples, ratio: float, repeats: int) -> dict[str, float]:
+def blend_specs(ratio: float, blend_method: str | None) -> dict[str, MethodSpec]:
+    """What ``blend`` and ``cacheblend`` time: ``blend_method`` (a method spec of blend, e.g.
+    ``blend:0.15:q+shift``) or the engine's default blend at ``ratio``; the paper's selection
+    at ``ratio``. ValueError for a spec that is not a blend."""
+    blend = parse_method(blend_method) if blend_method else MethodSpec(f"blend:{ratio}", "blend",
+                                                                        BlendConfig(ratio=ratio))
+    if blend.method != "blend":
+        raise ValueError(f"--blend-method must be a blend method (blend:..., cacheblend:...), got {blend_method!r}")
+    return {"blend": blend, "cacheblend": parse_method(f"cacheblend:{ratio}")}
+
+
+def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_method: str | None = None
+                 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     docs = fixed_length_docs(engine, examples, 6, 512)
     question = musique_query(examples[0].question)
+    specs = blend_specs(ratio, blend_method)
 
     def request(method: str, order=None, q: str = question) -> Request:
-        """``blend``: the default strategy; ``cacheblend``: the paper's selection."""
+        """``blend``: the chosen blend method; ``cacheblend``: the paper's selection."""
         ds = [docs[i] for i in (order or range(len(docs)))]
-        cfg = BlendConfig.cacheblend(ratio) if method == "cacheblend" else BlendConfig(ratio=ratio)
+        spec = specs.get(method)
         return Request(documents=ds, question=q, system=MUSIQUE_INSTRUCTION,
-                       method="blend" if method == "cacheblend" else method, blend=cfg)
+                       method=spec.method if spec else method, blend=spec.blend if spec else BlendConfig(ratio=ratio))
 
     engine.prepare(request("blend", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # store + prefix
     engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))
@@ -68,7 +83,8 @@ def ttft_section(engine: Engine, examples, ratio: float, repeats: int) -> dict[s
     times = {m: v[1:] for m, v in times.items()}  # the first round is a warm-up
     med = {m: statistics.median(v) for m, v in times.items()}
     tokens = engine.prepare(request("full")).stats.prompt_tokens
-    print(f"\nTTFT, 6 cached docs x 512 tokens ({tokens}-token prompt), median of {repeats}:")
+    print(f"\nTTFT, 6 cached docs x 512 tokens ({tokens}-token prompt), median of {repeats}; "
+          f"blend = {specs['blend'].label}, cacheblend = {specs['cacheblend'].label}:")
     print("  method   median s   best s   x full (medians)   x full (paired)   x full (best)")
     for m, v in times.items():
         print(f"  {m:10s} {med[m]:8.3f} {min(v):8.3f}   {med[m] / med['full']:16.3f}   "
@@ -109,11 +125,16 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15, help="blend ratio for the TTFT part")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--blend-method", default=None,
+                    help="method spec timed as blend (default: the engine's default blend at --ratio), "
+                         "e.g. blend:0.15:q+shift; cacheblend is always the paper's at --ratio")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
+    specs = blend_specs(args.ratio, args.blend_method)  # a bad spec fails before any model work
     engine = Engine(load_model(DEFAULT_MODEL))
     examples = load_musique(args.dataset, n_docs=6, limit=max(args.limit, 3))
-    med, times = ttft_section(engine, examples, args.ratio, args.repeats)
+    med, times = ttft_section(engine, examples, args.ratio, args.repeats, args.blend_method)
     result = {"ttft_full_s": med["full"], "ttft_prefix_s": med["prefix"], "ttft_reuse_s": med["reuse"],
               "ttft_blend_s": med["blend"],
               "ttft_cacheblend_s": med["cacheblend"],
@@ -123,7 +144,9 @@ def main() -> None:
               "blend_over_full_paired": paired_ratio(times["blend"], times["full"]),
               "blend_over_prefix_paired": paired_ratio(times["blend"], times["prefix"]),
               "blend_over_full_best": min(times["blend"]) / min(times["full"]),
-              "blend_over_prefix_best": min(times["blend"]) / min(times["prefix"]), "blend_ratio": args.ratio}
+              "blend_over_prefix_best": min(times["blend"]) / min(times["prefix"]), "blend_ratio": args.ratio,
+              "blend_method": specs["blend"].label, "cacheblend_method": specs["cacheblend"].label,
+              "threads": args.threads}
     if not args.skip_quality:
         engine.prefix_cache.clear()
         summary = quality_section(engine, examples[: args.limit], [float(r) for r in args.ratios.split(",")])

@@ -11,7 +11,8 @@ from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
-from kvblend.blend.strategies import ShiftCorrection, allocate, choose, question_scores, shift_samples
+from kvblend.blend.strategies import QuestionScores, ShiftCorrection, allocate, choose, question_scores, shift_samples
+from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, Request
 from kvblend.eval.runner import parse_method
 from kvblend.models.config import ModelConfig
@@ -194,3 +195,78 @@ def test_the_shift_sample_is_uniform_kept_first_and_at_most_half_the_budget() ->
         kept = positions[choose(scores, positions, keep, spans, BlendConfig(shift=True), forced=mask)]
         assert set(want) <= set(kept.tolist()) and kept.numel() == keep
     assert not shift_samples(spans, 200, 0, n_cand, 16, torch.device("cpu")).any()
+
+
+def _shift_by_document(spans, cos, sin, interleaved, keys, values, written, k, v) -> None:
+    """The shift written out one document at a time (the definition the batched one keeps)."""
+    for a, b in spans:
+        rows = ((written >= a) & (written < b)).nonzero().squeeze(1)
+        if rows.numel() in (0, b - a):
+            continue
+        pos = written[rows]
+        others = torch.tensor([p for p in range(a, b) if p not in set(pos.tolist())])
+        dv = (v[:, rows] - values[:, pos]).mean(dim=1, keepdim=True)
+        dk = rope_lib.apply_rope(k[:, rows] - keys[:, pos], cos[pos], -sin[pos], interleaved).mean(dim=1, keepdim=True)
+        keys[:, others] += rope_lib.apply_rope(dk.expand(-1, others.numel(), -1).contiguous(), cos[others],
+                                               sin[others], interleaved)
+        values[:, others] += dv
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_batched_shift_equals_the_shift_one_document_at_a_time(interleaved: bool) -> None:
+    # several documents at once: one partly written, one fully, one not at all, one written
+    # token outside every document; the rows are cached per `written` across layers
+    cfg = make_loaded().config
+    n, hkv, d, layers = 40, cfg.num_kv_heads, cfg.head_dim, 2
+    cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(n))
+    spans = [(2, 12), (12, 15), (15, 30), (30, 38)]
+    written = torch.tensor([3, 7, 8, 12, 13, 14, 16, 29, 39])  # (30, 38) keeps all its stale K/V
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(layers, hkv, d, n, torch.float32, "cpu")
+    want = KVCache(layers, hkv, d, n, torch.float32, "cpu")
+    shift = ShiftCorrection(spans, [(cos, sin)] * layers, interleaved)
+    for layer in range(layers):
+        for a, b in ((cache.keys, want.keys), (cache.values, want.values)):
+            a[layer][:] = b[layer][:] = torch.randn(hkv, n, d, generator=gen)
+        k, v = torch.randn(hkv, written.numel(), d, generator=gen), torch.randn(hkv, written.numel(), d, generator=gen)
+        shift(cache, layer, written, k, v)
+        _shift_by_document(spans, cos, sin, interleaved, want.keys[layer], want.values[layer], written, k, v)
+        torch.testing.assert_close(cache.keys[layer], want.keys[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.values[layer], want.values[layer], atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache.keys[layer][:, 30:38], want.keys[layer][:, 30:38])  # untouched document
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_question_scores_mask_only_what_a_query_cannot_see(window: int | None) -> None:
+    # scattered query positions (a missed document between cached ones adds rows before the
+    # question), against softmax over an explicit full mask; with a window every key row is masked
+    torch.manual_seed(0)
+    hkv, per_kv, d, n = 2, 3, 8, 24
+    positions = torch.tensor([0, 1, 9, 10, 11, 18, 20, 21, 22, 23])  # the active rows, ascending
+    q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    scorer = QuestionScores(n, 4, [window], torch.device("cpu"))
+    assert scorer(0, q, keys, values, positions) is None  # rows 0, 1 are not question rows: fusion attends
+    rows = positions > 4
+    qq = q[:, rows].reshape(hkv, per_kv * int(rows.sum()), d)
+    logits = qq @ keys.transpose(1, 2) / d**0.5
+    allowed = causal_mask(positions[rows], torch.arange(n), window).repeat(per_kv, 1)
+    want = logits.masked_fill(~allowed, float("-inf")).softmax(-1).sum(dim=(0, 1))
+    torch.testing.assert_close(scorer.total, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | None) -> None:
+    # every active row is a question row: the scorer's attention output replaces fusion's, and
+    # splitting the rows into blocks (a long question) changes neither scores nor output
+    torch.manual_seed(1)
+    hkv, per_kv, d, n = 2, 3, 8, 24
+    positions = torch.tensor([12, 15, 16, 17, 20, 21, 22, 23])
+    q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    whole = QuestionScores(n, 4, [window], torch.device("cpu"))
+    blocks = QuestionScores(n, 4, [window], torch.device("cpu"), max_elements=2 * hkv * per_kv * n)  # 2 rows
+    out, out_blocks = whole(0, q, keys, values, positions), blocks(0, q, keys, values, positions)
+    want = attend(q, keys, values, mask=causal_mask(positions, torch.arange(n), window))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_blocks, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(blocks.total, whole.total, atol=1e-6, rtol=1e-6)
+    assert abs(float(whole.total.sum()) - hkv * per_kv * positions.numel()) < 1e-4  # each row's weights sum to 1

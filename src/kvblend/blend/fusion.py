@@ -91,7 +91,8 @@ class FusionPlan:
     strategy: Any = None  # a BlendConfig for strategies.fuse_planned (fuse() itself refuses it)
     recompute: torch.Tensor | None = None  # (N,) bool: cached tokens computed at every layer too
     pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
-    observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None  # (layer, q, K, pos)
+    # (layer, q, K, V, pos) -> None, or the layer's attention output (T, Hq*d) of every active row, used as is
+    observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
     correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     reuse_cache: KVCache | None = None  # already holds the prefix and re-rotated chunks: fill it in place
 
@@ -203,7 +204,9 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     Hooks (all None for the paper's algorithm; a plan with a ``strategy`` goes through
     ``strategies.fuse_planned``, which calls back here with the hooks set); ``recompute`` adds cached
     tokens to the always-computed set when ``select_from_start``; ``pick`` replaces the
-    global top-k at a check layer; ``observe`` sees each layer's queries and keys;
+    global top-k at a check layer; ``observe`` sees each layer's queries, keys and values (after
+    this layer's writes) and may return that layer's attention output for the active rows, which
+    is then not computed again;
     ``correct`` sees fresh K/V before they overwrite the cache. Raises LayerUnavailable
     when a placed chunk cannot hand out a layer (see ``fuse_or_drop``)."""
     if plan.strategy is not None:
@@ -257,15 +260,16 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
         cache.keys[layer_idx][:, written] = k
         cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)
-        if plan.observe is not None:
-            plan.observe(layer_idx, q, keys, active)
+        attn = None if plan.observe is None else plan.observe(layer_idx, q, keys, values, active)  # (T, Hq*d)
         if layer_idx == last and model.sees_all(n):  # only the final token's output is read
-            h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
+            h = layer.finish(h[-1:], attend(q[:, -1:], keys, values) if attn is None else attn[-1:])
             continue
-        if layer.window not in attn_plans:
-            attn_plans[layer.window] = plan_attention(active, n, layer.window, model.dtype,
-                                                      heads_per_kv=model.cfg.heads_per_kv)
-        h = layer.finish(h, attend_planned(q, keys, values, attn_plans[layer.window]))
+        if attn is None:
+            if layer.window not in attn_plans:
+                attn_plans[layer.window] = plan_attention(active, n, layer.window, model.dtype,
+                                                          heads_per_kv=model.cfg.heads_per_kv)
+            attn = attend_planned(q, keys, values, attn_plans[layer.window])
+        h = layer.finish(h, attn)
     cache.length = n
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand, tuple(seen))
 

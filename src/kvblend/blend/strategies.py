@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -133,57 +134,138 @@ class ShiftCorrection:
     residual of its written ones (V as is, K un-rotated to the pre-RoPE frame, averaged,
     and rotated to each moved token's position). With ``samples`` only the written tokens it
     marks are averaged (a uniform sample: see ``shift_samples``). A document with no such
-    token stays."""
+    token stays.
+
+    All documents are corrected at once (a mean per document by ``index_add_``); which
+    rows are written and moved is worked out once per ``written`` tensor (fusion passes
+    the same one at every layer of a pass) and the RoPE rows once per table."""
 
     def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  interleaved: bool, samples: torch.Tensor | None = None) -> None:
         self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
         self.samples = samples  # (N,) bool: only these written tokens' residuals count (None: all)
+        self._written: torch.Tensor | None = None
+        self._rows: _ShiftRows | None = None
+        self._ropes: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _rows_for(self, written: torch.Tensor) -> _ShiftRows | None:
+        if written is not self._written:
+            self._written, self._rows, self._ropes = written, _shift_rows(self.spans, written, self.samples), {}
+        return self._rows
 
     def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        r = self._rows_for(written)
+        if r is None:
+            return
         keys, values = cache.keys[layer], cache.values[layer]
-        cos, sin = self.tables[layer]  # the layer's own RoPE (Gemma 3: local or global)
-        for a, b in self.spans:
-            rows = ((written >= a) & (written < b)).nonzero().squeeze(1)
-            if rows.numel() == 0 or rows.numel() == b - a:
+        table = self.tables[layer]  # the layer's own RoPE (Gemma 3: local or global)
+        if id(table) not in self._ropes:
+            cos, sin = table
+            self._ropes[id(table)] = (cos[r.pos].float(), -sin[r.pos].float(), cos[r.moved].float(),
+                                      sin[r.moved].float())
+        cos_w, neg_sin_w, cos_m, sin_m = self._ropes[id(table)]
+        hkv, d = keys.shape[0], keys.shape[2]
+        dv = (v[:, r.rows] - values[:, r.pos]).float()  # (Hkv, m, d)
+        dk = rope_lib.apply_rope((k[:, r.rows] - keys[:, r.pos]).float(), cos_w, neg_sin_w, self.interleaved)
+        mean_v = dv.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dv).div_(r.counts)  # (Hkv, D, d)
+        mean_k = dk.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dk).div_(r.counts)  # pre-RoPE
+        shift_k = rope_lib.apply_rope(mean_k[:, r.doc_of_moved], cos_m, sin_m, self.interleaved)  # (Hkv, o, d)
+        keys.index_add_(1, r.moved, shift_k.to(keys.dtype))
+        values.index_add_(1, r.moved, mean_v[:, r.doc_of_moved].to(values.dtype))
+
+
+class _ShiftRows(NamedTuple):
+    rows: torch.Tensor  # (m,) indices into ``written`` of written tokens in corrected documents
+    pos: torch.Tensor  # (m,) their positions
+    doc_of_row: torch.Tensor  # (m,) their corrected document, 0..n_docs-1
+    counts: torch.Tensor  # (n_docs, 1) written tokens per corrected document
+    moved: torch.Tensor  # (o,) positions of the corrected documents' tokens not written
+    doc_of_moved: torch.Tensor  # (o,)
+    n_docs: int
+
+
+def _shift_rows(spans: Sequence[Span], written: torch.Tensor, samples: torch.Tensor | None) -> _ShiftRows | None:
+    """Which rows the shift reads and moves: documents with some but not all tokens
+    written (and, with ``samples``, some sampled token written) move their tokens not
+    written by the mean residual of their written sampled ones; None when there is none."""
+    rows, docs, moved, doc_of_moved, counts = [], [], [], [], []
+    for a, b in spans:
+        inside = ((written >= a) & (written < b)).nonzero().squeeze(1)
+        if inside.numel() == 0 or inside.numel() == b - a:
+            continue
+        others = torch.ones(b - a, dtype=torch.bool, device=written.device)
+        others[written[inside] - a] = False
+        others = others.nonzero().squeeze(1) + a
+        if samples is not None:
+            inside = inside[samples[written[inside]]]
+            if inside.numel() == 0:
                 continue
-            others = torch.ones(b - a, dtype=torch.bool, device=written.device)
-            others[written[rows] - a] = False
-            others = others.nonzero().squeeze(1) + a
-            if self.samples is not None:
-                rows = rows[self.samples[written[rows]]]
-                if rows.numel() == 0:
-                    continue
-            pos = written[rows]
-            dv = (v[:, rows] - values[:, pos]).float().mean(dim=1, keepdim=True)  # (Hkv, 1, d)
-            dk_rot = (k[:, rows] - keys[:, pos]).float()  # (Hkv, m, d), post-RoPE
-            dk = rope_lib.apply_rope(dk_rot, cos[pos].float(), -sin[pos].float(), self.interleaved)
-            dk = dk.mean(dim=1, keepdim=True).expand(-1, others.numel(), -1)  # (Hkv, o, d) pre-RoPE
-            shift_k = rope_lib.apply_rope(dk.contiguous(), cos[others].float(), sin[others].float(),
-                                          self.interleaved)
-            keys[:, others] += shift_k.to(keys.dtype)
-            values[:, others] += dv.to(values.dtype)
+        i = len(counts)
+        rows.append(inside)
+        docs.append(torch.full_like(inside, i))
+        moved.append(others)
+        doc_of_moved.append(torch.full_like(others, i))
+        counts.append(inside.numel())
+    if not counts:
+        return None
+    rows_t = torch.cat(rows)
+    return _ShiftRows(rows_t, written[rows_t], torch.cat(docs),
+                      torch.tensor(counts, dtype=torch.float32, device=written.device)[:, None],
+                      torch.cat(moved), torch.cat(doc_of_moved), len(counts))
 
 
 class QuestionScores:
     """``FusionPlan.observe``: accumulates, per key position, the softmax attention weight
-    that queries after ``first_doc`` pay it, summed over heads, queries and layers."""
+    that queries after ``first_doc`` pay it, summed over heads, queries and layers.
 
-    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device) -> None:
+    When every active query is such a query (the question pass), those weights are the
+    layer's attention: it returns the attention output (weights @ V) for fusion to use
+    instead of computing the same attention again. Query rows go in blocks of at most
+    ``max_elements`` weights, so a long question never materialises heads x queries x N
+    at once."""
+
+    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device,
+                 max_elements: int = 1 << 24) -> None:
         self.total = torch.zeros(n, dtype=torch.float32, device=device)  # (N,)
         self.first_doc, self.windows = first_doc, list(windows)  # sliding window per layer
+        self.max_elements = max_elements
 
-    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor | None:
         rows = (positions > self.first_doc).nonzero().squeeze(1)
         if rows.numel() == 0:
-            return
-        (hkv, n, d), per_kv = keys.shape, q.shape[0] // keys.shape[0]
+            return None
+        every_row = rows.numel() == positions.numel()
+        if not every_row:
+            q, positions = q[:, rows], positions[rows]
+        (hq, t, d), n = q.shape, keys.shape[1]
+        step = max(1, self.max_elements // (hq * n))
+        parts = [self._block(layer, q[:, i : i + step], keys, values, positions[i : i + step], every_row)
+                 for i in range(0, t, step)]
+        if not every_row:
+            return None
+        return torch.cat(parts).to(q.dtype) if len(parts) > 1 else parts[0].to(q.dtype)  # (Tq, Hq*d)
+
+    def _block(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor, attend: bool) -> torch.Tensor | None:
+        """Adds the weights of query rows q (Hq, Tb, d) at ``positions`` (ascending); their
+        attention output (Tb, Hq*d) in float32 when ``attend``."""
+        (hkv, n, d), (hq, t, _) = keys.shape, q.shape
         # the query heads sharing a KV head stacked along the rows: keys are never copied per head
-        qq = q[:, rows].float().reshape(hkv, per_kv * rows.numel(), d)  # (Hkv, hpk*Tq, d)
-        logits = qq @ keys.float().transpose(1, 2) / math.sqrt(d)  # (Hkv, hpk*Tq, N)
-        allowed = causal_mask(positions[rows], torch.arange(n, device=q.device), self.windows[layer])  # (Tq, N)
-        weights = logits.masked_fill_(~allowed.repeat(per_kv, 1), float("-inf")).softmax(dim=-1)
+        qq = q.float().reshape(hkv, hq // hkv * t, d)  # (Hkv, hpk*Tb, d)
+        logits = torch.bmm(qq, keys.float().transpose(1, 2)).div_(math.sqrt(d))  # (Hkv, hpk*Tb, N)
+        window = self.windows[layer]
+        # keys up to the first query are seen by every query unless a window cuts them: mask the rest only
+        start = int(positions[0]) + 1 if window is None or int(positions[-1]) < window else 0
+        if start < n:
+            allowed = causal_mask(positions, torch.arange(start, n, device=q.device), window)  # (Tb, N - start)
+            logits[:, :, start:].masked_fill_(~allowed.repeat(hq // hkv, 1), float("-inf"))
+        weights = logits.softmax(dim=-1)
         self.total[:n] += weights.sum(dim=(0, 1))
+        if not attend:
+            return None
+        out = torch.bmm(weights, values.float())  # (Hkv, hpk*Tb, d)
+        return out.view(hq, t, d).transpose(0, 1).reshape(t, hq * d)
 
 
 def _base(plan: FusionPlan) -> FusionPlan:
