@@ -145,6 +145,28 @@ def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
     assert kept.recomputed_per_layer == [forced + round(0.25 * kept.candidates)] * 3  # no layer in full
 
 
+@pytest.mark.parametrize("extra", [{}, {"budget": True, "sinks": 2, "shift": True}])
+def test_question_selection_reports_its_selection_like_a_check_layer(extra: dict) -> None:
+    # the guard's score band and the per-document stats read stats.checks: question
+    # selection must fill them (it selects once, before layer 0), with scores as shares of
+    # the question's attention so that a band does not depend on the question's length
+    eng = Engine(make_loaded(num_hidden_layers=3))
+    _logits(eng, "blend")
+    eng.flush()
+    st = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                             blend=BlendConfig(ratio=0.25, selection="question", **extra))).stats
+    (check,) = st.checks
+    assert (check.layer, check.candidates) == (0, st.candidates)
+    assert check.selected == round(0.25 * st.candidates) == sum(check.doc_selected)
+    assert len(check.doc_selected) == len(DOCS)
+    assert all(n >= 2 for n in check.doc_selected) or not extra  # sinks2: every document keeps its first 2
+    assert 0.0 < check.mean_score <= check.max_score < 1.0
+    assert check.mean_score * check.candidates <= 1.0  # the documents' share of the attention
+    reuse = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                                blend=BlendConfig(ratio=0.0, selection="question"))).stats
+    assert reuse.checks[0].selected == 0 and reuse.checks[0].mean_score == pytest.approx(check.mean_score)
+
+
 def test_method_grammar_names_the_strategies() -> None:
     q = parse_method("blend:0.15:q+budget+sinks4+shift").blend
     assert (q.selection, q.ratio, q.budget, q.sinks, q.shift) == ("question", 0.15, True, 4, True)

@@ -41,7 +41,7 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse
-from kvblend.blend.select import deviation, kept_count, select_tokens
+from kvblend.blend.select import SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
 from kvblend.models.attention import attend_planned, causal_mask, plan_attention
 from kvblend.models.kv_cache import KVCache
@@ -382,19 +382,36 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         return fuse(model, replace(base, pick=pick, correct=correct))
+    pos = is_cand.nonzero().squeeze(1)
     if cfg.selection == "question":
         scores, reused = question_scores(model, plan)
         if keep == 0 and correct is None:
-            return reused
+            return reused._replace(checks=(once_stats(scores, pos, pos[:0], spans, True),))
     else:
         scores, reused = oracle_scores(model, plan), None
-    pos = is_cand.nonzero().squeeze(1)
     ranked, mass = scores[pos], None
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
+    kept = pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
-    recompute[pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]] = True
+    recompute[kept] = True
     # the question pass's cache already holds every chunk re-rotated (only the rows it
     # computed itself differ, and those are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None
-    return fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct, reuse_cache=again))
+    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct, reuse_cache=again))
+    return out._replace(checks=(once_stats(scores, pos, kept, spans, cfg.selection == "question"),))
+
+
+def once_stats(scores: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor, spans: Sequence[Span],
+               shares: bool) -> SelectionStats:
+    """The stats of a selection made once, before layer 0 (reported as layer 0), so that
+    request stats and the quality guard see question selection as they see a check layer.
+
+    scores: (N,) per position; candidates, kept: positions. With ``shares`` (question
+    attention) the scores are first divided by their total over every key, so that the mean
+    and max are the share of the question's attention a document token receives: free of
+    the question's length and the model's depth, as a guard's calibrated band needs."""
+    s = scores.float()
+    if shares:
+        s = s / s.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return selection_stats(0, s[candidates], kept, spans)
