@@ -13,13 +13,12 @@ from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.select import kept_count, select_tokens
 from kvblend.blend.strategies import doc_ranks, hybrid_scores, question_scores, vdev_scores
-from kvblend.engine import Engine, Request
 from kvblend.errors import InvalidRequestError
 from kvblend.eval.runner import parse_method
 from kvblend.models.config import ModelConfig
 from kvblend.models.loader import build_model
 from tests.conftest import make_hf_model, make_loaded
-from tests.engine.test_blend_invariants import DOCS, QUESTION
+from tests.engine.test_strategies import assert_fusion_invariants, assert_own_position_exact
 
 PREFIX, SPANS, N = 5, [(5, 17), (17, 29)], 36  # prefix | two documents | question
 
@@ -139,36 +138,14 @@ def test_nested_kept_sets_with_sinks_and_budgets(monkeypatch) -> None:
         assert all(a <= b for a, b in zip(sets, sets[1:])), extra
 
 
-def _logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
-    req = Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
-                  blend=BlendConfig(**blend))
-    return eng.prepare(req).logits
-
-
 HYBRIDS = [dict(selection="question", vdev=0.5), dict(selection="question", vdev=0.3, budget=True, sinks=2),
            dict(selection="question", vdev=0.5, shift=True)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_hybrid_keeps_the_fusion_invariants(arch: str) -> None:
-    eng = Engine(make_loaded(arch=arch))
-    _logits(eng, "blend")
-    eng.flush()
-    full, reuse = _logits(eng, "full"), _logits(eng, "reuse")
-    assert (reuse - full).abs().max().item() > 1e-3  # reuse is approximate here
-    for strategy in HYBRIDS:
-        assert (_logits(eng, "blend", ratio=1.0, **strategy) - full).abs().max().item() <= 1e-3, strategy
-        if not strategy.get("shift"):
-            assert (_logits(eng, "blend", ratio=0.0, **strategy) - reuse).abs().max().item() <= 1e-3, strategy
-        assert torch.isfinite(_logits(eng, "blend", ratio=0.3, **strategy)).all()
-    # a document at its own position stays exact
-    _logits(eng, "blend", docs=DOCS[:1], chunk_prefix="prompt")
-    eng.flush()
-    alone = _logits(eng, "full", docs=DOCS[:1])
-    for strategy in HYBRIDS:
-        for ratio in (0.0, 0.3):
-            got = _logits(eng, "blend", docs=DOCS[:1], ratio=ratio, chunk_prefix="prompt", **strategy)
-            assert (got - alone).abs().max().item() <= 1e-3, (strategy, ratio)
+    assert_fusion_invariants(arch, HYBRIDS)
+    assert_own_position_exact(HYBRIDS)
 
 
 def test_method_grammar_names_the_hybrid() -> None:
