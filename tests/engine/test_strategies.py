@@ -4,6 +4,8 @@ invariants for every strategy (ratio 1 == full, ratio 0 == reuse, own position e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -189,6 +191,21 @@ def test_method_grammar_names_the_strategies() -> None:
         parse_method("reuse+budget")
     with pytest.raises(ValueError, match="sinksK"):
         parse_method("blend:0.1+sinks")
+
+
+def test_a_spec_that_names_its_selection_does_not_inherit_the_default_strategy() -> None:
+    # the sweep's labels must mean the same after the engine's default changes
+    default = BlendConfig(selection="question", budget=True, sinks=4, shift=True)
+    assert parse_method("blend:0.3", default).blend == replace(default, ratio=0.3)
+    assert parse_method("blend:0.3+prompt", default).blend == replace(default, ratio=0.3, chunk_prefix="prompt")
+    q = parse_method("blend:0.15:q", default).blend
+    assert (q.selection, q.budget, q.sinks, q.shift) == ("question", False, 0, False)
+    assert parse_method("blend:0.15:q+shift", default).blend.budget is False
+    assert parse_method("cacheblend:0.15", default).blend == BlendConfig.cacheblend(0.15)
+    assert parse_method("cacheblend:0.15+shift", default).blend == replace(BlendConfig.cacheblend(0.15), shift=True)
+    at4 = parse_method("blend:0.15@4", default).blend
+    assert (at4.selection, at4.check_layers, at4.shift, at4.sinks) == ("deviation", (4,), False, 0)
+    assert parse_method("blend:0.15:k", default).blend.selection == "deviation"
 
 
 def test_the_shift_averages_only_its_uniform_sample() -> None:

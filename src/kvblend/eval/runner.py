@@ -53,6 +53,10 @@ def _floats(text: str, what: str, spec: str, kind: type = float) -> tuple:
 
 
 SELECTION_NAMES = {"q": "question", "oracle": "oracle"}  # grammar name -> BlendConfig.selection
+# A spec that names its selection (or check layers, or ``cacheblend``) gets these strategy
+# fields and then only the modifiers it names: ``blend:0.15:q`` and ``cacheblend:0.15`` mean
+# the same whatever the engine's default strategy is; ``blend:0.15`` is that default.
+PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0}
 
 
 def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig:
@@ -62,6 +66,9 @@ def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig
     if len(rest) > 2:
         raise ValueError(f"method {spec!r}: expected blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]")
     choice = rest[1] if len(rest) > 1 else None
+    ratio_text, at, layer_text = (rest[0] if rest else "").partition("@")
+    if choice or at:  # a named selection (check layers name deviation's) is exactly what the spec says
+        base = replace(base, **PLAIN_STRATEGY)
     if choice in SELECTION_NAMES:
         base = replace(base, selection=SELECTION_NAMES[choice])
     elif choice:
@@ -69,9 +76,8 @@ def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig
             raise ValueError(f"method {spec!r}: signal must be one of {SIGNALS} (or a selection: "
                              f"{', '.join(SELECTION_NAMES)})")
         base = replace(base, selection="deviation", signal=choice)
-    if not rest or not rest[0]:
+    if not ratio_text:
         return replace(base)
-    ratio_text, at, layer_text = rest[0].partition("@")
     ratios = _floats(ratio_text, "ratios", spec)
     if at:
         layers = _floats(layer_text, "check layers", spec, int)
@@ -107,7 +113,9 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
 
     ``full``, ``prefix``, ``reuse``, ``mapreduce``, ``maprerank``,
     ``cacheblend[:RATIO]`` (the paper's algorithm: V deviation at check layer 1), or
-    ``blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]``: ``blend:0.15`` (the default selection),
+    ``blend[:RATIOS[@LAYERS]][:SIGNAL|q|oracle]``: ``blend:0.15`` (the engine's default
+    strategy at 0.15; a spec that names a signal, a selection or check layers, and
+    ``cacheblend``, get exactly what they name, see ``PLAIN_STRATEGY``),
     ``blend:0.15:k`` (deviation of K), ``blend:0.15@2`` (check layer 2), ``blend:0.3,0.15@1,2``
     (progressive: 30% of document tokens selected at layer 1, a 15% subset at layer 2),
     ``blend:0.15:q`` (question-attention selection), ``blend:0.15:oracle`` (a ceiling: the
@@ -138,8 +146,7 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
                 raise ValueError(f"method {spec!r}: expected cacheblend[:RATIO]")
             ratio = _floats(rest[0], "ratio", spec)[0] if rest and rest[0] else base.ratio
             paper = BlendConfig.cacheblend(ratio, base.chunk_prefix)
-            keep = {k: getattr(base, k) for k in ("budget", "sinks", "shift")}
-            return MethodSpec(spec.strip(), "blend", replace(paper, **{**keep, **fields}))
+            return MethodSpec(spec.strip(), "blend", replace(paper, **fields))
         if name != "blend":
             if rest:
                 raise ValueError(f"method {spec!r}: only blend takes options")
