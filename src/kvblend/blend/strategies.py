@@ -386,7 +386,7 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     if cfg.selection == "question":
         scores, reused = question_scores(model, plan)
         if keep == 0 and correct is None:
-            return reused._replace(checks=(once_stats(scores, pos, pos[:0], spans, True),))
+            return reused
     else:
         scores, reused = oracle_scores(model, plan), None
     ranked, mass = scores[pos], None
@@ -398,20 +398,34 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     # the question pass's cache already holds every chunk re-rotated (only the rows it
     # computed itself differ, and those are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None
-    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=correct, reuse_cache=again))
-    return out._replace(checks=(once_stats(scores, pos, kept, spans, cfg.selection == "question"),))
+    probe = DeviationProbe(is_cand, min(1, len(model.layers) - 1), correct)
+    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again))
+    return out._replace(checks=(once_stats(probe, n_cand, kept, spans),))
 
 
-def once_stats(scores: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor, spans: Sequence[Span],
-               shares: bool) -> SelectionStats:
-    """The stats of a selection made once, before layer 0 (reported as layer 0), so that
-    request stats and the quality guard see question selection as they see a check layer.
+class DeviationProbe:
+    """A ``FusionPlan.correct`` hook that changes nothing: at ``layer`` it records CacheBlend's
+    signal (squared L2 of fresh - stale V, summed over heads and dims) for the written
+    tokens that had cached KV, so that a selection made once, before layer 0, reports a
+    deviation as a check layer does: a stale or corrupted chunk shows there whatever the
+    selection chose, which is what the guard's calibrated band watches. ``then``: the next
+    hook (the shift), called after."""
 
-    scores: (N,) per position; candidates, kept: positions. With ``shares`` (question
-    attention) the scores are first divided by their total over every key, so that the mean
-    and max are the share of the question's attention a document token receives: free of
-    the question's length and the model's depth, as a guard's calibrated band needs."""
-    s = scores.float()
-    if shares:
-        s = s / s.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    return selection_stats(0, s[candidates], kept, spans)
+    def __init__(self, candidates: torch.Tensor, layer: int, then: ShiftCorrection | None = None) -> None:
+        self.candidates, self.layer, self.then = candidates, layer, then  # (N,) bool
+        self.deviation: torch.Tensor | None = None  # (m,) per written candidate, at ``layer``
+
+    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer == self.layer:
+            rows = self.candidates[written]
+            stale = cache.values[layer][:, written[rows]]
+            self.deviation = (v[:, rows].float() - stale.float()).pow(2).sum(dim=(0, 2))
+        if self.then is not None:
+            self.then(cache, layer, written, k, v)
+
+
+def once_stats(probe: DeviationProbe, n_candidates: int, kept: torch.Tensor, spans: Sequence[Span]) -> SelectionStats:
+    """The stats of a selection made once, before layer 0, as a check layer's: the probe's
+    layer and the deviation of the kept tokens there; kept: positions."""
+    dev = probe.deviation if probe.deviation is not None else torch.zeros(0, device=kept.device)
+    return selection_stats(probe.layer, dev, kept, spans)._replace(candidates=n_candidates)
