@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.engine import Engine, PrefixCache, Request
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from tests.conftest import make_loaded
@@ -103,7 +103,7 @@ def test_prefix_method_reuses_an_exact_prefix_losslessly() -> None:
 def test_selection_counts_follow_the_schedule() -> None:
     eng = warmed(engine(num_hidden_layers=5), check_layers=(1, 3), schedule=(0.5, 0.2))
     stats = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .",
-                                blend=BlendConfig(check_layers=(1, 3), schedule=(0.5, 0.2)))).stats
+                                blend=BlendConfig(check_layers=(1, 3), schedule=(0.5, 0.2), **PLAIN_STRATEGY))).stats
     n_cand, forced = stats.candidates, stats.recomputed_per_layer[-1] - round(0.2 * stats.candidates)
     assert stats.recomputed_per_layer[1] == forced + round(0.5 * n_cand)
     assert stats.recomputed_per_layer[3] == forced + round(0.2 * n_cand)

@@ -6,13 +6,13 @@ import dataclasses
 
 import torch
 
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.engine import Engine, Request
 from kvblend.store.keys import chunk_key
 from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS, QUESTION
 
-BLEND = BlendConfig(check_layers=(1, 2), schedule=(0.5, 0.2))
+BLEND = BlendConfig(check_layers=(1, 2), schedule=(0.5, 0.2), **PLAIN_STRATEGY)  # deviation's check layers
 
 
 def stats(eng: Engine, docs, **kw):

@@ -9,7 +9,7 @@ import torch
 
 import kvblend.blend.strategies as strategies
 from kvblend.blend.chunks import compute_chunk_kv
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk, fuse
 from kvblend.blend.select import kept_count, select_tokens
 from kvblend.blend.strategies import doc_ranks, hybrid_scores, question_scores, vdev_scores
@@ -109,7 +109,7 @@ def test_hybrid_keeps_the_top_of_the_averaged_within_document_ranks(arch: str, m
     monkeypatch.setattr(strategies, "fuse", lambda m, p: recomputed.append(p.recompute) or real_fuse(m, p))
     kept_sets = []
     for ratio in (0.1, 0.25, 0.5, 0.75):
-        cfg = BlendConfig(ratio=ratio, selection="question", vdev=0.5)
+        cfg = BlendConfig(ratio=ratio, **{**PLAIN_STRATEGY, "selection": "question", "vdev": 0.5})
         strategies.run_strategy(model, FusionPlan(ids, plan.placed, ratios=(ratio,), strategy=cfg))
         kept = set(recomputed[-1].nonzero().squeeze(1).tolist())
         hybrid = hybrid_scores(question[pos], vdev[pos], pos, SPANS, 0.5)
@@ -131,7 +131,7 @@ def test_nested_kept_sets_with_sinks_and_budgets(monkeypatch) -> None:
     for extra in (dict(sinks=2), dict(sinks=2, budget=True)):
         sets = []
         for ratio in (0.2, 0.4, 0.6, 0.8):
-            cfg = BlendConfig(ratio=ratio, selection="question", vdev=0.5, **extra)
+            cfg = BlendConfig(ratio=ratio, **{**PLAIN_STRATEGY, "selection": "question", "vdev": 0.5, **extra})
             strategies.run_strategy(model, FusionPlan(ids, plan.placed, ratios=(ratio,), strategy=cfg))
             sets.append(set(recomputed[-1].nonzero().squeeze(1).tolist()))
         assert {5, 6, 17, 18} <= sets[0]  # the sinks
@@ -155,7 +155,7 @@ def test_method_grammar_names_the_hybrid() -> None:
     assert (full.vdev, full.budget, full.sinks, full.shift) == (0.3, True, 4, True)
     assert parse_method("blend:0.15:q+shift+vdev").blend == parse_method("blend:0.15:q+vdev+shift").blend
     assert parse_method("blend:0.15:q").blend.vdev == 0.0
-    for bad, message in [("blend:0.15+vdev", "question selection"), ("cacheblend:0.15+vdev", "question selection"),
+    for bad, message in [("blend:0.15:v+vdev", "question selection"), ("cacheblend:0.15+vdev", "question selection"),
                          ("blend:0.1:oracle+vdev", "question selection"), ("blend:0.1:q+vdevx", "vdev weight"),
                          ("blend:0.1:q+vdev1.5", r"within \[0, 1\]"), ("reuse+vdev", "modifier")]:
         with pytest.raises(ValueError, match=message):

@@ -14,6 +14,9 @@ CHUNK_PREFIXES = ("bos", "prompt")
 # "oracle" (deviation from a full prefill's KV: a ceiling for the eval harness, costs a prefill).
 SELECTIONS = ("deviation", "question", "oracle")
 MAX_SINKS = 64
+# The paper's selection with no strategy on top: what ``BlendConfig.cacheblend`` is, and
+# what a method spec that names its selection starts from (``eval.runner.parse_method``).
+PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0}
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class BlendConfig:
     @classmethod
     def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
         """The paper's selection, kept by name so comparisons stay reproducible."""
-        return cls(ratio=ratio, check_layers=(1,), signal="v", chunk_prefix=chunk_prefix, selection="deviation")
+        return cls(ratio=ratio, check_layers=(1,), signal="v", chunk_prefix=chunk_prefix, **PLAIN_STRATEGY)
 
     @property
     def plain(self) -> bool:

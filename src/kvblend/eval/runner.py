@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
+from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SIGNALS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import Example, musique_prompt
 from kvblend.eval.metrics import (
@@ -53,10 +53,10 @@ def _floats(text: str, what: str, spec: str, kind: type = float) -> tuple:
 
 
 SELECTION_NAMES = {"q": "question", "oracle": "oracle"}  # grammar name -> BlendConfig.selection
-# A spec that names its selection (or check layers, or ``cacheblend``) gets these strategy
-# fields and then only the modifiers it names: ``blend:0.15:q`` and ``cacheblend:0.15`` mean
-# the same whatever the engine's default strategy is; ``blend:0.15`` is that default.
-PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0}
+# A spec that names its selection (or check layers, or ``cacheblend``) starts from
+# PLAIN_STRATEGY and takes only the modifiers it names: ``blend:0.15:q`` and
+# ``cacheblend:0.15`` mean the same whatever the engine's default strategy is; ``blend:0.15``
+# is that default.
 
 
 def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig:
