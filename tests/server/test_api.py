@@ -70,12 +70,14 @@ def test_per_request_strategy_options_reach_the_engine(client, model_id) -> None
             extra_body={"documents": DOCS, "kvblend": kvblend})
 
     full = ask(method="full")
-    chosen = ask(method="blend", selection="question", sinks=2, shift=True, ratio=0.5)
+    chosen = ask(method="blend", selection="question", budget=False, sinks=2, shift=True, ratio=0.5)
     assert chosen.model_extra["kvblend"]["strategy"] == "question+sinks2+shift"
     assert 0 < chosen.model_extra["kvblend"]["recompute_fraction"] < 1
     exact = ask(method="blend", selection="question", shift=True, ratio=1.0)  # ratio 1 is a full prefill
     assert exact.choices[0].message.content == full.choices[0].message.content
     assert "strategy" not in full.model_extra["kvblend"]
+    deviation = ask(method="blend", check_layers=[1], ratio=0.5)  # a deviation knob alone: deviation selection
+    assert deviation.model_extra["kvblend"]["strategy"].split("+")[0] == "deviation"
 
 
 def test_chat_streaming_with_usage_through_the_openai_client(client, model_id) -> None:

@@ -98,9 +98,15 @@ def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegis
     return texts
 
 
+DEVIATION_KNOBS = ("check_layers", "schedule", "signal")
+
+
 def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[str, BlendConfig]:
     """The request's method and blend config: its ``kvblend`` options over the server's
-    defaults, validated as one ``BlendSettings`` (a 400 naming the field when invalid)."""
+    defaults, validated as one ``BlendSettings`` (a 400 naming the field when invalid).
+    A request that sets a knob of deviation selection (``DEVIATION_KNOBS``) without naming
+    a selection gets deviation selection; naming another one with it is a 400: a knob
+    that would change nothing is never silently accepted."""
     base = settings.blend
     opts = body.kvblend
     if opts is None:
@@ -109,6 +115,12 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     values = {**base.model_dump(), **given}
     if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
+    knobs = [k for k in DEVIATION_KNOBS if k in given]
+    if knobs and "selection" not in given:
+        values["selection"] = "deviation"  # check layers, schedules and signals are deviation's
+    elif knobs and values["selection"] != "deviation":
+        raise bad_request(f"{knobs[0]} applies to selection 'deviation' only, not {values['selection']!r}",
+                          f"kvblend.{knobs[0]}")
     if max(values["check_layers"]) >= num_layers:
         raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")
     try:
