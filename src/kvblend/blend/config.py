@@ -43,8 +43,14 @@ class BlendConfig:
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
     question-attention score's rank within its document + ``vdev`` x the layer-1 V
     deviation's rank within its document (ranks scaled to [0, 1]); 0.5 weighs them equally.
-    ``question`` and ``oracle`` select once, with the last ratio of the schedule.
+    ``question`` and ``oracle`` select once, with the last ratio of the schedule (check
+    layers, schedule and signal are deviation's knobs).
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
+
+    The default (``BlendConfig()``, hence ``blend`` in the engine, the CLI, the server and
+    the demo) is ``blend:0.15:q+budget+sinks4+shift``: question-attention selection with
+    per-document budgets, each document's first 4 tokens, and the sampled shift; the sweep
+    behind that choice is in docs/results.md (issue #12).
 
     ``ratio="auto"``: the loading controller picks the ratio per request, at least
     ``r_min`` and at most ``r_max`` (``kvblend.pipeline.controller``).
@@ -56,11 +62,11 @@ class BlendConfig:
     signal: str = "v"
     chunk_prefix: str = "bos"
     recompute_misses: bool = True
-    selection: str = "deviation"
-    budget: bool = False
+    selection: str = "question"
+    budget: bool = True
     budget_floor: float = 0.5
-    sinks: int = 0
-    shift: bool = False
+    sinks: int = 4
+    shift: bool = True
     shift_stride: int = 16
     vdev: float = 0.0
 
