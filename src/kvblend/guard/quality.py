@@ -19,7 +19,8 @@ window's mean F1, first-token agreement rate or mean KL leaves its bound, the ke
 switches to fallback.
 
 A second, free signal needs no shadow check: ``observe(model, tenant, stats)`` takes
-each served blend's mean selection score at its first check layer (``stats.checks``).
+each served blend's mean selection score at its first check layer (``stats.checks``;
+question selection reports there the layer-1 V deviation of the tokens it recomputed).
 The first ``calibration`` of them set the key's band ``[min / band_factor, max *
 band_factor]``; when more than ``max_out_of_band`` of a window of later scores fall
 outside it (e.g. a corrupted chunk that passes its checksums deviates wildly), the key
