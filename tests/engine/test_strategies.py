@@ -146,6 +146,26 @@ def test_a_document_at_its_own_position_stays_exact(strategy: dict) -> None:
     assert_own_position_exact([strategy])
 
 
+def test_a_cold_request_computes_its_prompt_once(monkeypatch) -> None:
+    # every document misses: the question pass would compute the whole prompt and a second
+    # pass all of it again (2x a full prefill, seen as blend slower than full in serving)
+    import kvblend.blend.strategies as strategies
+
+    passes: list[int] = []
+    real = strategies.fuse
+    monkeypatch.setattr(strategies, "fuse", lambda m, p: passes.append(1) or real(m, p))
+    eng = Engine(make_loaded(num_hidden_layers=3))
+    full = _logits(eng, "full")
+    cold = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                               blend=BlendConfig(ratio=0.15, selection="question", budget=True, sinks=4, shift=True)))
+    assert len(passes) == 1 and all(d.source == "computed" for d in cold.stats.docs)
+    assert (cold.logits - full).abs().max().item() <= 1e-3
+    eng.flush()
+    passes.clear()
+    _logits(eng, "blend", ratio=0.0, selection="question", shift=True)  # all cached, nothing kept: one pass
+    assert len(passes) == 1
+
+
 def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
     eng = Engine(make_loaded(num_hidden_layers=3))
     _logits(eng, "blend")

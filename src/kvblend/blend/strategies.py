@@ -383,9 +383,11 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         return fuse(model, replace(base, pick=pick, correct=correct))
     pos = is_cand.nonzero().squeeze(1)
+    if n_cand == 0:  # nothing cached (every document missed): there is nothing to select
+        return fuse(model, replace(base, select_from_start=True))
     if cfg.selection == "question":
         scores, reused = question_scores(model, plan)
-        if keep == 0 and correct is None:
+        if keep == 0:  # no token kept, so no shift sample either: the question pass is the answer
             return reused
     else:
         scores, reused = oracle_scores(model, plan), None
