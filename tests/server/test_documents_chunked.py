@@ -50,6 +50,12 @@ def test_long_document_is_chunked_hit_by_id_and_deleted_everywhere(alice, bob) -
     # the chunks' texts sent inline are the same token windows: they hit too (before delete)
     inline = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32))).json()
     assert [d["source"] for d in inline["kvblend"]["documents"]] == ["memory"] * 3
+    # the whole text sent inline is cut the same way: a hit on its first use, the same prompt
+    whole = alice.post("/v1/chat/completions", json=_chat(model, [TEXT])).json()
+    assert [(d["tokens"], d["source"]) for d in whole["kvblend"]["documents"]] == [(32, "memory"), (32, "memory"),
+                                                                                  (4, "memory")]
+    assert whole["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]
+    assert whole["choices"][0]["message"]["content"] == r["choices"][0]["message"]["content"]
 
     twin = alice.post("/v1/documents", json={"text": TEXT}).json()  # the same chunks under another id
     assert twin["id"] != "long-doc" and twin["num_chunks"] == 3

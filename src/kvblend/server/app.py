@@ -44,7 +44,7 @@ from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
 from kvblend.server.translate import (
-    build_request, check_common, check_lengths, parse, sampling_params, utf8_len,
+    build_request, check_common, check_lengths, parse, sampling_params, split_documents, utf8_len,
 )
 from kvblend.server.usage import cached_tokens
 from kvblend.settings import Settings
@@ -349,6 +349,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         request = dataclasses.replace(request, documents=[h.token_ids for h in hits])
         used = tuple(sources(hits))
     prompt_tokens = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
+    request = await anyio.to_thread.run_sync(split_documents, state.engine, request, settings.documents.chunk_tokens)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:

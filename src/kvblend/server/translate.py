@@ -4,6 +4,7 @@ token counts and the context)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Request
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
+from kvblend.rag.chunking import ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
 from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
@@ -187,6 +189,21 @@ def check_lengths(engine: Engine, request: Request, settings: Settings) -> int:
                             f"{n} input tokens. Please reduce the length of the input messages or documents.",
                        "input_tokens", "BadRequestError")
     return n
+
+
+def split_documents(engine: Engine, request: Request, chunk_tokens: int) -> Request:
+    """The request with every text document longer than ``chunk_tokens`` replaced by its
+    chunks' token ids, cut exactly as ``POST /v1/documents`` cuts (the ``kvblend.rag``
+    chunker's token windows), so that a stored document sent again as text hits each of its
+    chunks. The prompt's tokens do not change: documents are concatenated without
+    separators and the windows partition the document's ids. Runs off the event loop."""
+    config = ChunkerConfig(size=chunk_tokens)
+    docs: list[str | tuple[int, ...]] = []
+    for doc in request.documents:
+        chunks = chunk_text(engine.tokenizer, doc, config, engine.loaded.tokenizer_fingerprint) \
+            if isinstance(doc, str) else []
+        docs.extend([c.token_ids for c in chunks] if len(chunks) > 1 else [doc])
+    return request if len(docs) == len(request.documents) else dataclasses.replace(request, documents=docs)
 
 
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
