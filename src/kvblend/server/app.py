@@ -33,7 +33,6 @@ from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import RequestHandle, Scheduler
 from kvblend.errors import KvblendError
 from kvblend.models.loader import cache_home
-from kvblend.rag.chunking import ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry, StoredChunk, default_id, new_record, text_sha256
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.guard import Guard, read_json, tenant_of
@@ -44,7 +43,7 @@ from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
 from kvblend.server.translate import (
-    build_request, check_common, check_lengths, parse, sampling_params, split_documents, utf8_len,
+    build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
 )
 from kvblend.server.usage import cached_tokens
 from kvblend.settings import Settings
@@ -309,8 +308,7 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
 
     def warm() -> tuple[list[StoredChunk], list[str]]:
         engine = state.engine
-        config = ChunkerConfig(size=state.settings.documents.chunk_tokens)
-        chunks = chunk_text(engine.tokenizer, body.text, config, engine.loaded.tokenizer_fingerprint)
+        chunks = document_chunks(engine, body.text, state.settings.documents.chunk_tokens)
         tokens = sum(c.n_tokens for c in chunks)
         if tokens > limits.max_document_tokens:
             raise APIError(413, f"the document has {tokens} tokens; the limit is {limits.max_document_tokens}",
@@ -348,8 +346,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
         request = dataclasses.replace(request, documents=[h.token_ids for h in hits])
         used = tuple(sources(hits))
-    prompt_tokens = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
-    request = await anyio.to_thread.run_sync(split_documents, state.engine, request, settings.documents.chunk_tokens)
+    prompt_tokens, request = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:

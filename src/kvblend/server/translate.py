@@ -15,7 +15,7 @@ from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Request
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
-from kvblend.rag.chunking import ChunkerConfig, chunk_text
+from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
 from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
@@ -170,14 +170,28 @@ def build_request(body: _Common, settings: Settings, registry: DocumentRegistry,
         raise bad_request(str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt") from None
 
 
-def check_lengths(engine: Engine, request: Request, settings: Settings) -> int:
-    """Tokenize (bounded inputs only) and check document tokens and the context. Returns
-    the prompt's token count. Runs off the event loop."""
-    limit = settings.limits.max_document_tokens
+def document_chunks(engine: Engine, text: str, chunk_tokens: int) -> list[Chunk]:
+    """``text`` cut as ``POST /v1/documents`` stores it: the ``kvblend.rag`` chunker's token
+    windows of ``chunk_tokens`` on the serving model's tokenizer (none for blank text)."""
+    return chunk_text(engine.tokenizer, text, ChunkerConfig(size=chunk_tokens), engine.loaded.tokenizer_fingerprint)
+
+
+def check_lengths(engine: Engine, request: Request, settings: Settings) -> tuple[int, Request]:
+    """Tokenize each document once (bounded inputs only) and check its tokens and the
+    context. Returns the prompt's token count and the request with every text document
+    replaced by its token ids, cut into the chunks ``document_chunks`` gives, so that a
+    stored document sent again as text hits each of its chunks. The prompt's tokens do not
+    change: documents are concatenated without separators and the windows partition the
+    document's ids. Runs off the event loop."""
+    limit, docs = settings.limits.max_document_tokens, []
     for i, doc in enumerate(request.documents):
-        n = len(tokenize_document(engine.tokenizer, doc))
+        chunks = document_chunks(engine, doc, settings.documents.chunk_tokens) if isinstance(doc, str) else []
+        pieces = [c.token_ids for c in chunks] or [tokenize_document(engine.tokenizer, doc)]
+        n = sum(len(p) for p in pieces)
         if n > limit:
             raise APIError(413, f"document {i} has {n} tokens; the limit is {limit}", f"documents.{i}")
+        docs.extend(pieces if n else [doc])
+    request = dataclasses.replace(request, documents=docs)
     try:
         layout = engine.layout(request)
     except InvalidRequestError as exc:
@@ -188,22 +202,7 @@ def check_lengths(engine: Engine, request: Request, settings: Settings) -> int:
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your request has "
                             f"{n} input tokens. Please reduce the length of the input messages or documents.",
                        "input_tokens", "BadRequestError")
-    return n
-
-
-def split_documents(engine: Engine, request: Request, chunk_tokens: int) -> Request:
-    """The request with every text document longer than ``chunk_tokens`` replaced by its
-    chunks' token ids, cut exactly as ``POST /v1/documents`` cuts (the ``kvblend.rag``
-    chunker's token windows), so that a stored document sent again as text hits each of its
-    chunks. The prompt's tokens do not change: documents are concatenated without
-    separators and the windows partition the document's ids. Runs off the event loop."""
-    config = ChunkerConfig(size=chunk_tokens)
-    docs: list[str | tuple[int, ...]] = []
-    for doc in request.documents:
-        chunks = chunk_text(engine.tokenizer, doc, config, engine.loaded.tokenizer_fingerprint) \
-            if isinstance(doc, str) else []
-        docs.extend([c.token_ids for c in chunks] if len(chunks) > 1 else [doc])
-    return request if len(docs) == len(request.documents) else dataclasses.replace(request, documents=docs)
+    return n, request
 
 
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
