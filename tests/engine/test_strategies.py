@@ -83,14 +83,21 @@ def test_choose_takes_sinks_first_and_keeps_within_document_budgets() -> None:
     assert pos[budget].tolist() == [10, 11, 12, 27, 28, 29]  # 3 + 3 by the floor, top by score in each
 
 
-def test_shift_moves_untouched_tokens_by_the_mean_residual_in_the_pre_rope_frame() -> None:
+def _stale_cache(seed: int, n: int = 12):
+    """One layer of random stale K/V for the tiny model's shapes: (cfg, cos, sin, stale K, stale V, cache)."""
     cfg = make_loaded().config
-    n, hkv, d = 12, cfg.num_kv_heads, cfg.head_dim
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(n))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     stale_k, stale_v = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
     cache = KVCache(1, hkv, d, n, torch.float32, "cpu")
     cache.keys[0][:], cache.values[0][:] = stale_k, stale_v
+    return cfg, cos, sin, stale_k, stale_v, cache
+
+
+def test_shift_moves_untouched_tokens_by_the_mean_residual_in_the_pre_rope_frame() -> None:
+    cfg, cos, sin, stale_k, stale_v, cache = _stale_cache(0)
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
     written = torch.tensor([3, 5, 9])  # document [2, 8) has 3 and 5 recomputed; 9 is not in it
     c_k, c_v = torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
     fresh_k = stale_k[:, written] + rope_lib.apply_rope(c_k.expand(-1, 3, -1).contiguous(), cos[written], sin[written])
@@ -236,13 +243,9 @@ def test_a_spec_that_names_its_selection_does_not_inherit_the_default_strategy()
 def test_the_shift_averages_only_its_uniform_sample() -> None:
     """Residuals of the tokens a selection picked are not averaged when a sample is given:
     a selected outlier must not move the rest of its document."""
-    cfg = make_loaded().config
-    n, hkv, d = 12, cfg.num_kv_heads, cfg.head_dim
-    cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(n))
-    torch.manual_seed(1)
-    stale_k, stale_v = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
-    cache = KVCache(1, hkv, d, n, torch.float32, "cpu")
-    cache.keys[0][:], cache.values[0][:] = stale_k, stale_v
+    n = 12
+    cfg, cos, sin, stale_k, stale_v, cache = _stale_cache(1, n)
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
     written = torch.tensor([3, 5])  # 3 is the sample; 5 a selected token with a huge residual
     samples = torch.zeros(n, dtype=torch.bool)
     samples[3] = True
