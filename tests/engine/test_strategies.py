@@ -173,6 +173,46 @@ def test_a_cold_request_computes_its_prompt_once(monkeypatch) -> None:
     assert len(passes) == 1
 
 
+def _with_a_miss(eng: Engine, method: str, fresh: str, **blend):
+    """Prepared DOCS with document 0 replaced by ``fresh`` text the store has not seen; the
+    store forgets it again afterwards (a write-back would turn the next request's miss into a hit)."""
+    known = set(eng.store.keys("default"))
+    docs = [fresh] + DOCS[1:]
+    out = eng.prepare(Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
+                              blend=BlendConfig(**blend)))
+    eng.flush()
+    for key in set(eng.store.keys("default")) - known:
+        eng.store.delete(key)
+    assert method == "full" or [d.source for d in out.stats.docs][:2] == ["computed", "memory"]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_question_selection_blends_a_missed_document_from_its_question_pass(arch: str) -> None:
+    # a document that missed the store is computed once, in the question pass, over the
+    # reused context; the second pass treats those K/V like a chunk's and recomputes only
+    # its share (it used to compute the whole document again: a partial miss cost more than
+    # twice its tokens). The invariants hold with the miss: ratio 1 = full, ratio 0 = reuse.
+    eng = Engine(make_loaded(arch=arch, num_hidden_layers=3))
+    _logits(eng, "blend")
+    eng.flush()
+    fresh = "a passage nobody stored before , about the river and the old bridge near the town ."
+    forced = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                                 blend=BlendConfig(ratio=0.0, selection="question"))).stats.recomputed_per_layer[0]
+    for strategy in STRATEGIES[:4]:
+        part = _with_a_miss(eng, "blend", fresh, ratio=0.25, **strategy).stats
+        missed = part.docs[0].tokens
+        assert part.recomputed_per_layer == [forced + round(0.25 * (part.candidates + missed))] * 3, strategy
+        assert part.checks[0].candidates == part.candidates  # stats count the placed chunks only
+        full = _with_a_miss(eng, "full", fresh).logits
+        one = _with_a_miss(eng, "blend", fresh, ratio=1.0, **strategy).logits
+        assert (one - full).abs().max().item() <= 1e-3, strategy
+        if not strategy.get("shift"):
+            zero = _with_a_miss(eng, "blend", fresh, ratio=0.0, **strategy).logits
+            reuse = _with_a_miss(eng, "reuse", fresh).logits
+            assert (zero - reuse).abs().max().item() <= 1e-3, strategy
+
+
 def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
     eng = Engine(make_loaded(num_hidden_layers=3))
     _logits(eng, "blend")
@@ -315,15 +355,15 @@ def test_batched_shift_equals_the_shift_one_document_at_a_time(interleaved: bool
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_question_scores_mask_only_what_a_query_cannot_see(window: int | None) -> None:
-    # scattered query positions (a missed document between cached ones adds rows before the
-    # question), against softmax over an explicit full mask; with a window every key row is masked
+    # scattered query positions (rows before first_row, e.g. an uncached prefix, are not scored),
+    # against softmax over an explicit full mask; with a window every key row is masked
     torch.manual_seed(0)
     hkv, per_kv, d, n = 2, 3, 8, 24
     positions = torch.tensor([0, 1, 9, 10, 11, 18, 20, 21, 22, 23])  # the active rows, ascending
     q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
-    scorer = QuestionScores(n, 4, [window], torch.device("cpu"))
+    scorer = QuestionScores(n, 5, [window], torch.device("cpu"))
     assert scorer(0, q, keys, values, positions) is None  # rows 0, 1 are not question rows: fusion attends
-    rows = positions > 4
+    rows = positions >= 5
     qq = q[:, rows].reshape(hkv, per_kv * int(rows.sum()), d)
     logits = qq @ keys.transpose(1, 2) / d**0.5
     allowed = causal_mask(positions[rows], torch.arange(n), window).repeat(per_kv, 1)
@@ -339,8 +379,8 @@ def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | Non
     hkv, per_kv, d, n = 2, 3, 8, 24
     positions = torch.tensor([12, 15, 16, 17, 20, 21, 22, 23])
     q, keys, values = torch.randn(hkv * per_kv, positions.numel(), d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
-    whole = QuestionScores(n, 4, [window], torch.device("cpu"))
-    blocks = QuestionScores(n, 4, [window], torch.device("cpu"), max_elements=2 * hkv * per_kv * n)  # 2 rows
+    whole = QuestionScores(n, 5, [window], torch.device("cpu"))
+    blocks = QuestionScores(n, 5, [window], torch.device("cpu"), max_elements=2 * hkv * per_kv * n)  # 2 rows
     out, out_blocks = whole(0, q, keys, values, positions), blocks(0, q, keys, values, positions)
     want = attend(q, keys, values, mask=causal_mask(positions, torch.arange(n), window))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

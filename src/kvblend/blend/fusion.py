@@ -95,6 +95,10 @@ class FusionPlan:
     observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
     correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     reuse_cache: KVCache | None = None  # already holds the prefix and re-rotated chunks: fill it in place
+    # (N,) bool, with ``reuse_cache``: tokens of documents without a placed chunk whose K/V that
+    # cache holds from an earlier pass; candidates like a placed chunk's tokens
+    held: torch.Tensor | None = None
+    doc_spans: tuple[tuple[int, int], ...] = ()  # every document's [start, end), placed or not
 
 
 class FusionOutput(NamedTuple):
@@ -113,6 +117,10 @@ def _candidate_mask(plan: FusionPlan, n: int, device: torch.device) -> torch.Ten
     mask = torch.zeros(n, dtype=torch.bool, device=device)
     for p in plan.placed:
         mask[p.start : p.start + p.chunk.n_tokens] = True
+    if plan.held is not None:
+        if plan.reuse_cache is None:
+            raise ValueError("held tokens need the reuse_cache that holds their K/V")
+        mask |= plan.held
     mask[n - 1] = False  # the last prompt token is always computed: it yields the logits
     return mask
 

@@ -216,7 +216,8 @@ def _shift_rows(spans: Sequence[Span], written: torch.Tensor, samples: torch.Ten
 
 class QuestionScores:
     """``FusionPlan.observe``: accumulates, per key position, the softmax attention weight
-    that queries after ``first_doc`` pay it, summed over heads, queries and layers.
+    that queries at ``first_row`` and after (the question / suffix) pay it, summed over
+    heads, queries and layers.
 
     When every active query is such a query (the question pass), those weights are the
     layer's attention: it returns the attention output (weights @ V) for fusion to use
@@ -224,15 +225,15 @@ class QuestionScores:
     ``max_elements`` weights, so a long question never materialises heads x queries x N
     at once."""
 
-    def __init__(self, n: int, first_doc: int, windows: Sequence[int | None], device: torch.device,
+    def __init__(self, n: int, first_row: int, windows: Sequence[int | None], device: torch.device,
                  max_elements: int = 1 << 24) -> None:
         self.total = torch.zeros(n, dtype=torch.float32, device=device)  # (N,)
-        self.first_doc, self.windows = first_doc, list(windows)  # sliding window per layer
+        self.first_row, self.windows = first_row, list(windows)  # sliding window per layer
         self.max_elements = max_elements
 
     def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor | None:
-        rows = (positions > self.first_doc).nonzero().squeeze(1)
+        rows = (positions >= self.first_row).nonzero().squeeze(1)
         if rows.numel() == 0:
             return None
         every_row = rows.numel() == positions.numel()
@@ -272,18 +273,26 @@ def _base(plan: FusionPlan) -> FusionPlan:
     return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None)
 
 
-def _correction(model: Transformer, plan: FusionPlan, n: int, samples: torch.Tensor) -> ShiftCorrection:
-    tables = model.layer_rope_tables(torch.arange(n, device=model.device))
-    return ShiftCorrection(spans_of(plan), tables, model.cfg.rope.interleaved, samples)
-
-
 def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
-    """(N,) attention-mass scores from a reuse pass, and that pass's output (full reuse)."""
-    n, spans = plan.ids.shape[0], spans_of(plan)
-    first = min((a for a, _ in spans), default=n)
-    scorer = QuestionScores(n, first, [layer.window for layer in model.layers], model.device)
+    """(N,) attention-mass scores from a reuse pass, and that pass's output (full reuse).
+    The scoring queries are the tokens after the last document (the question / suffix)."""
+    n = plan.ids.shape[0]
+    first_row = max((b for _, b in document_spans(plan)), default=n)
+    scorer = QuestionScores(n, first_row, [layer.window for layer in model.layers], model.device)
     out = fuse(model, replace(_base(plan), select_from_start=True, observe=scorer))
     return scorer.total, out
+
+
+def document_spans(plan: FusionPlan) -> list[Span]:
+    """Every document's span: ``plan.doc_spans`` when the caller gave them, else the placed chunks'."""
+    return list(plan.doc_spans) or spans_of(plan)
+
+
+def missed_spans(plan: FusionPlan) -> list[Span]:
+    """The spans of ``plan.doc_spans`` with no placed chunk (documents that missed the store,
+    or whose chunk failed to load): fusion computes them like the question."""
+    placed = {p.start for p in plan.placed}
+    return [(a, b) for a, b in plan.doc_spans if b > a and a not in placed]
 
 
 @torch.inference_mode()
@@ -368,22 +377,35 @@ def fuse_planned(model: Transformer, plan: FusionPlan) -> FusionOutput:
 
 
 def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
-    """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring."""
+    """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring.
+
+    Question selection and missed documents: the question pass computes a document that
+    has no placed chunk in full, over the reused context before it, so its K/V are at
+    least as good as a chunk's. The second pass takes them from that pass's cache as
+    candidates like the placed chunks' (``FusionPlan.held``: selected, budgeted and
+    shifted as any document) instead of computing the document in full a second time.
+    Stats and ``candidates`` still count the placed chunks' tokens only."""
     cfg: BlendConfig = plan.strategy
-    n, spans = plan.ids.shape[0], spans_of(plan)
+    n = plan.ids.shape[0]
     base = _base(plan)
-    is_cand = _candidate_mask(plan, n, model.device)
+    cached = _candidate_mask(plan, n, model.device)  # (N,) the placed chunks' tokens
+    n_cached = int(cached.sum())
+    held_spans = missed_spans(plan) if cfg.selection == "question" and n_cached else []
+    held = _span_mask(held_spans, n, model.device) if held_spans else None
+    is_cand = cached | held if held is not None else cached
+    spans = sorted(spans_of(plan) + held_spans)
     n_cand = int(is_cand.sum())
     keep = kept_count(plan.ratios[-1], n_cand)
     samples, correct = None, None
     if cfg.shift:  # the sample is recomputed at every check (the smallest budget fits it): nested sets
         samples = shift_samples(spans, n, keep, n_cand, cfg.shift_stride, model.device) & is_cand
-        correct = _correction(model, plan, n, samples)
+        correct = ShiftCorrection(spans, model.layer_rope_tables(torch.arange(n, device=model.device)),
+                                  model.cfg.rope.interleaved, samples)
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         return fuse(model, replace(base, pick=pick, correct=correct))
     pos = is_cand.nonzero().squeeze(1)
-    if n_cand == 0:  # nothing cached (every document missed): there is nothing to select
+    if n_cached == 0:  # nothing cached (every document missed): there is nothing to select
         return fuse(model, replace(base, select_from_start=True))
     if cfg.selection == "question":
         scores, reused = question_scores(model, plan)
@@ -400,9 +422,19 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     # the question pass's cache already holds every chunk re-rotated (only the rows it
     # computed itself differ, and those are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None
-    probe = DeviationProbe(is_cand, min(1, len(model.layers) - 1), correct)
-    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again))
-    return out._replace(checks=(once_stats(probe, n_cand, kept, spans),))
+    probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
+    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
+                              held=held))
+    return out._replace(candidates=n_cached, checks=(once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan)),))
+
+
+def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:
+    """(N,) bool over the spans' tokens, the last prompt token left out (it is always computed)."""
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    for a, b in spans:
+        mask[a:b] = True
+    mask[n - 1] = False
+    return mask
 
 
 class DeviationProbe:

@@ -386,7 +386,8 @@ class Engine:
                 _skip_loading(chunks)
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
-                          strategy=None if request.method == "reuse" or cfg.plain else cfg)
+                          strategy=None if request.method == "reuse" or cfg.plain else cfg,
+                          doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs) if d))
         t = time.perf_counter()
         try:
             if chunks.feed is not None:
