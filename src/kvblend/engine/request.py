@@ -73,7 +73,8 @@ class DocStat(NamedTuple):
     tokens: int
     hit: bool  # True only when the store served it (or, for a repeat, its first occurrence)
     source: str  # the tier that served it ("memory", "disk", "redis"; "store" for a store
-    # without tiers), "computed" (a miss, recomputed in full), "chunk" (a miss whose chunk KV
+    # without tiers), "computed" (a miss, computed in the prompt: in full, or under question
+    # selection once over the reused context and then blended like a chunk), "chunk" (a miss whose chunk KV
     # was computed alone in this request and blended), "fallback" (found, but a layer failed
     # to load: recomputed in full), "skipped" (stored on a tier slower than recomputing it:
     # computed, see the controller), "request" (a repeat within this request) or "empty"
