@@ -201,8 +201,9 @@ def test_question_selection_blends_a_missed_document_from_its_question_pass(arch
                                  blend=BlendConfig(ratio=0.0, selection="question"))).stats.recomputed_per_layer[0]
     for strategy in STRATEGIES[:4]:
         part = _with_a_miss(eng, "blend", fresh, ratio=0.25, **strategy).stats
-        missed = part.docs[0].tokens
-        assert part.recomputed_per_layer == [forced + round(0.25 * (part.candidates + missed))] * 3, strategy
+        missed = part.docs[0].tokens  # computed once, in the question pass; then blended
+        assert part.recomputed_per_layer == [forced + missed + forced + round(0.25 * (part.candidates + missed))] * 3, \
+            strategy
         assert part.checks[0].candidates == part.candidates  # stats count the placed chunks only
         full = _with_a_miss(eng, "full", fresh).logits
         one = _with_a_miss(eng, "blend", fresh, ratio=1.0, **strategy).logits
@@ -221,8 +222,9 @@ def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
         return eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .",
                                    method="blend", blend=BlendConfig(ratio=ratio, selection="question"))).stats
 
-    forced, kept = stats(0.0).recomputed_per_layer[0], stats(0.25)
-    assert kept.recomputed_per_layer == [forced + round(0.25 * kept.candidates)] * 3  # no layer in full
+    forced, kept = stats(0.0).recomputed_per_layer[0], stats(0.25)  # ratio 0: the question pass alone
+    # both passes counted; no layer in full
+    assert kept.recomputed_per_layer == [forced + forced + round(0.25 * kept.candidates)] * 3
 
 
 @pytest.mark.parametrize("extra", [{}, {"budget": True, "sinks": 2, "shift": True}])

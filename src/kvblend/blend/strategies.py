@@ -7,7 +7,9 @@
   layer's weights sum to heads x queries, so layers weigh equally; prefix tokens, the
   attention sink among them, are not candidates and so are never ranked). The top tokens
   are then recomputed at every layer from layer 0 in a second pass, in the first pass's
-  cache (its chunks are already re-rotated). No layer runs in full.
+  cache (its chunks are already re-rotated). No layer runs in full. A document that
+  missed the store is computed once, in the question pass; the second pass blends those
+  K/V like a chunk's (``FusionPlan.held``).
 * ``question`` with ``vdev`` (a hybrid): the question pass's scores and CacheBlend's
   layer-1 V deviation, each turned into ranks within its document (scaled to [0, 1]), are
   averaged with weight ``vdev`` on the deviation (``hybrid_scores``). The deviation costs
@@ -384,7 +386,8 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     least as good as a chunk's. The second pass takes them from that pass's cache as
     candidates like the placed chunks' (``FusionPlan.held``: selected, budgeted and
     shifted as any document) instead of computing the document in full a second time.
-    Stats and ``candidates`` still count the placed chunks' tokens only."""
+    ``candidates`` and the selection's stats count the placed chunks' tokens only;
+    ``recomputed`` counts both passes' tokens."""
     cfg: BlendConfig = plan.strategy
     n = plan.ids.shape[0]
     base = _base(plan)
@@ -425,6 +428,8 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
     out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
                               held=held))
+    if reused is not None:  # the work of both passes (a missed document is computed in the first)
+        out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     return out._replace(candidates=n_cached, checks=(once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan)),))
 
 
