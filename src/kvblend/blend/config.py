@@ -68,7 +68,6 @@ class BlendConfig:
     sinks: int = 4
     shift: bool = True
     shift_stride: int = 16
-    shift_shrink: bool = False
     vdev: float = 0.0
 
     @classmethod
@@ -131,7 +130,6 @@ class BlendConfig:
     def strategy(self) -> str:
         """How tokens are chosen and corrected, e.g. ``deviation`` or ``question+sinks4+shift``."""
         mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + ["shift"] * self.shift
-        mods += ["shrink"] * self.shift_shrink
         return "+".join([self.selection, *mods])
 
     @property

@@ -143,9 +143,8 @@ class ShiftCorrection:
     the same one at every layer of a pass) and the RoPE rows once per table."""
 
     def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 interleaved: bool, samples: torch.Tensor | None = None, shrink: bool = False) -> None:
+                 interleaved: bool, samples: torch.Tensor | None = None) -> None:
         self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
-        self.shrink = shrink
         self.samples = samples  # (N,) bool: only these written tokens' residuals count (None: all)
         self._written: torch.Tensor | None = None
         self._rows: _ShiftRows | None = None
@@ -172,31 +171,9 @@ class ShiftCorrection:
         dk = rope_lib.apply_rope((k[:, r.rows] - keys[:, r.pos]).float(), cos_w, neg_sin_w, self.interleaved)
         mean_v = dv.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dv).div_(r.counts)  # (Hkv, D, d)
         mean_k = dk.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dk).div_(r.counts)  # pre-RoPE
-        if self.shrink:
-            mean_v = mean_v * _shrinkage(dv, mean_v, r)
-            mean_k = mean_k * _shrinkage(dk, mean_k, r)
         shift_k = rope_lib.apply_rope(mean_k[:, r.doc_of_moved], cos_m, sin_m, self.interleaved)  # (Hkv, o, d)
         keys.index_add_(1, r.moved, shift_k.to(keys.dtype))
         values.index_add_(1, r.moved, mean_v[:, r.doc_of_moved].to(values.dtype))
-
-
-def _shrinkage(delta: torch.Tensor, mean: torch.Tensor, r: _ShiftRows) -> torch.Tensor:
-    """(Hkv, D, 1) factor in [0, 1] per KV head and document: <mean of the even rows, mean
-    of the odd rows> / |mean|^2, an estimate of |true mean|^2 / E|sample mean|^2 (the two
-    halves' noise is independent), so a residual mean that is mostly sampling noise is
-    shrunk towards 0. 1 where a half is empty."""
-    hkv, m, d = delta.shape
-    odd = torch.arange(m, device=delta.device) % 2 == 1
-    halves = []
-    for part in (~odd, odd):
-        rows = part.nonzero().squeeze(1)
-        n = torch.zeros(r.n_docs, 1, device=delta.device).index_add_(0, r.doc_of_row[rows], torch.ones(rows.numel(), 1, device=delta.device))
-        s = delta.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row[rows], delta[:, rows])
-        halves.append((s / n.clamp_min(1), n))
-    (a, na), (b, nb) = halves
-    ratio = (a * b).sum(-1, keepdim=True) / mean.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
-    ok = ((na > 0) & (nb > 0))[None]  # (1, D, 1)
-    return torch.where(ok, ratio.clamp(0.0, 1.0), torch.ones_like(ratio))
 
 
 class _ShiftRows(NamedTuple):
@@ -426,7 +403,7 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     if cfg.shift:  # the sample is recomputed at every check (the smallest budget fits it): nested sets
         samples = shift_samples(spans, n, keep, n_cand, cfg.shift_stride, model.device) & is_cand
         correct = ShiftCorrection(spans, model.layer_rope_tables(torch.arange(n, device=model.device)),
-                                  model.cfg.rope.interleaved, samples, cfg.shift_shrink)
+                                  model.cfg.rope.interleaved, samples)
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         return fuse(model, replace(base, pick=pick, correct=correct))

@@ -100,8 +100,6 @@ def _modifier(spec: str, name: str) -> dict[str, Any]:
         return {"budget": True}
     if name == "shift":
         return {"shift": True}
-    if name == "shrink":
-        return {"shift": True, "shift_shrink": True}
     if name.startswith("sinks") and name[5:].isdigit():
         return {"sinks": int(name[5:])}
     if name.startswith("vdev"):
