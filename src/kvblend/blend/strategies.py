@@ -272,7 +272,8 @@ class QuestionScores:
 
 
 def _base(plan: FusionPlan) -> FusionPlan:
-    return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None)
+    return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None,
+                   held=None)
 
 
 def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
@@ -422,8 +423,8 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     kept = pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
     recompute[kept] = True
-    # the question pass's cache already holds every chunk re-rotated (only the rows it
-    # computed itself differ, and those are computed again): fill it in place
+    # the question pass's cache already holds every chunk re-rotated and the held documents
+    # computed in context (its other rows, the question's, are computed again): fill it in place
     again = reused.cache if cfg.selection == "question" else None
     probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
     out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
