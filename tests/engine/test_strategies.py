@@ -214,6 +214,22 @@ def test_question_selection_blends_a_missed_document_from_its_question_pass(arch
             assert (zero - reuse).abs().max().item() <= 1e-3, strategy
 
 
+def test_question_selection_computes_an_uncached_prompt_prefix_once() -> None:
+    # nothing before the first document depends on the documents: the question pass computes
+    # it exactly and the second pass leaves it in that pass's cache (it computed it again)
+    eng = Engine(make_loaded(num_hidden_layers=3))
+    req = Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                  blend=BlendConfig(ratio=0.25, selection="question"))
+    layout = eng.layout(req)
+    eng.warm(list(layout.docs), eng.chunk_prefix(req, layout))
+    st = eng.prepare(req).stats  # the prefix cache is empty
+    p, q = len(layout.prefix), len(layout.suffix)
+    assert st.prefix_hit_tokens == 0 and p > 0
+    assert st.recomputed_per_layer == [p + q + q + round(0.25 * st.candidates)] * 3
+    full = eng.prepare(replace(req, method="full")).logits
+    assert (eng.prepare(replace(req, blend=BlendConfig(ratio=1.0, selection="question"))).logits - full).abs().max() <= 1e-3
+
+
 def test_question_selection_recomputes_the_kept_tokens_at_every_layer() -> None:
     eng = Engine(make_loaded(num_hidden_layers=3))
     _logits(eng, "blend")

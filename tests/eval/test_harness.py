@@ -102,7 +102,10 @@ def test_run_writes_records_summary_and_report(engine: Engine, tmp_path: Path) -
         mean_f1 = sum(r["agree_f1"] for r in records if r["method"] == label) / 2
         assert s["agree_f1"] == pytest.approx(mean_f1)
     assert summary["full"]["kl"] == 0.0 and summary["full"]["agree_f1"] == 1.0
-    assert summary["reuse"]["recompute_frac"] < summary["blend:0.3"]["recompute_frac"] < 1.0
+    # the default blend counts both of its passes: with these few-token documents the question,
+    # computed in each, weighs more than the documents, so only the order is asserted
+    assert summary["reuse"]["recompute_frac"] < summary["blend:0.3"]["recompute_frac"]
+    assert summary["full"]["recompute_frac"] == 1.0
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {label} |" in report for label in summary)
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)

@@ -99,6 +99,9 @@ class FusionPlan:
     # cache holds from an earlier pass; candidates like a placed chunk's tokens
     held: torch.Tensor | None = None
     doc_spans: tuple[tuple[int, int], ...] = ()  # every document's [start, end), placed or not
+    # with ``reuse_cache``: positions below it hold their final K/V there (a first pass computed
+    # the prompt before the first document, which no document changes): not computed again
+    exact_upto: int = 0
 
 
 class FusionOutput(NamedTuple):
@@ -223,7 +226,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     if max(plan.check_layers) >= len(model.layers):
         raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
                                   f"{len(model.layers)} layers")
-    p0 = _prefix_len(plan)
+    p0 = _prefix_len(plan) if plan.reuse_cache is None else max(_prefix_len(plan), plan.exact_upto)
     cache = plan.reuse_cache or model.new_cache(n + plan.extra_capacity)
     if plan.reuse_cache is None:
         _write_prefix(cache, plan)

@@ -273,7 +273,7 @@ class QuestionScores:
 
 def _base(plan: FusionPlan) -> FusionPlan:
     return replace(plan, strategy=None, recompute=None, pick=None, observe=None, correct=None, reuse_cache=None,
-                   held=None)
+                   held=None, exact_upto=0)
 
 
 def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
@@ -423,12 +423,14 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     kept = pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
     recompute[kept] = True
-    # the question pass's cache already holds every chunk re-rotated and the held documents
-    # computed in context (its other rows, the question's, are computed again): fill it in place
+    # the question pass's cache already holds every chunk re-rotated, the held documents
+    # computed in context and the exact prompt before the first document (only the question's
+    # rows are computed again in full): fill it in place
     again = reused.cache if cfg.selection == "question" else None
     probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
+    exact = min((a for a, _ in document_spans(plan)), default=0) if again is not None else 0
     out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
-                              held=held))
+                              held=held, exact_upto=exact))
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     return out._replace(candidates=n_cached, checks=(once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan)),))
