@@ -7,7 +7,8 @@ pass (now) beside computing them again in the second pass (before session 7).
 ``--missing`` names the passages (0-based, of 6) kept out of the store; every other
 passage is stored first. Per question, in one run: ``full`` (the reference), ``twice``
 (the old cost: the strategy is given no missed spans, so the second pass computes the
-missed passages in full again), ``held`` (the engine as it is) and ``all_hit`` (every
+missed passages in full again; this holds for passages after the first stored one, so keep
+passage 0 stored), ``held`` (the engine as it is) and ``all_hit`` (every
 passage stored). Misses written back by a request are deleted before the next one.
 KL along the reference's first 8 tokens, agree-F1 and first-token agreement as in
 ``kvblend eval``. Ends with one JSON line of means.
@@ -77,6 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     missing = {int(x) for x in args.missing.split(",")}
+    if not missing <= set(range(1, 6)):
+        ap.error("--missing takes passages 1-5: passage 0 stays stored (see 'twice' above)")
     engine = Engine(load_model(DEFAULT_MODEL))
     rows: dict[str, list[dict]] = {}
     for ex in load_musique(args.dataset, n_docs=6, limit=args.limit):

@@ -173,26 +173,31 @@ def test_a_cold_request_computes_its_prompt_once(monkeypatch) -> None:
     assert len(passes) == 1
 
 
-def _with_a_miss(eng: Engine, method: str, fresh: str, **blend):
-    """Prepared DOCS with document 0 replaced by ``fresh`` text the store has not seen; the
+def _with_a_miss(eng: Engine, method: str, fresh: str, at: int, **blend):
+    """Prepared DOCS with document ``at`` replaced by ``fresh`` text the store has not seen; the
     store forgets it again afterwards (a write-back would turn the next request's miss into a hit)."""
     known = set(eng.store.keys("default"))
-    docs = [fresh] + DOCS[1:]
+    docs = DOCS[:at] + [fresh] + DOCS[at + 1:]
     out = eng.prepare(Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
                               blend=BlendConfig(**blend)))
     eng.flush()
     for key in set(eng.store.keys("default")) - known:
         eng.store.delete(key)
-    assert method == "full" or [d.source for d in out.stats.docs][:2] == ["computed", "memory"]
+    want = ["memory"] * len(DOCS)
+    want[at] = "computed"
+    assert method == "full" or [d.source for d in out.stats.docs] == want
     return out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_question_selection_blends_a_missed_document_from_its_question_pass(arch: str) -> None:
-    # a document that missed the store is computed once, in the question pass, over the
-    # reused context; the second pass treats those K/V like a chunk's and recomputes only
-    # its share (it used to compute the whole document again: a partial miss cost more than
-    # twice its tokens). The invariants hold with the miss: ratio 1 = full, ratio 0 = reuse.
+@pytest.mark.parametrize("at", [0, 1])
+def test_question_selection_computes_a_missed_document_once(arch: str, at: int) -> None:
+    # a document that missed the store is computed once, in the question pass (it used to be
+    # computed again in full in the second pass: a partial miss cost twice its tokens). After
+    # a stored chunk (at=1) it read reused K/V there, so the second pass blends it like a
+    # chunk (its share recomputed); before every stored chunk (at=0) it read exact K/V only,
+    # so it is final and not recomputed at all. The invariants hold with the miss: ratio 1 =
+    # full, ratio 0 = reuse.
     eng = Engine(make_loaded(arch=arch, num_hidden_layers=3))
     _logits(eng, "blend")
     eng.flush()
@@ -200,17 +205,17 @@ def test_question_selection_blends_a_missed_document_from_its_question_pass(arch
     forced = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
                                  blend=BlendConfig(ratio=0.0, selection="question"))).stats.recomputed_per_layer[0]
     for strategy in STRATEGIES[:4]:
-        part = _with_a_miss(eng, "blend", fresh, ratio=0.25, **strategy).stats
-        missed = part.docs[0].tokens  # computed once, in the question pass; then blended
-        assert part.recomputed_per_layer == [forced + missed + forced + round(0.25 * (part.candidates + missed))] * 3, \
-            strategy
+        part = _with_a_miss(eng, "blend", fresh, at, ratio=0.25, **strategy).stats
+        missed = part.docs[at].tokens
+        blended = part.candidates + (missed if at else 0)
+        assert part.recomputed_per_layer == [forced + missed + forced + round(0.25 * blended)] * 3, strategy
         assert part.checks[0].candidates == part.candidates  # stats count the placed chunks only
-        full = _with_a_miss(eng, "full", fresh).logits
-        one = _with_a_miss(eng, "blend", fresh, ratio=1.0, **strategy).logits
+        full = _with_a_miss(eng, "full", fresh, at).logits
+        one = _with_a_miss(eng, "blend", fresh, at, ratio=1.0, **strategy).logits
         assert (one - full).abs().max().item() <= 1e-3, strategy
         if not strategy.get("shift"):
-            zero = _with_a_miss(eng, "blend", fresh, ratio=0.0, **strategy).logits
-            reuse = _with_a_miss(eng, "reuse", fresh).logits
+            zero = _with_a_miss(eng, "blend", fresh, at, ratio=0.0, **strategy).logits
+            reuse = _with_a_miss(eng, "reuse", fresh, at).logits
             assert (zero - reuse).abs().max().item() <= 1e-3, strategy
 
 

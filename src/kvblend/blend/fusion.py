@@ -100,7 +100,7 @@ class FusionPlan:
     held: torch.Tensor | None = None
     doc_spans: tuple[tuple[int, int], ...] = ()  # every document's [start, end), placed or not
     # with ``reuse_cache``: positions below it hold their final K/V there (a first pass computed
-    # the prompt before the first document, which no document changes): not computed again
+    # the prompt before the first placed chunk exactly: nothing there reads reused K/V)
     exact_upto: int = 0
 
 

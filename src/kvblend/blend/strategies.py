@@ -3,13 +3,14 @@
 * ``question`` (ProphetKV, FusionRAG): a first pass runs only the tokens without cached
   KV (the question / suffix) through every layer over the re-rotated reused cache — that
   is exactly full KV reuse — and scores each document token by the attention the tokens
-  after the first document pay it, summed over heads, those query tokens and layers (each
+  after the last document pay it, summed over heads, those query tokens and layers (each
   layer's weights sum to heads x queries, so layers weigh equally; prefix tokens, the
   attention sink among them, are not candidates and so are never ranked). The top tokens
   are then recomputed at every layer from layer 0 in a second pass, in the first pass's
   cache (its chunks are already re-rotated). No layer runs in full. A document that
   missed the store is computed once, in the question pass; the second pass blends those
-  K/V like a chunk's (``FusionPlan.held``).
+  K/V like a chunk's (``FusionPlan.held``), or, for one before every stored chunk, keeps
+  them as final (``FusionPlan.exact_upto``: that pass computed them exactly).
 * ``question`` with ``vdev`` (a hybrid): the question pass's scores and CacheBlend's
   layer-1 V deviation, each turned into ranks within its document (scaled to [0, 1]), are
   averaged with weight ``vdev`` on the deviation (``hybrid_scores``). The deviation costs
@@ -292,10 +293,19 @@ def document_spans(plan: FusionPlan) -> list[Span]:
 
 
 def missed_spans(plan: FusionPlan) -> list[Span]:
-    """The spans of ``plan.doc_spans`` with no placed chunk (documents that missed the store,
-    or whose chunk failed to load): fusion computes them like the question."""
+    """The spans of ``plan.doc_spans`` after the first placed chunk that have no placed chunk
+    (documents that missed the store, or whose chunk failed to load): the question pass
+    computes them over reused, approximate context. A missed document before every placed
+    chunk is not one of them: it sees only exact K/V, so that pass computes it exactly."""
     placed = {p.start for p in plan.placed}
-    return [(a, b) for a, b in plan.doc_spans if b > a and a not in placed]
+    first = _first_placed(plan)
+    return [(a, b) for a, b in plan.doc_spans if b > a and a > first and a not in placed]
+
+
+def _first_placed(plan: FusionPlan) -> int:
+    """The first placed chunk's start (the prompt's length when none is placed): every
+    position before it depends on exact K/V only."""
+    return min((p.start for p in plan.placed), default=plan.ids.shape[0])
 
 
 @torch.inference_mode()
@@ -424,11 +434,11 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
     recompute[kept] = True
     # the question pass's cache already holds every chunk re-rotated, the held documents
-    # computed in context and the exact prompt before the first document (only the question's
-    # rows are computed again in full): fill it in place
+    # computed in context and the exact prompt before the first placed chunk (only the
+    # question's rows are computed again in full): fill it in place
     again = reused.cache if cfg.selection == "question" else None
     probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
-    exact = min((a for a, _ in document_spans(plan)), default=0) if again is not None else 0
+    exact = _first_placed(plan) if again is not None else 0  # the question pass computed it exactly
     out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
                               held=held, exact_upto=exact))
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
