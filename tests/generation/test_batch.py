@@ -91,3 +91,31 @@ def test_decode_slot_caps_tokens_to_the_context_left() -> None:
             event = slot.next_event(logits)
             logits = decode_batch(loaded.model, [event.token_id], [cache])[0] if not slot.finished else logits
     assert event.finish_reason == "length" and slot.count == 6
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", {}), ("mistral", {"sliding_window": 8})])
+def test_a_prefill_slice_batched_with_decodes_equals_each_forward_alone(arch, overrides) -> None:
+    """Chunked prefill piggybacking decodes: a multi-token slice and single decode tokens in
+    one ``forward_batch`` give each step's own forward (logits and cache)."""
+    from kvblend.generation.batch import forward_batch
+    from kvblend.generation.chunked import Forward
+
+    model = make_loaded(arch, **overrides).model
+    long_ids = torch.tensor(_prompt(23, 9))  # (23,)
+    solo_cache, mixed_cache = model.new_cache(23), model.new_cache(23)
+    model(long_ids[:9], solo_cache, logits_for="none")
+    model(long_ids[:9], mixed_cache, logits_for="none")
+    decoders = [prefill(model, _prompt(n, i), 2) for i, n in enumerate((4, 13))]
+    alone = [prefill(model, _prompt(n, i), 2) for i, n in enumerate((4, 13))]
+    want_slice = model(long_ids[9:], solo_cache, logits_for="all")  # (14, V)
+    want_rows = [model(torch.tensor([7]), c)[0] for c, _ in alone]
+    got = forward_batch(model, [Forward(torch.tensor([7]), decoders[0][0]), Forward(long_ids[9:], mixed_cache, "all"),
+                                Forward(torch.tensor([7]), decoders[1][0])])
+    assert got[1].shape == want_slice.shape and torch.allclose(got[1], want_slice, atol=1e-4, rtol=0)
+    for row, want in zip((got[0], got[2]), want_rows):
+        assert row.shape == (1, want.shape[0]) and torch.allclose(row[0], want, atol=1e-4, rtol=0)
+    assert mixed_cache.length == solo_cache.length == 23
+    for layer in range(solo_cache.num_layers):
+        for a, b in zip(mixed_cache.view(layer), solo_cache.view(layer)):
+            assert torch.allclose(a, b, atol=1e-5)
+    assert forward_batch(model, [Forward(long_ids[:3], model.new_cache(3), "none")])[0].numel() == 0
