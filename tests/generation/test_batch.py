@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvblend.generation import SamplingParams, prefill, stream_from
 from kvblend.generation.batch import DecodeSlot, decode_batch
-from tests.conftest import make_loaded
+from tests.conftest import make_loaded, make_tokenizer
 
 # (prompt length, step at which the request joins the batch)
 JOINS = ((3, 0), (11, 2), (6, 3), (19, 5))
@@ -91,3 +93,22 @@ def test_decode_slot_caps_tokens_to_the_context_left() -> None:
             event = slot.next_event(logits)
             logits = decode_batch(loaded.model, [event.token_id], [cache])[0] if not slot.finished else logits
     assert event.finish_reason == "length" and slot.count == 6
+
+
+def _one_hot(token: int, vocab: int) -> torch.Tensor:
+    out = torch.zeros(vocab)  # (V,)
+    out[token] = 1.0
+    return out
+
+
+def test_decode_slot_flushes_the_text_held_back_for_a_stop_string_at_eos() -> None:
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    answer = tok("the red city", add_special_tokens=False)["input_ids"] + [eos]
+    cache = SimpleNamespace(length=4)
+    slot = DecodeSlot(tok, cache, SamplingParams(max_tokens=20, stop=("city of",)), [eos], 1000)
+    events = [slot.next_event(_one_hot(t, len(tok))) for t in answer]
+    assert [e.token_id for e in events] == answer
+    assert "".join(e.text for e in events[:-1]) == "the red "  # "city" could still begin "city of"
+    assert events[-1].finish_reason == "stop" and events[-1].text == "city"
+    assert slot.finished and slot.count == len(answer)
