@@ -54,3 +54,21 @@ def test_the_server_flushes_held_back_text_at_eos_as_the_engine_does(engine_and_
     choice = r.json()["choices"][0]
     assert choice["message"]["content"] == expected.text
     assert choice["finish_reason"] == "stop"
+
+
+def test_non_finite_logits_are_a_500_that_says_so(engine_and_client, monkeypatch) -> None:
+    engine, client = engine_and_client
+    real = engine.prepare
+
+    def overflowed(request, extra_capacity=0):
+        prepared = real(request, extra_capacity)
+        return prepared._replace(logits=torch.full_like(prepared.logits, float("nan")))  # (V,)
+
+    monkeypatch.setattr(engine, "prepare", overflowed)
+    r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert (err["code"], err["type"]) == (500, "InternalServerError")
+    assert "non-finite logits" in err["message"] and "token 1" in err["message"]
+    monkeypatch.undo()
+    assert client.post("/v1/chat/completions", json={**BODY, "max_tokens": 2}).status_code == 200  # serving on
