@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvblend.generation import SamplingParams, prefill, stream_from
 from kvblend.generation.batch import DecodeSlot, decode_batch
-from tests.conftest import make_loaded
+from tests.conftest import make_loaded, make_tokenizer
 
 # (prompt length, step at which the request joins the batch)
 JOINS = ((3, 0), (11, 2), (6, 3), (19, 5))
@@ -119,3 +121,22 @@ def test_a_prefill_slice_batched_with_decodes_equals_each_forward_alone(arch, ov
         for a, b in zip(mixed_cache.view(layer), solo_cache.view(layer)):
             assert torch.allclose(a, b, atol=1e-5)
     assert forward_batch(model, [Forward(long_ids[:3], model.new_cache(3), "none")])[0].numel() == 0
+
+
+def _one_hot(token: int, vocab: int) -> torch.Tensor:
+    out = torch.zeros(vocab)  # (V,)
+    out[token] = 1.0
+    return out
+
+
+def test_decode_slot_flushes_the_text_held_back_for_a_stop_string_at_eos() -> None:
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    answer = tok("the red city", add_special_tokens=False)["input_ids"] + [eos]
+    cache = SimpleNamespace(length=4)
+    slot = DecodeSlot(tok, cache, SamplingParams(max_tokens=20, stop=("city of",)), [eos], 1000)
+    events = [slot.next_event(_one_hot(t, len(tok))) for t in answer]
+    assert [e.token_id for e in events] == answer
+    assert "".join(e.text for e in events[:-1]) == "the red "  # "city" could still begin "city of"
+    assert events[-1].finish_reason == "stop" and events[-1].text == "city"
+    assert slot.finished and slot.count == len(answer)

@@ -14,27 +14,26 @@ Rows never mix, so each row equals a one-token ``Transformer.forward`` of its re
 ``forward_batch`` is the general form: each member is a ``Forward`` of any number of
 tokens, so one slice of a long prefill rides in the same pass as the decode tokens.
 
-``DecodeSlot`` is one request's per-token bookkeeping — sampler, incremental text with
-stop strings, EOS and length — applying the same rules as ``stream_from``, so that a
-scheduler can feed it logits from a batched step.
+A scheduler feeds each row of the logits to the request's ``DecodeSlot`` (``slot.py``,
+re-exported here), the one implementation of the decode rules that ``stream_from`` uses
+too: sampling, stop strings, EOS and max_tokens.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from kvblend.errors import ContextLengthError
 from kvblend.generation.chunked import Forward
-from kvblend.generation.sampling import Sampler, SamplingParams
-from kvblend.generation.stream import StreamEvent, cap_new_tokens
-from kvblend.generation.text import TextStream
+from kvblend.generation.slot import DecodeSlot
 from kvblend.models.attention import attend_planned, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
+
+__all__ = ["DecodeSlot", "decode_batch", "forward_batch"]
 
 
 @torch.inference_mode()
@@ -112,41 +111,3 @@ def _check_context(model: Transformer, length: int) -> None:
     limit = model.cfg.context_length
     if length > limit:
         raise ContextLengthError(f"{length} tokens exceed the model's context of {limit} tokens")
-
-
-class DecodeSlot:
-    """One request's decode state between batched steps.
-
-    Feed it the logits of its next position; it samples a token and returns the event,
-    applying ``stream_from``'s rules: max_tokens capped to the context left after the
-    prompt, EOS (unless ``ignore_eos``) and stop strings end with "stop", the last
-    allowed token ends with "length" and flushes held-back text. After an event with a
-    ``finish_reason``, ``finished`` is True and the slot takes no more logits.
-    """
-
-    def __init__(self, tokenizer: Any, cache: KVCache, params: SamplingParams, eos_ids: Sequence[int],
-                 context_length: int) -> None:
-        self.cache = cache
-        self.params = cap_new_tokens(params, cache.length, context_length)
-        self.sampler = Sampler(self.params)
-        self.text = TextStream(tokenizer, self.params.stop)
-        self.eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
-        self.count = 0
-        self.last_token: int | None = None
-        self.finished = False
-
-    def next_event(self, logits: torch.Tensor) -> StreamEvent:
-        """Sample from (V,) logits and account for the token."""
-        if self.finished:
-            raise RuntimeError("this request has already finished decoding")
-        token = self.sampler(logits.reshape(-1))
-        self.count += 1
-        self.last_token = token
-        delta = self.text.push(token) if token not in self.eos else ""
-        if token in self.eos or self.text.stopped:
-            self.finished = True
-            return StreamEvent(token, delta, "stop")
-        if self.count == self.params.max_tokens:
-            self.finished = True
-            return StreamEvent(token, delta + self.text.finish(), "length")
-        return StreamEvent(token, delta)

@@ -2,8 +2,9 @@
 
 ``APIError`` carries the HTTP status, the error type and the offending field (``param``,
 a dotted path such as ``documents.2.text``). ``from_exception`` maps the engine's and the
-scheduler's errors; anything unexpected becomes a 500 whose message says nothing of the
-cause (the cause is logged on the server).
+scheduler's errors; non-finite logits are a 500 that names the failure; anything
+unexpected becomes a 500 whose message says nothing of the cause (the cause is logged
+on the server).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
+from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError, NonFiniteLogitsError
 
 log = logging.getLogger("kvblend.server")
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -86,6 +87,9 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc) or "the server is shutting down")
     if "Deadline" in name or "Timeout" in name:
         return APIError(504, str(exc) or "the request ran past its deadline")
+    if isinstance(exc, NonFiniteLogitsError):  # the model failed, not the request: a 500 that says how
+        log.error("internal error: %s", exc)
+        return APIError(500, f"internal server error: {exc}", type_="InternalServerError")
     if isinstance(exc, (InvalidRequestError, KvblendError)):
         return APIError(400, str(exc))
     log.error("internal error: %s", type(exc).__name__, exc_info=exc)
