@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import random
 import threading
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from kvblend.store import DiskStore, MemoryStore
 from kvblend.store.keys import ChunkKey
 from kvblend.store.tier import Tier
 
-from tests.store.helpers import assert_same_chunk, keyed
+from tests.store.helpers import assert_same_chunk, entry_bytes, keyed
 
-TIERS = ("memory", "disk", "redis")
 TOL = {"fp32": 0.0, "fp16": 5e-3, "bf16": 3e-2, "int8": 3e-2}
-
-
-@pytest.fixture(params=TIERS)
-def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Tier]:
-    def factory(max_bytes: int = 1 << 30, **kw: object) -> Tier:
-        if request.param == "memory":
-            return MemoryStore(max_bytes, **kw)  # type: ignore[arg-type]
-        if request.param == "disk":
-            return DiskStore(tmp_path / "disk", max_bytes, fsync=False, **kw)  # type: ignore[arg-type]
-        return request.getfixturevalue("make_redis")(max_bytes, **kw)
-
-    return factory
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8"])
@@ -100,16 +85,6 @@ def test_tenants_are_isolated(make_tier: Callable[..., Tier]) -> None:
     assert tier.stats("alice").entries == 1 and tier.stats("carol").entries == 0
     assert tier.evict("alice", 0) == 1
     assert tier.get(key_b) is not None and tier.keys("alice") == []
-
-
-def entry_bytes(make_tier: Callable[..., Tier], **shape: int) -> int:
-    """What a tier counts for one entry of this shape (measured on a scratch tier)."""
-    probe = make_tier()
-    key, chunk = keyed(0, **shape)
-    probe.put(key, chunk)
-    unit = probe.stats().bytes
-    probe.delete(key)
-    return unit
 
 
 def test_caps_hold_under_a_random_workload(make_tier: Callable[..., Tier]) -> None:
