@@ -127,7 +127,8 @@ def test_an_entry_larger_than_the_cap_is_refused(make_tier: Callable[..., Tier])
 
 
 def test_one_tenant_cannot_hold_a_full_tier_against_another(make_tier: Callable[..., Tier]) -> None:
-    """When the tier's cap binds, the least recently used entry goes, whoever owns it."""
+    """A tenant that filled the tier alone is over its share once another tenant puts: it
+    loses its least recently used entry."""
     unit = entry_bytes(make_tier)
     tier = make_tier(2 * unit + unit // 2)
     bob = [keyed(i, tenant="bob") for i in range(2)]
