@@ -55,7 +55,7 @@ class _Tenant(Generic[T]):
     counter: float = 0.0
     active: int = 0  # requests started and not yet ended
     bucket: float = 0.0
-    refilled: float = field(default_factory=time.monotonic)
+    refilled: float = field(default_factory=lambda: time.monotonic())
 
 
 class FairQueue(Generic[T]):
@@ -73,7 +73,7 @@ class FairQueue(Generic[T]):
         self.decode_weight = decode_weight
         self._shares = dict(shares or {})
         self._tenants: dict[str, _Tenant[T]] = {}
-        self._floor = 0.0  # the counter of the tenant started last: where an idle tenant re-enters
+        self._floor = 0.0  # where a tenant re-enters when nobody is busy: the last level served
 
     # -- state
     def __len__(self) -> int:
@@ -161,6 +161,8 @@ class FairQueue(Generic[T]):
         """One started request of ``tenant`` ended."""
         t = self._tenant(tenant)
         t.active = max(0, t.active - 1)
+        if not t.active and not t.waiting:  # idle now: whoever arrives next starts no lower
+            self._floor = max(self._floor, t.counter)
 
     # -- helpers
     def _tenant(self, name: str) -> _Tenant[T]:
@@ -177,7 +179,7 @@ class FairQueue(Generic[T]):
     @staticmethod
     def _refill(t: _Tenant, rate: float) -> None:
         now = time.monotonic()
-        t.bucket = min(rate * BURST_S, t.bucket + (now - t.refilled) * rate)
+        t.bucket = min(rate * BURST_S, t.bucket + max(0.0, now - t.refilled) * rate)
         t.refilled = now
 
 
