@@ -201,10 +201,9 @@ def test_a_request_error_ends_only_that_request() -> None:
 POISON = 77  # max_tokens that marks the request a fault is injected into (its cache's capacity)
 
 
-def _fault_setup(monkeypatch, fault: str) -> tuple[Scheduler, Recorder]:
+def _fault_setup(monkeypatch, eng: Engine, fault: str) -> tuple[Scheduler, Recorder]:
     """A scheduler whose batched forward misbehaves for the one request with max_tokens
     POISON: it raises (the whole batch fails), or its logits come back NaN."""
-    eng = Engine(make_loaded())
     real = scheduler_mod.forward_batch
 
     def faulty(model, members):
@@ -226,11 +225,10 @@ def _fault_setup(monkeypatch, fault: str) -> tuple[Scheduler, Recorder]:
 def test_a_fault_in_one_decoding_request_ends_it_alone(monkeypatch, fault, stage, error) -> None:
     """A batched forward that fails (or yields NaN logits) for one request: that request
     ends with its error, the others get the tokens they get alone, the worker lives."""
-    eng_ref = Engine(make_loaded())
+    eng = Engine(make_loaded())
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = [r.token_ids for r in _reference(eng_ref, _requests()[:3], sampling)]
-    sched, rec = _fault_setup(monkeypatch, fault)
-    _reference(sched.engine, _requests()[:3], sampling)  # the same store and prefix cache state as the reference
+    want = [r.token_ids for r in _reference(eng, _requests()[:3], sampling)]
+    sched, rec = _fault_setup(monkeypatch, eng, fault)
     good = [sched.submit(r, sampling) for r in _requests()[:3]]
     bad = sched.submit(_requests()[4], SamplingParams(max_tokens=POISON, ignore_eos=True))
     with pytest.raises(error):

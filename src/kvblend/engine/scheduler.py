@@ -369,6 +369,7 @@ class Scheduler:
         self._running: list[_Running] = []
         self._thread: threading.Thread | None = None
         self._draining = False
+        self._stopped = False  # the worker ended after a drain
         self._drain_until: float | None = None
         self._dead: str | None = None
         self._service_s = 1.0  # moving average of a request's time in the worker, for Retry-After
@@ -459,7 +460,7 @@ class Scheduler:
         DrainingError / WorkerDeadError as ``submit``."""
         job = _Job(name, steps, "jobs")
         with self._cond:
-            self._check_open()
+            self._check_open(draining_ok=True)  # write-back still computes while a drain flushes it
             if len(self._jobs.jobs) >= self._jobs.limit:
                 self._jobs.counts["dropped"] += 1
                 refused = True
@@ -523,10 +524,10 @@ class Scheduler:
         self._drop_lane(self._background)
         self.engine.flush()
 
-    def _check_open(self) -> None:
+    def _check_open(self, draining_ok: bool = False) -> None:
         if self._dead is not None:
             raise WorkerDeadError("the model worker has stopped; this server cannot serve requests")
-        if self._draining:
+        if self._stopped or (self._draining and not draining_ok):
             raise DrainingError("the server is shutting down and takes no new requests")
 
     def _retry_after(self) -> int:
@@ -539,10 +540,13 @@ class Scheduler:
         while True:
             try:
                 self._loop()
-                return
+                break
             except BaseException as exc:  # noqa: BLE001 - the supervisor must see any failure
                 if not self._recover(exc):
-                    return
+                    break
+        with self._cond:
+            self._stopped = True
+        self._drop_lane(self._jobs)
 
     def _loop(self) -> None:
         while self._next_turn():
