@@ -49,3 +49,14 @@ def test_ratio_auto_and_numbers_still_pass(client) -> None:
     for ratio in ("auto", 0, 1, 0.5):
         r = client.post("/v1/chat/completions", json={**BODY, "kvblend": {"ratio": ratio}})
         assert r.status_code == 200, (ratio, r.text)
+
+
+def test_recompute_fraction_with_a_prefix_hit_and_a_tiny_document_stays_within_0_1(client) -> None:
+    body = {**BODY, "messages": [{"role": "user", "content": "who is the doctor ? where does the doctor work ?"}],
+            "kvblend": {"ratio": 1.0}}
+    client.post("/v1/chat/completions", json=body)  # stores the document and the prefix
+    r = client.post("/v1/chat/completions", json=body).json()
+    block, n = r["kvblend"], r["usage"]["prompt_tokens"]
+    assert block["prefix_hit_tokens"] > 0 and block["doc_hits"] == {"memory": 1}
+    # ratio 1 recomputes every document token: everything but the prefix hit was computed
+    assert block["recompute_fraction"] == pytest.approx((n - block["prefix_hit_tokens"]) / n, abs=1e-6)
