@@ -67,7 +67,7 @@ def from_validation(exc: ValidationError | Any, prefix: tuple[Any, ...] = ()) ->
     """A pydantic/FastAPI validation failure as a 400 naming the first offending field
     (at most ten problems listed in the message)."""
     errors = exc.errors()
-    parts = [f"{_loc(prefix + tuple(e['loc']))}: {e['msg']}" for e in errors[:10]]
+    parts = [f"{_loc(prefix + tuple(e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in errors[:10]]
     param = _loc(prefix + tuple(errors[0]["loc"])) if errors else None
     return APIError(400, "; ".join(parts) or "invalid request", param)
 

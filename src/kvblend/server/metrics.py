@@ -99,7 +99,7 @@ class ServerMetrics:
                           QUEUE_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "Prefill / fusion time of a request", LATENCY_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
-        self.recompute = hist("recompute_fraction", "Share of token-layers recomputed per request",
+        self.recompute = hist("recompute_fraction", "Share (0..1) of a request's prompt token-layers computed, not reused",
                               FRACTION_BUCKETS)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
