@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig
+from kvblend.engine.fair import TenantShare
 from kvblend.errors import KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
@@ -151,14 +152,36 @@ class DocumentSettings(_Section):
     chunk_tokens: int = Field(ChunkerConfig().size, ge=1, le=MAX_CHUNK_TOKENS)
 
 
+class TenantSettings(_Section):
+    """One tenant's share of the model worker (``engine.fair.TenantShare``): its weight in
+    the fair queue, its own cap on waiting requests, and an optional rate of computed
+    tokens per second (prefill tokens the model ran, plus decoded tokens)."""
+
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    max_queued: int | None = Field(None, ge=1)
+    tokens_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class SchedulerSettings(_Section):
-    """The model worker (``kvblend.engine.scheduler``): ``max_background`` bounds its
-    low-priority lane (shadow checks); more jobs are dropped and counted."""
+    """The model worker (``kvblend.engine.scheduler``). ``prefill_chunk_tokens``: the prefill
+    slice run between two decode steps (a fusion runs about as many token-layers); null
+    runs each prefill whole. ``max_jobs`` bounds the jobs lane (document precompute,
+    write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
+    low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
+    tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
+    counts against a computed prompt token in the fair queue."""
 
     max_running: int = Field(8, gt=0)
     max_queued: int = 64
     request_deadline_s: float | None = Field(300.0, gt=0)
     max_background: int = Field(16, ge=0, le=4096)
+    prefill_chunk_tokens: int | None = Field(128, ge=1, le=1 << 20)
+    max_jobs: int = Field(32, ge=1, le=4096)
+    decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+
+    def shares(self) -> dict[str, TenantShare]:
+        return {name: TenantShare(t.weight, t.max_queued, t.tokens_per_s) for name, t in self.tenants.items()}
 
     @field_validator("max_queued")
     @classmethod

@@ -13,6 +13,7 @@ registry's own threads (``ServerState.off_loop``).
 from __future__ import annotations
 
 import asyncio
+import asyncio
 import dataclasses
 import functools
 import json
@@ -117,11 +118,13 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
         engine = target
         sch = settings.scheduler
         scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
-                              deadline_s=sch.request_deadline_s, max_background=sch.max_background)
+                              deadline_s=sch.request_deadline_s, max_background=sch.max_background,
+                              prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
+                              shares=sch.shares(), decode_weight=sch.decode_weight)
     model_id = settings.model_id
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
                             lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
-                            cache_usage=lambda: kv_cache_usage(engine.store))
+                            cache_usage=lambda: kv_cache_usage(engine.store), jobs=lambda: scheduler.num_jobs)
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
@@ -216,7 +219,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_answers_errors
     async def health() -> Response:
         ok = state.scheduler.alive and not state.draining and not state.scheduler.draining
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if ok else 503,
+                        headers={"X-Kvblend-Worker-Restarts": str(state.scheduler.restarts)})
 
     @app.get("/metrics")
     @_answers_errors
@@ -333,7 +337,7 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         raise APIError(400, "the document text is empty", "text")
     doc_id = body.id or default_id(body.text)
 
-    def warm() -> tuple[list[StoredChunk], list[str]]:
+    def cut() -> tuple[list[Any], tuple[int, ...], Any]:
         engine = state.engine
         chunks = document_chunks(engine, body.text, state.settings.documents.chunk_tokens)
         tokens = sum(c.n_tokens for c in chunks)
@@ -343,9 +347,18 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         if not chunks or tokens == 0:
             raise APIError(400, "the document text has no tokens", "text")
         prefix = _document_chunk_prefix(engine, state.settings)
-        keys = [str(k) for k in engine.warm([c.token_ids for c in chunks], prefix, tenant)]
+        return chunks, prefix, engine.plan_warm([c.token_ids for c in chunks], prefix, tenant)
+
+    async def warm() -> tuple[list[StoredChunk], list[str]]:
+        """Cut and key the text (a thread), compute the missing chunks' KV on the model
+        worker (its jobs lane: 429 when full), store them (a thread)."""
+        chunks, prefix, plan = await anyio.to_thread.run_sync(cut)
+        if plan.todo:
+            computed = await _run_job(state, state.engine.compute_steps(plan.todo, prefix), f"document ({tenant})")
+            await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
+        keys = [str(k) for k in plan.keys]
         stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
-        return stored, _tiers_holding_all(engine, keys)
+        return stored, await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, keys)
 
     async with state.document_locks.hold((tenant, doc_id)):
         existing = await state.off_loop(state.registry.get, tenant, doc_id)
@@ -353,13 +366,28 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
             raise APIError(409, f"document {doc_id!r} exists with other text; delete it first", "id")
         if existing is None and await state.off_loop(state.registry.count, tenant) >= limits.max_stored_documents:
             raise APIError(400, f"at most {limits.max_stored_documents} stored documents per tenant", "id")
-        chunks, tiers = await anyio.to_thread.run_sync(warm)
+        chunks, tiers = await warm()
         record = new_record(doc_id, body.text, chunks, body.metadata)
         if existing is not None:  # idempotent: the same text keeps its creation time
             record = record._replace(created=existing.created)
         if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
             await _put_document(state, tenant, record, existing)
     return record.public(tiers)
+
+
+async def _run_job(state: ServerState, steps: Any, name: str) -> Any:
+    """Model work as a job of the scheduler's jobs lane, awaited here; its refusals as
+    HTTP errors (429 when the lane is full, 503 while draining)."""
+    try:
+        future = state.scheduler.submit_job(steps, name)
+    except KvblendError as exc:
+        raise from_exception(exc) from None
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if future.cancelled():  # dropped by drain or worker death, not our caller's cancellation
+            raise APIError(503, "the server stopped before this work ran") from None
+        raise
 
 
 async def _put_document(state: ServerState, tenant: str, record: DocumentRecord,
