@@ -161,6 +161,7 @@ class Sample:
     server_ttft_s: float = math.nan
     detail: str = ""
     gaps: list[float] = field(default_factory=list)  # s between consecutive token chunks (client side)
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -428,7 +429,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers
     if not done or usage is None or flight.first is None:
         return Sample("lost", detail="the stream ended without a token, usage or [DONE]")
     sample = _sample("ok", flight, usage["completion_tokens"])
-    sample.server_ttft_s = server_ttft
+    sample.server_ttft_s, sample.prompt_tokens = server_ttft, usage["prompt_tokens"]
     return sample
 
 
@@ -678,7 +679,7 @@ def _result(base: dict[str, Unloaded], ladders: dict[str, Ladder], slo: Slo, bur
         "decode_tok_s": {"1": round(statistics.median(one), 2), "8": round(statistics.median(eight), 2)},
         "ladder": {m: [st.summary() for st in lad.steps] for m, lad in ladders.items()},
     }
-    return _nan_to_none(out)
+    return nan_to_none(out)
 
 
 def _p95_at_goodput(ladder: Ladder) -> dict | None:
@@ -702,14 +703,14 @@ def _ratio_bounds(num: Ladder, den: Ladder) -> list[float | None]:
     return [low, high]
 
 
-def _nan_to_none(x: object) -> object:
+def nan_to_none(x: object) -> object:
     """NaN (no data) as JSON null, recursively."""
     if isinstance(x, float) and math.isnan(x):
         return None
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: nan_to_none(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_nan_to_none(v) for v in x]
+        return [nan_to_none(v) for v in x]
     return x
 
 
