@@ -55,9 +55,10 @@ cheapest first; each gets an equal share of the time left, and what one leaves p
 
 Bounded duration. A step's length is planned before it starts (its last arrival, plus a
 drain of the TTFT SLO and one answer's decode); a step runs only if it ends within its
-method's share of ``--budget-min`` (default 10 minutes in all, setup included). With 2
-passages per request, full at ~0.3 req/s spends ~75 s on a passing step; failing steps
-stop early.
+method's share of ``--budget-min`` (default 10 minutes in all, setup included). A passing
+step lasts ~(warmup + arrivals) / rate: with 2 passages per request (full's unloaded TTFT
+~2 s on a quiet 2-core host), full's first step at 0.25 req/s takes ~90 s, blend's a
+fraction of that; failing steps stop early.
 
 Every request ends as ok, rejected (429), error (a clean error: an OpenAI-shaped error
 body, or an in-stream error then [DONE]), abandoned (closed by the client after its step
@@ -143,9 +144,9 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        """A smoke run: 4 passages, 1 per request, 6 measured arrivals, no bisection."""
+        """A smoke run: 4 passages, 1 per request, 6 measured arrivals, no bisection, 5 minutes."""
         return cls(pool=4, docs_per_request=1, unloaded=2, warmup=1, arrivals=6, min_step_s=5.0, max_arrivals=20,
-                   f_start=0.5, factor=2.0, resolution=2.0, f_min=0.1, max_steps=3, budget_s=600.0,
+                   f_start=0.5, factor=2.0, resolution=2.0, f_min=0.1, max_steps=3, budget_s=300.0,
                    decode_rounds=1, decode_tokens=32)
 
 
@@ -727,7 +728,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan, Slo]:
     p.add_argument("--slo-itl-s", type=float, default=Slo.itl_s, help="p95 inter-token latency every method must meet")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrival pattern and the request sequence")
-    p.add_argument("--budget-min", type=float, default=None, help="whole-run budget (default 10)")
+    p.add_argument("--budget-min", type=float, default=None, help="whole-run budget (default 10; --quick: 5)")
     p.add_argument("--arrivals", type=int, default=None, help="measured arrivals per step (default 20; --quick: 6)")
     p.add_argument("--min-step-s", type=float, default=None, help="shortest span of a step's arrivals")
     p.add_argument("--max-steps", type=int, default=None, help="steps per method")
