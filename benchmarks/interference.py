@@ -11,15 +11,17 @@ TTFT is request sent -> first text chunk, a gap is the time between two token ch
 
 1. Long prefills against a running stream (issue #20 point 9). Each long prompt
    (``--long-tokens``, default ~3k and ~8k tokens, cut to the model's context) is first
-   sent alone by tenant b: its unloaded TTFT. Then tenant a opens one stream (short
-   prompt, up to ``stream_max_tokens`` tokens); after its first ``lead_tokens`` tokens,
-   b sends the long prompts one after the other (each after the previous one ended);
-   once the last has ended and a has received ``tail_tokens`` more tokens, the client
-   closes a's stream. ``max_gap_over_median`` is a's largest gap over its median *steady*
-   gap (the gaps outside the window from the first long request sent to the last one
-   ended, so that the median is the stream's own pace, whatever the long prefills do to
-   the gaps inside; goal <= 3). ``long_ttft_over_unloaded`` is the largest of the long
-   requests' TTFT under that load over the same length's unloaded TTFT (goal <= 1.3).
+   sent alone by tenant b: its unloaded TTFT (after one warm-up at the largest length,
+   so that neither measurement pays the server's first touch of buffers that large).
+   Then tenant a opens one stream (short prompt, up to ``stream_max_tokens`` tokens);
+   after its first ``lead_tokens`` tokens, b sends the long prompts one after the other
+   (each after the previous one ended); once the last has ended and a has received
+   ``tail_tokens`` more tokens, the client closes a's stream. ``max_gap_over_median``
+   is a's largest gap over its median *steady* gap: the gaps outside the window from
+   the first long request sent to the last one ended, so that the median is the
+   stream's own pace whatever the long prefills do to the gaps inside (goal <= 3).
+   ``long_ttft_over_unloaded`` is the largest of the long requests' TTFT under that
+   load over the same length's unloaded TTFT (goal <= 1.3).
 2. Fairness. Light's unloaded TTFT: the median of sequential requests of
    ``fair_prompt_tokens`` tokens, ``fair_max_tokens`` answer tokens, alone. The server's
    sustainable rate: tenant probe keeps ``max_running`` requests of that shape in flight
@@ -33,9 +35,9 @@ TTFT is request sent -> first text chunk, a gap is the time between two token ch
 Every request ends as ok, rejected (429), error (a clean error: an OpenAI-shaped error
 body, or an in-stream error then [DONE]), closed (the client ended a's stream) or lost
 (a broken or unfinished stream, or no end within ``--request-timeout`` s);
-``lost_requests`` counts the lost ones of every phase (goal 0). A default run takes ~7
-minutes on a quiet 2-core host (the ~8k-token full prefill is most of phase 1). Timings
-on a shared host drift; every ratio is measured in one run. Ends with one JSON line.
+``lost_requests`` counts the lost ones of every phase (goal 0). A default run takes ~8
+minutes on a quiet 2-core host (three ~8k-token full prefills are most of phase 1).
+Timings on a shared host drift; every ratio is measured in one run. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ def load_tokenizer(model: str) -> Any:
 class Bench:
     def __init__(self, url: str, model_id: str, context: int, plan: Plan, prompts: Prompts,
                  timeout_s: float) -> None:
-        self.model_id, self.context, self.plan, self.prompts, self.timeout_s = model_id, context, plan, prompts, timeout_s
+        self.model_id, self.context, self.plan = model_id, context, plan
+        self.prompts, self.timeout_s = prompts, timeout_s
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits)
 
@@ -251,6 +254,7 @@ async def wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
 # ----- phase 1: long prefills against a stream --------------------------------------------------
 @dataclass
 class GapRun:
+    warmup: Sample | None = None  # the largest long prompt once, so that no measured one pays first-touch costs
     unloaded: dict[int, Sample] = field(default_factory=dict)
     loaded: dict[int, Sample] = field(default_factory=dict)
     stream: Sample | None = None
@@ -261,6 +265,8 @@ class GapRun:
 
 async def gap_phase(bench: Bench) -> GapRun:
     plan, run, sizes = bench.plan, GapRun(), bench.long_sizes()
+    run.warmup = await bench.ask("b", bench.prompts.make(max(sizes)), plan.long_max_tokens)
+    print(f"  warm-up at {max(sizes)} tokens: {_line(run.warmup)}", flush=True)
     for n in sizes:
         run.unloaded[n] = await bench.ask("b", bench.prompts.make(n), plan.long_max_tokens)
         print(f"  long {n:5d} tokens alone: {_line(run.unloaded[n])}", flush=True)
@@ -362,8 +368,8 @@ def result(gap: GapRun, fair: FairRun, other: list[Sample]) -> dict:
     ratios = ttft_ratios(gap.loaded, gap.unloaded)
     light_unloaded = statistics.median([s.ttft_s for s in fair.unloaded if s.status == "ok"] or [math.nan])
     light, heavy = tally(fair.light), tally(fair.heavy)
-    everything = [*other, *gap.unloaded.values(), *gap.loaded.values(), *([gap.stream] if gap.stream else []),
-                  *fair.unloaded, *fair.capacity, *fair.heavy, *fair.light]
+    everything = [*other, *[s for s in (gap.warmup, gap.stream) if s is not None], *gap.unloaded.values(),
+                  *gap.loaded.values(), *fair.unloaded, *fair.capacity, *fair.heavy, *fair.light]
     out = {
         "max_gap_over_median": figures["max_gap_over_median"],
         "long_ttft_over_unloaded": worst(ratios),

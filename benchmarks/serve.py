@@ -395,7 +395,7 @@ async def stream_request(client: httpx.AsyncClient, body: dict, timeout_s: float
         sample = await asyncio.wait_for(_stream(client, body, flight, headers, stop), timeout_s)
     except TimeoutError:
         sample = Sample("lost", detail=f"hung: no end within {timeout_s} s")
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         sample = Sample("lost", detail=f"{type(exc).__name__}: {exc}")
     sample.gaps = token_gaps(flight.times)
     flight.sample = sample

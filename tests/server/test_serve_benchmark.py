@@ -161,7 +161,8 @@ def test_ratios_compare_goodputs_and_say_none_without_a_pass() -> None:
 
 
 def test_plan_and_slo_reject_bad_values() -> None:
-    for bad in ({"arrivals": 0}, {"factor": 1.0}, {"resolution": 1.0}, {"warmup": 5, "arrivals": 20, "max_arrivals": 24}):
+    for bad in ({"arrivals": 0}, {"factor": 1.0}, {"resolution": 1.0},
+                {"warmup": 5, "arrivals": 20, "max_arrivals": 24}):
         with pytest.raises(ValueError):
             bs.Plan(**bad)
     with pytest.raises(ValueError):
