@@ -114,14 +114,16 @@ class Plan:
 
 # ----- statistics (pure) -----------------------------------------------------------------------
 def gap_figures(times: list[float], busy: tuple[float, float] | None) -> dict[str, float | int]:
-    """A stream's gaps between token arrivals ``times``: the largest, the median of the
-    steady ones (those whose interval does not overlap the ``busy`` window), the median
-    of all, and the largest over the steady median."""
+    """A stream's gaps between token arrivals ``times``: the largest (and when it began,
+    in s after the ``busy`` window opened), the median of the steady ones (those whose
+    interval does not overlap the ``busy`` window), the median of all, and the largest
+    over the steady median."""
     gaps = token_gaps(times)
     steady = [g for a, g in zip(times, gaps) if busy is None or a + g <= busy[0] or a >= busy[1]]
     max_gap = max(gaps, default=math.nan)
     median = statistics.median(steady) if steady else math.nan
-    return {"max_gap_s": max_gap, "median_gap_s": median,
+    at = times[gaps.index(max_gap)] - busy[0] if gaps and busy else math.nan
+    return {"max_gap_s": max_gap, "max_gap_start_s": at, "median_gap_s": median,
             "median_gap_all_s": statistics.median(gaps) if gaps else math.nan,
             "max_gap_over_median": max_gap / median if median > 0 else math.nan,
             "gaps": len(gaps), "steady_gaps": len(steady)}

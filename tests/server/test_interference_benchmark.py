@@ -39,7 +39,7 @@ def test_max_gap_is_over_the_median_of_the_steady_gaps_only() -> None:
     fig = bi.gap_figures(times, (times[20], times[21]))  # the long request ran across the stall
     assert fig["max_gap_s"] == pytest.approx(5.0) and fig["median_gap_s"] == pytest.approx(0.1)
     assert fig["max_gap_over_median"] == pytest.approx(50.0)
-    assert fig["gaps"] == 41 and fig["steady_gaps"] == 40
+    assert fig["gaps"] == 41 and fig["steady_gaps"] == 40 and fig["max_gap_start_s"] == pytest.approx(0.0)
     # a gap that overlaps the window by any amount is not steady
     assert bi.gap_figures(times, (times[20] - 0.01, times[21] + 0.01))["steady_gaps"] == 38
 
