@@ -6,7 +6,7 @@
 const KEY = "kvblend.apiKey";
 const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
-const state = { model: null, runs: [], stored: {} };
+const state = { model: null, runs: [], stored: {}, finished: 0 };
 
 // ----- API ---------------------------------------------------------------------------------
 class ApiError extends Error {
@@ -132,7 +132,7 @@ function addTextDoc(text = "") {
   const row = document.createElement("div");
   row.className = "doc";
   const area = document.createElement("textarea");
-  area.rows = 3;
+  area.rows = 4;
   area.value = text;
   area.placeholder = "Paste a document";
   row.append(area, removable(row));
@@ -168,6 +168,18 @@ function pickStored() {
   const id = $("#stored").value;
   if (id) addStoredDoc(id, state.stored[id].tokens);
   $("#stored").value = "";
+}
+
+async function saveDocs() {
+  clearError();
+  try {
+    const texts = documentsField().filter((doc) => typeof doc === "string");
+    for (const text of texts) await api("/v1/documents", { text });
+    status(`${texts.length} document(s) stored under your key`);
+    await loadStoredChoices();
+  } catch (err) {
+    showError(err);
+  }
 }
 
 function upload() {
@@ -247,6 +259,7 @@ const ms = (s) => (s * 1000).toFixed(s < 0.1 ? 1 : 0) + " ms";
 const pct = (x) => (100 * x).toFixed(1) + " %";
 
 function hitsText(kv) {
+  if (kv.method === "full") return "none: full prefill computes every token";
   const hits = Object.entries(kv.doc_hits || {}).map(([tier, n]) => `${tier} ×${n}`);
   const misses = kv.doc_misses ? [`computed ×${kv.doc_misses}`] : [];
   return [...hits, ...misses].join(", ") || "none (no documents reused)";
@@ -282,9 +295,11 @@ function record(blend, full) {
   const f1 = tokenF1(blend.text, full.text);
   const run = { ratio: Number($("#ratio").value), strategy: $("#strategy").value, f1,
     ttftBlend: blend.kvblend.ttft_s, ttftFull: full.kvblend.ttft_s };
-  state.runs.push(run);
-  const same = blend.text.trim() === full.text.trim() ? "the same answer" : "different answers";
-  $("#agreement").textContent = `Answer agreement with full prefill: token F1 ${f1.toFixed(2)} (${same}); `
+  const same = (r) => r.ratio === run.ratio && r.strategy === run.strategy;
+  state.runs = [...state.runs.filter((r) => !same(r)), run];  // the latest run per ratio and strategy
+  state.finished += 1;
+  const verdict = blend.text.trim() === full.text.trim() ? "the same answer" : "different answers";
+  $("#agreement").textContent = `Answer agreement with full prefill: token F1 ${f1.toFixed(2)} (${verdict}); `
     + `TTFT ${ms(run.ttftBlend)} vs ${ms(run.ttftFull)} (×${(run.ttftFull / run.ttftBlend).toFixed(2)}).`;
   renderExplain(blend.explain);
   drawChart(state.runs);
@@ -391,7 +406,7 @@ function renderExplain(explain) {
 
 // ----- chart (hand-drawn SVG) --------------------------------------------------------------
 const SVG = "http://www.w3.org/2000/svg";
-const BOX = { left: 52, right: 508, top: 16, bottom: 220 };
+const BOX = { left: 56, right: 560, top: 20, bottom: 220 };
 
 function svg(tag, attrs, text) {
   const el = document.createElementNS(SVG, tag);
@@ -412,7 +427,7 @@ function axes(chart, maxMs) {
       svg("text", { x, y: bottom + 14, "text-anchor": "middle" }, (i / 4).toFixed(2)));
   }
   chart.append(svg("text", { x: (left + right) / 2, y: bottom + 30, "text-anchor": "middle" }, "recompute ratio"),
-    svg("text", { x: 4, y: top - 4 }, "TTFT ms"), svg("text", { x: right - 30, y: top - 4 }, "agreement F1"));
+    svg("text", { x: 4, y: top - 8 }, "TTFT ms"), svg("text", { x: right - 30, y: top - 8 }, "agreement F1"));
 }
 
 function series(chart, points, color, shape) {
@@ -430,16 +445,20 @@ function series(chart, points, color, shape) {
 function legend(chart) {
   const items = [["#1c64c8", "blend TTFT"], ["#999", "full prefill TTFT"], ["#d9480f", "agreement F1"]];
   items.forEach(([color, label], i) => {
-    const x = BOX.left + 10 + i * 130;
-    chart.append(svg("rect", { x, y: 238, width: 10, height: 10, fill: color }),
-      svg("text", { x: x + 14, y: 247 }, label));
+    const x = BOX.left + i * 130;
+    chart.append(svg("rect", { x, y: 262, width: 10, height: 10, fill: color }),
+      svg("text", { x: x + 14, y: 271 }, label));
   });
-  chart.append(svg("text", { x: BOX.left + 400, y: 247 }, "● blend ■ cacheblend"));
+  chart.append(svg("circle", { cx: BOX.left + 405, cy: 267, r: 4, fill: "#666" }),
+    svg("text", { x: BOX.left + 413, y: 271 }, "blend"),
+    svg("rect", { x: BOX.left + 455, y: 263, width: 8, height: 8, fill: "#666" }),
+    svg("text", { x: BOX.left + 467, y: 271 }, "cacheblend"));
 }
 
 function drawChart(runs) {
   const chart = $("#chart");
   chart.textContent = "";
+  chart.dataset.runs = state.finished;
   const maxMs = 1150 * Math.max(0, ...runs.flatMap((r) => [r.ttftBlend, r.ttftFull])) || 100;
   axes(chart, maxMs);
   const x = (ratio) => BOX.left + (BOX.right - BOX.left) * ratio;
@@ -481,6 +500,7 @@ async function loadStore() {
     for (const d of docs.data) {
       cells(body, [d.id, d.tokens, d.num_chunks, new Date(d.created * 1000).toLocaleString()]);
     }
+    if (!docs.data.length) cells(body, ["none yet: “store the pasted documents” on the Ask view", "", "", ""]);
     renderTiers(store);
   } catch (err) {
     showError(err);
@@ -515,6 +535,7 @@ function bind() {
   $("#forget-key").addEventListener("click", forgetKey);
   $("#add-doc").addEventListener("click", () => addTextDoc().focus());
   $("#upload").addEventListener("change", upload);
+  $("#save-docs").addEventListener("click", saveDocs);
   $("#stored").addEventListener("change", pickStored);
   $("#ratio").addEventListener("input", () => { $("#ratio-value").textContent = Number($("#ratio").value).toFixed(2); });
   $("#run").addEventListener("click", run);
