@@ -50,7 +50,8 @@ def stored_pieces(body: _Common, registry: DocumentRegistry, tenant: str) -> lis
     return out
 
 
-def origins_of(first: Sequence[int], then: Sequence[int], documents: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+def origins_of(first: Sequence[int], then: Sequence[int],
+               documents: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
     """(given document, token offset) of each prompt document, from the two expansions' counts
     (``stored_pieces``, then ``translate.Checked.pieces``); each its own when they disagree."""
     owner = [i for i, n in enumerate(first) for _ in range(n)]
