@@ -46,10 +46,11 @@ class Meter:
         self.pairs = 0
 
     def question_pass(self, fn):
+        """Wrap ``question_scores_steps`` (a step generator, run to its end by its caller)."""
         def run(*args, **kwargs):
             t, self.in_question = time.perf_counter(), True
             try:
-                return fn(*args, **kwargs)
+                return (yield from fn(*args, **kwargs))
             finally:
                 self.in_question = False
                 self.parts["question_pass"] += time.perf_counter() - t
@@ -75,7 +76,7 @@ class Meter:
 
 def install(meter: Meter) -> None:
     """Wrap what fusion and the model call (module attributes, so their calls go through them)."""
-    strategies.question_scores = meter.question_pass(strategies.question_scores)
+    strategies.question_scores_steps = meter.question_pass(strategies.question_scores_steps)
     for module in (fusion, transformer):
         module.attend_planned = meter.attention(module.attend_planned)
         module.attend = meter.attention(module.attend)

@@ -27,3 +27,8 @@ class ModelCheckError(KvblendError):
 
 class EngineClosedError(KvblendError):
     """A request sent to an engine after ``close`` (a server answers 503)."""
+
+
+class NonFiniteLogitsError(KvblendError):
+    """A model whose logits held NaN or inf (e.g. fp16/bf16 overflow): the request ends
+    (a server answers 500: the fault is the model's or the server's, not the client's)."""

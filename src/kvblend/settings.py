@@ -9,16 +9,21 @@ units (``"1GiB"``, ``"512MB"``). ``Settings.load`` merges them; ``redacted()`` i
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource,
 )
 
 from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig
+from kvblend.engine.fair import TenantShare
 from kvblend.errors import KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
@@ -29,6 +34,7 @@ from kvblend.store.plan import parse_size
 DTYPES = ("float32", "float16", "bfloat16")
 GiB = 1024**3
 MiB = 1024**2
+MIN_KEY_CHARS = 8  # API keys and the admin key alike
 
 
 class SettingsError(KvblendError):
@@ -40,6 +46,22 @@ def _size(value: Any) -> Any:
 
 
 Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+
+
+def _unit_interval(value: float, info: ValidationInfo) -> float:
+    """A ratio: a finite number in [0, 1]. NaN and infinities are named as such, never
+    answered with a bound they only fail because every comparison with NaN is false."""
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{info.field_name or 'ratio'} must be a finite number in [0, 1]; got {value!r}")
+    return value
+
+
+def _unit_interval_or_auto(value: float | str, info: ValidationInfo) -> float | str:
+    return value if value == "auto" else _unit_interval(value, info)
+
+
+Ratio = Annotated[float, AfterValidator(_unit_interval)]
+RatioOrAuto = Annotated[float | Literal["auto"], AfterValidator(_unit_interval_or_auto)]  # one error, not one per branch
 
 
 class _Section(BaseModel):
@@ -77,7 +99,7 @@ class BlendSettings(_Section):
     engine's own (``BlendConfig()``), so the CLI, the server and the library agree."""
 
     method: Literal["full", "prefix", "reuse", "blend", "auto"] = "blend"  # auto: the guard routes (guard.enabled)
-    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = _BLEND.ratio  # auto: the loading controller picks it per request
+    ratio: RatioOrAuto = _BLEND.ratio  # auto: the loading controller picks it per request
     check_layers: tuple[int, ...] = _BLEND.check_layers
     schedule: tuple[float, ...] | None = _BLEND.schedule
     signal: Literal["v", "k", "kv"] = _BLEND.signal  # type: ignore[assignment]
@@ -86,8 +108,8 @@ class BlendSettings(_Section):
     budget: bool = _BLEND.budget
     sinks: int = Field(_BLEND.sinks, ge=0, le=MAX_SINKS)
     shift: bool = _BLEND.shift
-    r_min: float = Field(_BLEND.r_min, ge=0.0, le=1.0)
-    r_max: float = Field(_BLEND.r_max, ge=0.0, le=1.0)
+    r_min: Ratio = _BLEND.r_min
+    r_max: Ratio = _BLEND.r_max
 
     @field_validator("selection")
     @classmethod
@@ -134,14 +156,44 @@ class DocumentSettings(_Section):
     chunk_tokens: int = Field(ChunkerConfig().size, ge=1, le=MAX_CHUNK_TOKENS)
 
 
+class TenantSettings(_Section):
+    """One tenant's share of the model worker (``engine.fair.TenantShare``): its weight in
+    the fair queue, its own cap on waiting requests, and an optional rate of computed
+    tokens per second (prefill tokens the model ran, plus decoded tokens)."""
+
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    max_queued: int | None = Field(None, ge=1)
+    tokens_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class SchedulerSettings(_Section):
-    """The model worker (``kvblend.engine.scheduler``): ``max_background`` bounds its
-    low-priority lane (shadow checks); more jobs are dropped and counted."""
+    """The model worker (``kvblend.engine.scheduler``). ``prefill_chunk_tokens``: the prefill
+    slice run between two decode steps (a fusion runs about as many token-layers); null
+    runs each prefill whole. ``max_jobs`` bounds the jobs lane (document precompute,
+    write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
+    low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
+    tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
+    counts against a computed prompt token in the fair queue."""
 
     max_running: int = Field(8, gt=0)
-    max_queued: int = Field(64, ge=0)
+    max_queued: int = 64
     request_deadline_s: float | None = Field(300.0, gt=0)
     max_background: int = Field(16, ge=0, le=4096)
+    prefill_chunk_tokens: int | None = Field(128, ge=1, le=1 << 20)
+    max_jobs: int = Field(32, ge=1, le=4096)
+    decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+
+    def shares(self) -> dict[str, TenantShare]:
+        return {name: TenantShare(t.weight, t.max_queued, t.tokens_per_s) for name, t in self.tenants.items()}
+
+    @field_validator("max_queued")
+    @classmethod
+    def _queue_admits(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"scheduler.max_queued must be at least 1 (with {value} every request would get "
+                             "a 429); it bounds the requests waiting for the model worker")
+        return value
 
 
 class RetrievalSettings(_Section):
@@ -170,7 +222,7 @@ class GuardSettings(_Section):
     window: int = Field(32, ge=1, le=4096)
     min_samples: int = Field(8, ge=1, le=4096)
     min_f1: float | None = Field(0.5, ge=0.0, le=1.0)
-    fallback_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    fallback_ratio: Ratio | None = None
     override_explicit: bool = True
     max_pending: int = Field(8, ge=1, le=1024)
     chunk_tokens: int = Field(256, ge=1, le=MAX_CHUNK_TOKENS)
@@ -254,10 +306,17 @@ class Settings(ModelSettings):
     @classmethod
     def _tenants(cls, keys: dict[str, str]) -> dict[str, str]:
         for key, tenant in keys.items():
-            if len(key) < 8:
-                raise ValueError("each API key needs at least 8 characters")
+            if len(key) < MIN_KEY_CHARS:
+                raise ValueError(f"each API key needs at least {MIN_KEY_CHARS} characters")
             validate_tenant(tenant)
         return keys
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key(cls, key: str | None) -> str | None:
+        if key is not None and len(key) < MIN_KEY_CHARS:
+            raise ValueError(f"the admin key needs at least {MIN_KEY_CHARS} characters, as API keys do")
+        return key
 
     @property
     def model_id(self) -> str:

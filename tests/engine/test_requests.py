@@ -163,3 +163,28 @@ def test_requests_never_write_to_the_stored_chunks_they_borrow(eng: Engine) -> N
     for key, tensors in before.items():
         stored = memory._entries[key].tensors
         assert all(torch.equal(t, stored[n]) for n, t in tensors.items())
+
+
+def test_recompute_fraction_is_the_share_of_prompt_token_layers_computed(eng: Engine) -> None:
+    """A prefix hit and one stored 10-token document: the fraction stays in [0, 1] for every
+    ratio (question selection runs the question's rows twice; they count once). Ratio 1
+    computes everything but the prefix hit; ratio 0 reuses the document too."""
+    doc = eng.tokenizer(DOCS[0], add_special_tokens=False)["input_ids"][:10]
+    question = "who is the doctor ? tell me where the doctor works and what the doctor does there , please"
+
+    def stats(**kw) -> RequestStats:
+        return eng.prepare(Request(documents=[doc], question=question, **kw)).stats
+
+    stats()  # stores the document's KV and the prefix
+    eng.flush()
+    by_ratio = {r: stats(blend=BlendConfig(ratio=r)) for r in (0.0, 0.15, 1.0)}
+    for s in by_ratio.values():
+        assert s.prefix_hit_tokens > 0 and [(d.tokens, d.source) for d in s.docs] == [(10, "memory")]
+        assert 0.0 <= s.recompute_frac <= 1.0
+    n, p = by_ratio[1.0].prompt_tokens, by_ratio[1.0].prefix_hit_tokens
+    assert by_ratio[1.0].recompute_frac == pytest.approx((n - p) / n)
+    assert by_ratio[0.0].recompute_frac == pytest.approx((n - p - 10) / n)
+    assert by_ratio[0.0].recompute_frac < by_ratio[0.15].recompute_frac < by_ratio[1.0].recompute_frac
+    assert stats(method="full").recompute_frac == 1.0
+    prefix = stats(method="prefix")
+    assert prefix.recompute_frac == pytest.approx(1 - prefix.prefix_hit_tokens / prefix.prompt_tokens)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvblend.engine import Engine, Request, RequestStats
 from kvblend.engine import scheduler as scheduler_mod
@@ -15,7 +16,7 @@ from kvblend.engine.scheduler import (
     DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, Scheduler,
     SchedulerObserver, WorkerDeadError,
 )
-from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
+from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError, NonFiniteLogitsError
 from kvblend.generation import SamplingParams
 from tests.conftest import make_loaded
 
@@ -197,18 +198,100 @@ def test_a_request_error_ends_only_that_request() -> None:
     sched.drain(5)
 
 
-def test_worker_crash_fails_pending_requests_and_marks_dead(monkeypatch) -> None:
-    def broken(*args, **kw):
-        raise RuntimeError("simulated device failure")
+POISON = 77  # max_tokens that marks the request a fault is injected into (its cache's capacity)
 
-    monkeypatch.setattr(scheduler_mod, "decode_batch", broken)
-    sched = _started(Engine(make_loaded()), max_running=1)
+
+def _fault_setup(monkeypatch, eng: Engine, fault: str) -> tuple[Scheduler, Recorder]:
+    """A scheduler whose batched forward misbehaves for the one request with max_tokens
+    POISON: it raises (the whole batch fails), or its logits come back NaN."""
+    real = scheduler_mod.forward_batch
+
+    def faulty(model, members):
+        bad = [m.cache.capacity >= POISON and m.ids.shape[0] == 1 and m.cache.length > 0 for m in members]
+        if fault == "raise" and any(bad):
+            raise RuntimeError("simulated kernel failure")
+        outs = real(model, members)
+        return [torch.full_like(o, float("nan")) if b and fault == "nan" else o for o, b in zip(outs, bad)]
+
+    monkeypatch.setattr(scheduler_mod, "forward_batch", faulty)
+    rec = Recorder()
+    return _started(eng, max_running=4, observer=rec), rec
+
+
+@pytest.mark.parametrize("fault,stage,error", [
+    ("raise", "decode", scheduler_mod.InternalRequestError),
+    ("nan", "sample", NonFiniteLogitsError),
+])
+def test_a_fault_in_one_decoding_request_ends_it_alone(monkeypatch, fault, stage, error) -> None:
+    """A batched forward that fails (or yields NaN logits) for one request: that request
+    ends with its error, the others get the tokens they get alone, the worker lives."""
+    eng = Engine(make_loaded())
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [r.token_ids for r in _reference(eng, _requests()[:3], sampling)]
+    sched, rec = _fault_setup(monkeypatch, eng, fault)
+    good = [sched.submit(r, sampling) for r in _requests()[:3]]
+    bad = sched.submit(_requests()[4], SamplingParams(max_tokens=POISON, ignore_eos=True))
+    with pytest.raises(error):
+        bad.result()
+    assert [h.result().token_ids for h in good] == want
+    assert sched.alive and sched.restarts == 0
+    out = rec.outcomes[bad.id]
+    assert out.status == "error" and out.stage == stage and out.completion_tokens >= 1
+    sched.drain(5)
+
+
+@pytest.mark.parametrize("temperature", [1e-36, 1e-37, 1e-38])
+def test_a_tiny_temperature_is_answered_and_the_next_request_too(temperature) -> None:
+    """Issue #20: temperature 1e-37 made the logits overflow, multinomial raised inside the
+    batched step and the worker died for every request."""
+    sched = _started(Engine(make_loaded()))
+    tiny = sched.submit(_requests()[0], SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True))
+    assert len(tiny.result().token_ids) == 8
+    assert sched.submit(_requests()[4], SamplingParams(max_tokens=3)).result().token_ids and sched.alive
+    sched.drain(5)
+
+
+def test_the_supervisor_restarts_a_failed_worker_loop(monkeypatch) -> None:
+    """A failure outside any one request (here the loop's own bookkeeping) ends the requests
+    in flight as internal errors, keeps the queued ones, and the worker serves on."""
+    eng = Engine(make_loaded())
+    rec = Recorder()
+    restarts = []
+    rec.on_restart = restarts.append
+    sched = Scheduler(eng, max_running=1, observer=rec)
+    real, calls = sched._expire, []
+
+    def fails_once() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated bookkeeping bug")
+        real()
+
+    monkeypatch.setattr(sched, "_expire", fails_once)
+    first = sched.submit(_requests()[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    queued = sched.submit(_requests()[4], SamplingParams(max_tokens=3))
+    sched.start()
+    with pytest.raises(scheduler_mod.InternalRequestError):
+        first.result()
+    assert queued.result().token_ids and sched.alive
+    assert sched.restarts == 1 and len(restarts) == 1 and rec.outcomes[first.id].stage == "worker"
+    sched.drain(5)
+
+
+def test_the_supervisor_gives_up_on_a_loop_that_keeps_failing(monkeypatch) -> None:
+    sched = Scheduler(Engine(make_loaded()), max_running=1)
+
+    def broken() -> None:
+        raise RuntimeError("simulated persistent failure")
+
+    monkeypatch.setattr(sched, "_expire", broken)
     handles = [sched.submit(r, SamplingParams(max_tokens=5, ignore_eos=True)) for r in _requests()[:3]]
+    sched.start()
     for h in handles:
         with pytest.raises(WorkerDeadError):
             h.result()
     sched._thread.join(5)
-    assert not sched.alive
+    assert not sched.alive and sched.restarts == scheduler_mod.MAX_RESTARTS
     with pytest.raises(WorkerDeadError):
         sched.submit(_requests()[0], SamplingParams())
 
@@ -262,14 +345,14 @@ def test_invalid_scheduler_settings_and_deadlines_are_refused() -> None:
 
 def test_an_internal_prefill_failure_ends_that_request_as_internal(monkeypatch) -> None:
     eng = Engine(make_loaded())
-    real = eng.prepare
+    real = eng.prepare_steps
 
-    def flaky(request, extra_capacity=0):
+    def flaky(request, extra_capacity=0, slice_tokens=None):
         if request.question == "hello":
             raise RuntimeError("simulated bug")
-        return real(request, extra_capacity)
+        return (yield from real(request, extra_capacity, slice_tokens))
 
-    monkeypatch.setattr(eng, "prepare", flaky)
+    monkeypatch.setattr(eng, "prepare_steps", flaky)
     rec = Recorder()
     sched = _started(eng, observer=rec)
     bad, good = sched.submit(_requests()[4], SamplingParams()), sched.submit(_requests()[0], SamplingParams(max_tokens=3))
@@ -278,3 +361,4 @@ def test_an_internal_prefill_failure_ends_that_request_as_internal(monkeypatch) 
     assert good.result().token_ids and sched.alive
     sched.drain(5)
     assert rec.outcomes[bad.id].status == "error" and not isinstance(rec.outcomes[bad.id].error, KvblendError)
+    assert rec.outcomes[bad.id].stage == "prepare"

@@ -159,8 +159,8 @@ def test_a_cold_request_computes_its_prompt_once(monkeypatch) -> None:
     import kvblend.blend.strategies as strategies
 
     passes: list[int] = []
-    real = strategies.fuse
-    monkeypatch.setattr(strategies, "fuse", lambda m, p: passes.append(1) or real(m, p))
+    real = strategies.fuse_steps
+    monkeypatch.setattr(strategies, "fuse_steps", lambda m, p: passes.append(1) or real(m, p))
     eng = Engine(make_loaded(num_hidden_layers=3))
     full = _logits(eng, "full")
     cold = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",

@@ -105,8 +105,8 @@ def test_hybrid_keeps_the_top_of_the_averaged_within_document_ranks(arch: str, m
         assert got.tolist() == pytest.approx(want, abs=1e-6)
 
     recomputed: list[torch.Tensor | None] = []
-    real_fuse = strategies.fuse
-    monkeypatch.setattr(strategies, "fuse", lambda m, p: recomputed.append(p.recompute) or real_fuse(m, p))
+    real_fuse = strategies.fuse_steps
+    monkeypatch.setattr(strategies, "fuse_steps", lambda m, p: recomputed.append(p.recompute) or real_fuse(m, p))
     kept_sets = []
     for ratio in (0.1, 0.25, 0.5, 0.75):
         cfg = BlendConfig(ratio=ratio, **{**PLAIN_STRATEGY, "selection": "question", "vdev": 0.5})
@@ -126,8 +126,8 @@ def test_nested_kept_sets_with_sinks_and_budgets(monkeypatch) -> None:
     ids = _ids()
     plan = _plan(model, ids)
     recomputed: list[torch.Tensor] = []
-    real_fuse = strategies.fuse
-    monkeypatch.setattr(strategies, "fuse", lambda m, p: recomputed.append(p.recompute) or real_fuse(m, p))
+    real_fuse = strategies.fuse_steps
+    monkeypatch.setattr(strategies, "fuse_steps", lambda m, p: recomputed.append(p.recompute) or real_fuse(m, p))
     for extra in (dict(sinks=2), dict(sinks=2, budget=True)):
         sets = []
         for ratio in (0.2, 0.4, 0.6, 0.8):

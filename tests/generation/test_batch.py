@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvblend.generation import SamplingParams, prefill, stream_from
 from kvblend.generation.batch import DecodeSlot, decode_batch
-from tests.conftest import make_loaded
+from tests.conftest import make_loaded, make_tokenizer
 
 # (prompt length, step at which the request joins the batch)
 JOINS = ((3, 0), (11, 2), (6, 3), (19, 5))
@@ -91,3 +93,50 @@ def test_decode_slot_caps_tokens_to_the_context_left() -> None:
             event = slot.next_event(logits)
             logits = decode_batch(loaded.model, [event.token_id], [cache])[0] if not slot.finished else logits
     assert event.finish_reason == "length" and slot.count == 6
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", {}), ("mistral", {"sliding_window": 8})])
+def test_a_prefill_slice_batched_with_decodes_equals_each_forward_alone(arch, overrides) -> None:
+    """Chunked prefill piggybacking decodes: a multi-token slice and single decode tokens in
+    one ``forward_batch`` give each step's own forward (logits and cache)."""
+    from kvblend.generation.batch import forward_batch
+    from kvblend.generation.chunked import Forward
+
+    model = make_loaded(arch, **overrides).model
+    long_ids = torch.tensor(_prompt(23, 9))  # (23,)
+    solo_cache, mixed_cache = model.new_cache(23), model.new_cache(23)
+    model(long_ids[:9], solo_cache, logits_for="none")
+    model(long_ids[:9], mixed_cache, logits_for="none")
+    decoders = [prefill(model, _prompt(n, i), 2) for i, n in enumerate((4, 13))]
+    alone = [prefill(model, _prompt(n, i), 2) for i, n in enumerate((4, 13))]
+    want_slice = model(long_ids[9:], solo_cache, logits_for="all")  # (14, V)
+    want_rows = [model(torch.tensor([7]), c)[0] for c, _ in alone]
+    got = forward_batch(model, [Forward(torch.tensor([7]), decoders[0][0]), Forward(long_ids[9:], mixed_cache, "all"),
+                                Forward(torch.tensor([7]), decoders[1][0])])
+    assert got[1].shape == want_slice.shape and torch.allclose(got[1], want_slice, atol=1e-4, rtol=0)
+    for row, want in zip((got[0], got[2]), want_rows):
+        assert row.shape == (1, want.shape[0]) and torch.allclose(row[0], want, atol=1e-4, rtol=0)
+    assert mixed_cache.length == solo_cache.length == 23
+    for layer in range(solo_cache.num_layers):
+        for a, b in zip(mixed_cache.view(layer), solo_cache.view(layer)):
+            assert torch.allclose(a, b, atol=1e-5)
+    assert forward_batch(model, [Forward(long_ids[:3], model.new_cache(3), "none")])[0].numel() == 0
+
+
+def _one_hot(token: int, vocab: int) -> torch.Tensor:
+    out = torch.zeros(vocab)  # (V,)
+    out[token] = 1.0
+    return out
+
+
+def test_decode_slot_flushes_the_text_held_back_for_a_stop_string_at_eos() -> None:
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    answer = tok("the red city", add_special_tokens=False)["input_ids"] + [eos]
+    cache = SimpleNamespace(length=4)
+    slot = DecodeSlot(tok, cache, SamplingParams(max_tokens=20, stop=("city of",)), [eos], 1000)
+    events = [slot.next_event(_one_hot(t, len(tok))) for t in answer]
+    assert [e.token_id for e in events] == answer
+    assert "".join(e.text for e in events[:-1]) == "the red "  # "city" could still begin "city of"
+    assert events[-1].finish_reason == "stop" and events[-1].text == "city"
+    assert slot.finished and slot.count == len(answer)

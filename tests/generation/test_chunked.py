@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kvblend.generation.chunked import chunk_size, forward_chunks
+from kvblend.generation.chunked import Forward, chunk_size, forward_chunks, run_steps
 from tests.conftest import make_loaded
 
 
@@ -21,14 +21,17 @@ def _ids(model, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))  # (n,)
 
 
-def _steps_and_value(gen) -> tuple[int, torch.Tensor]:
-    steps = 0
+def _steps_and_value(gen, model) -> tuple[int, torch.Tensor]:
+    """Drive ``gen`` as a scheduler would (each Forward through the model), counting its steps."""
+    steps, reply = 0, None
     while True:
         try:
-            next(gen)
-            steps += 1
+            step = gen.send(reply)
         except StopIteration as stop:
             return steps, stop.value
+        assert isinstance(step, Forward)
+        steps += 1
+        reply = model(step.ids, step.cache, step.logits_for)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # gemma3: sliding windows of 8 across chunks
@@ -39,12 +42,12 @@ def test_chunked_prefill_equals_one_shot(arch: str, chunk: int) -> None:
     one = model.new_cache(40)
     want = model(ids, one, logits_for="all")  # (37, V)
     last = model.new_cache(40)
-    steps, got_last = _steps_and_value(forward_chunks(model, ids, last, chunk))
+    steps, got_last = _steps_and_value(forward_chunks(model, ids, last, chunk), model)
     assert steps == -(-37 // chunk)  # one step per chunk
     assert got_last.shape == (1, want.shape[1])
     assert torch.allclose(got_last, want[-1:], atol=1e-4, rtol=0)
     every = model.new_cache(40)
-    _, got_all = _steps_and_value(forward_chunks(model, ids, every, chunk, logits_for="all"))
+    _, got_all = _steps_and_value(forward_chunks(model, ids, every, chunk, logits_for="all"), model)
     assert got_all.shape == want.shape and torch.allclose(got_all, want, atol=1e-4, rtol=0)
     for cache in (last, every):
         assert cache.length == one.length == 37
@@ -60,7 +63,7 @@ def test_chunks_continue_an_existing_cache() -> None:
     want = model(ids, model.new_cache(30), logits_for="all")[12:]  # (18, V)
     cache = model.new_cache(30)
     model(ids[:12], cache, logits_for="none")
-    _, got = _steps_and_value(forward_chunks(model, ids[12:], cache, 4, logits_for="all"))
+    _, got = _steps_and_value(forward_chunks(model, ids[12:], cache, 4, logits_for="all"), model)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
 
@@ -70,7 +73,16 @@ def test_length_dependent_rope_runs_in_one_chunk() -> None:
     assert chunk_size(model, 12, 4) == 4 and chunk_size(model, 28, 4) == 28
     ids = _ids(model, 28, 3)  # (28,): past the window of 16, within the context of 32
     want = model(ids, model.new_cache(28))
-    steps, got = _steps_and_value(forward_chunks(model, ids, model.new_cache(28), 4))
+    steps, got = _steps_and_value(forward_chunks(model, ids, model.new_cache(28), 4), model)
     assert steps == 1 and torch.allclose(got, want, atol=1e-5, rtol=0)
     with pytest.raises(ValueError):
         chunk_size(model, 12, 0)
+
+
+def test_run_steps_drives_a_forward_alone() -> None:
+    model = _model("llama")
+    ids = _ids(model, 21, 4)  # (21,)
+    want = model(ids, model.new_cache(21))  # (1, V)
+    got = run_steps(forward_chunks(model, ids, model.new_cache(21), 8), model)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert chunk_size(model, 21, None) == 21  # None: one slice

@@ -1,13 +1,16 @@
-"""Sampling: greedy, seeds, top-k, top-p, validation."""
+"""Sampling: greedy, seeds, top-k, top-p, validation, numerical safety."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvblend.errors import InvalidRequestError
+from kvblend.errors import InvalidRequestError, NonFiniteLogitsError
 from kvblend.generation import Sampler, SamplingParams, generate_ids
-from kvblend.generation.sampling import filtered_probs
+from kvblend.generation.sampling import MIN_TEMPERATURE, filtered_probs, scaled_logits
+from kvblend.generation.slot import DecodeSlot
 from tests.conftest import make_loaded
 
 
@@ -53,7 +56,71 @@ def test_eos_stops_generation() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop=("",))])
+                                 dict(stop=("",)), dict(temperature=float("nan")), dict(temperature=float("inf"))])
 def test_bad_sampling_params_are_rejected(bad) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+FILTERS = [dict(), dict(top_p=0.9), dict(top_k=5), dict(top_k=5, top_p=0.5)]
+
+
+@pytest.mark.parametrize("temperature", [1e-36, 1e-37, 1e-38, MIN_TEMPERATURE / 2])
+@pytest.mark.parametrize("filters", FILTERS)
+def test_temperatures_below_the_floor_sample_greedily(temperature, filters) -> None:
+    g = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        logits = torch.randn(50, generator=g) * 30  # (V,)
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=1, **filters))
+        assert sampler(logits) == int(logits.argmax())
+
+
+EXTREME = [
+    torch.tensor([3e38, -3e38, 0.0, 1e38, -1e-38]),  # float32's range, both ends
+    torch.tensor([6e4, -6e4, 6.5e4, 0.0], dtype=torch.float16),  # fp16's largest finite values
+    torch.tensor([1.0, 1.0 + 1e-6, 1.0 - 1e-6, -1e30]),  # near-ties beside a huge gap
+]
+
+
+@pytest.mark.parametrize("logits", EXTREME)
+@pytest.mark.parametrize("temperature", [MIN_TEMPERATURE, 1e-3, 0.7, 2.0, 1e6])
+@pytest.mark.parametrize("filters", FILTERS)
+def test_finite_logits_never_make_nan_probabilities(logits, temperature, filters) -> None:
+    probs = filtered_probs(scaled_logits(logits, temperature), filters.get("top_k", 0), filters.get("top_p", 1.0))
+    assert torch.isfinite(probs).all() and torch.isclose(probs.sum(), torch.tensor(1.0, dtype=probs.dtype))
+    token = Sampler(SamplingParams(temperature=temperature, seed=0, **filters))(logits)
+    assert 0 <= token < logits.shape[0] and probs[token] > 0
+
+
+def test_a_huge_gap_at_the_floor_temperature_leaves_only_the_argmax() -> None:
+    logits = torch.tensor([3e38, -3e38, 0.0, 1e38])  # the old logits / T overflowed to inf, then NaN
+    for seed in range(5):
+        assert Sampler(SamplingParams(temperature=MIN_TEMPERATURE, seed=seed))(logits) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_raise(bad, temperature) -> None:
+    logits = torch.randn(20)  # (V,)
+    logits[7] = bad
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits .* token 1$"):
+        Sampler(SamplingParams(temperature=temperature, seed=0))(logits)
+
+
+def test_a_slot_names_the_token_whose_logits_were_not_finite() -> None:
+    slot = DecodeSlot(None, SimpleNamespace(length=3), SamplingParams(max_tokens=8, ignore_eos=True), [], 100)
+    assert slot.next_event(torch.randn(20)).finish_reason is None
+    with pytest.raises(NonFiniteLogitsError, match="token 2$"):
+        slot.next_event(torch.full((20,), float("nan")))
+
+
+def test_seeded_sampling_is_reproducible_draw_by_draw() -> None:
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(5))  # (V,)
+
+    def draws(seed: int, **filters) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed, **filters))
+        return [sampler(logits) for _ in range(30)]
+
+    for filters in FILTERS:
+        assert draws(11, **filters) == draws(11, **filters)
+    assert draws(11) != draws(12)

@@ -57,6 +57,12 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("store:\n  memory_bytes: lots\n", {}, "not a size"),
     ("documents:\n  chunk_tokens: 0\n", {}, "documents.chunk_tokens"),
     ("documents:\n  chunk_tokens: 100000\n", {}, "documents.chunk_tokens"),
+    ("admin_key: k\n", {}, "the admin key needs at least 8 characters"),
+    ("scheduler:\n  max_queued: 0\n", {}, "scheduler.max_queued must be at least 1"),
+    ("blend:\n  ratio: .nan\n", {}, "ratio must be a finite number in [0, 1]"),
+    ("", {"KVBLEND_BLEND__RATIO": "inf"}, "ratio must be a finite number in [0, 1]"),
+    ("blend:\n  r_max: .inf\n", {}, "r_max must be a finite number in [0, 1]"),
+    ("guard:\n  fallback_ratio: .nan\n", {}, "fallback_ratio must be a finite number in [0, 1]"),
 ])
 def test_invalid_settings_are_named(tmp_path, monkeypatch, yaml_text, env, needle) -> None:
     for k, v in env.items():
@@ -85,3 +91,9 @@ def test_cli_model_arguments_come_from_the_same_source(monkeypatch, capsys) -> N
     monkeypatch.setenv("KVBLEND_DTYPE", "float64")
     assert main(["models"]) == 2  # an invalid default is a clear error, not a traceback
     assert "dtype" in capsys.readouterr().err
+
+
+def test_the_smallest_valid_queue_and_keys_load(tmp_path) -> None:
+    s = Settings.load(write_yaml(tmp_path, "scheduler:\n  max_queued: 1\nadmin_key: 8-chars!\n"
+                                           "api_keys:\n  8-chars?: alice\nblend:\n  ratio: auto\n"))
+    assert s.scheduler.max_queued == 1 and s.admin_key == "8-chars!" and s.blend.ratio == "auto"

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from kvblend.store import RedisStore
+from kvblend.store import DiskStore, MemoryStore, RedisStore
 from kvblend.store.localredis import LocalRedis, RedisServerMissing
+from kvblend.store.tier import Tier
+
+TIERS = ("memory", "disk", "redis")
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +45,16 @@ def make_redis(redis_server: LocalRedis, redis_prefix: str) -> Iterator[Callable
     yield factory
     for store in made:
         store.close()
+
+
+@pytest.fixture(params=TIERS)
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Tier]:
+    """Factory of one tier per parameter: memory, disk (under tmp_path) or the session Redis."""
+    def factory(max_bytes: int = 1 << 30, **kw: object) -> Tier:
+        if request.param == "memory":
+            return MemoryStore(max_bytes, **kw)  # type: ignore[arg-type]
+        if request.param == "disk":
+            return DiskStore(tmp_path / "disk", max_bytes, fsync=False, **kw)  # type: ignore[arg-type]
+        return request.getfixturevalue("make_redis")(max_bytes, **kw)
+
+    return factory

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kvblend.store import ChunkKV, KeyContext, chunk_key
 from kvblend.store.keys import ChunkKey
+from kvblend.store.tier import Tier
 
 ROPE = '{"rope_theta": 100000.0, "rope_type": "default"}'
 
@@ -26,6 +29,16 @@ def keyed(i: int, tenant: str = "default", kv_dtype: str = "fp32", n_tokens: int
     """A distinct (key, chunk) pair per ``i``."""
     ids = tuple(range(100 * i + 10, 100 * i + 10 + n_tokens))
     return chunk_key(ids, make_ctx(tenant, kv_dtype)), make_chunk(ids, seed=i, **chunk_kw)
+
+
+def entry_bytes(make_tier: Callable[..., Tier], index: int = 0, **shape: int) -> int:
+    """What a tier counts for the entry ``keyed(index, **shape)`` (measured on a scratch tier)."""
+    probe = make_tier()
+    key, chunk = keyed(index, **shape)
+    probe.put(key, chunk)
+    unit = probe.stats().bytes
+    probe.delete(key)
+    return unit
 
 
 def assert_same_chunk(a: ChunkKV, b: ChunkKV, atol: float = 0.0) -> None:

@@ -58,6 +58,19 @@ def test_index_is_rebuilt_on_start_with_recency(tmp_path: Path) -> None:
     assert not third.contains(pairs[1][0]) and third.contains(pairs[0][0])
 
 
+def test_a_smaller_cap_on_restart_trims_the_biggest_tenant_first(tmp_path: Path) -> None:
+    """Not the globally oldest entries: bob's two, though older, are within half the tier."""
+    first = DiskStore(tmp_path, 1 << 30, fsync=False)
+    pairs = [keyed(i, tenant="bob") for i in range(10, 12)] + [keyed(i, tenant="alice") for i in range(20, 26)]
+    for n, (key, chunk) in enumerate(pairs):
+        first.put(key, chunk)
+        os.utime(first.path(key), (1000 + n, 1000 + n))
+    unit = max(first.path(key).stat().st_size for key, _ in pairs)
+    second = DiskStore(tmp_path, 4 * unit + unit // 2, fsync=False)
+    assert [second.contains(key) for key, _ in pairs] == [True, True] + [False] * 4 + [True, True]
+    assert second.stats().bytes <= 4 * unit + unit // 2
+
+
 def test_files_on_disk_stay_under_the_cap(tmp_path: Path) -> None:
     store, path = entry_path(DiskStore(tmp_path, 1 << 30), 0)
     cap = 3 * path.stat().st_size

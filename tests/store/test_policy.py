@@ -45,18 +45,6 @@ def test_admission_counts_sightings_and_stays_bounded() -> None:
     assert all(SightingsAdmission(1).admit(k) for k in (a, b, c))
 
 
-def test_policies_also_order_every_tenant_together() -> None:
-    a, b = keys(2)
-    other = keys(1, "bob")[0]
-    for policy in (LRUPolicy(), LFUPolicy()):
-        for k in (a, other, b):
-            policy.insert(k)
-        policy.touch(a)
-        assert list(policy.order(None)) == [other, b, a], type(policy).__name__
-        policy.remove(other)
-        assert list(policy.order(None)) == [b, a] and list(policy.order("bob")) == []
-
-
 def test_a_sighting_admits_once_and_the_put_uses_it_up() -> None:
     admission = SightingsAdmission(3)
     a = keys(1)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -189,3 +190,32 @@ def test_concurrent_processes_never_see_torn_entries(redis_server: LocalRedis, r
     results = hammer_in_processes(f"RedisStore({redis_server.url!r}, 1 << 30, prefix={redis_prefix!r}, timeout_s=5.0)", read_layers=True)
     assert all(torn == 0 and errors == 0 for torn, _, errors in results), results
     assert sum(hits for _, hits, _ in results) > 0
+
+
+def test_per_tenant_usage_matches_what_the_server_holds(make_redis: Callable[..., RedisStore],
+                                                        redis_server: LocalRedis, redis_prefix: str) -> None:
+    """The byte counts the Lua scripts keep for fair shares stay exact under puts that
+    evict, replacements, deletes and evictions by several tenants."""
+    cap = 8000  # about seven entries
+    store = make_redis(cap)
+    rng = random.Random(3)
+    tenants = ("alice", "bob", "carol")
+    for _ in range(150):
+        key, chunk = keyed(rng.randrange(15), tenant=rng.choice(tenants), n_tokens=rng.choice([2, 4]))
+        op = rng.random()
+        if op < 0.8:
+            store.put(key, chunk)
+        elif op < 0.95:
+            store.delete(key)
+        else:
+            store.evict(key.tenant, 1500)
+    client = redis.Redis.from_url(redis_server.url)
+    held = {}
+    for tenant in tenants:
+        names = client.keys(f"{redis_prefix}:{tenant}:e:*")
+        held[tenant] = sum(client.hstrlen(n, f) for n in names for f in client.hkeys(n))
+        assert store.stats(tenant).bytes == held[tenant] and store.stats(tenant).entries == len(names)
+    usage = {t.decode(): int(b) for t, b in client.zrange(f"{redis_prefix}:usage", 0, -1, withscores=True)}
+    client.close()
+    assert usage == {t: b for t, b in held.items() if b > 0}
+    assert store.stats().bytes == sum(held.values()) <= cap and store.stats().evictions > 0

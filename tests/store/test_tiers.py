@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import random
 import threading
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from kvblend.store import DiskStore, MemoryStore
 from kvblend.store.keys import ChunkKey
 from kvblend.store.tier import Tier
 
-from tests.store.helpers import assert_same_chunk, keyed
+from tests.store.helpers import assert_same_chunk, entry_bytes, keyed
 
-TIERS = ("memory", "disk", "redis")
 TOL = {"fp32": 0.0, "fp16": 5e-3, "bf16": 3e-2, "int8": 3e-2}
-
-
-@pytest.fixture(params=TIERS)
-def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Tier]:
-    def factory(max_bytes: int = 1 << 30, **kw: object) -> Tier:
-        if request.param == "memory":
-            return MemoryStore(max_bytes, **kw)  # type: ignore[arg-type]
-        if request.param == "disk":
-            return DiskStore(tmp_path / "disk", max_bytes, fsync=False, **kw)  # type: ignore[arg-type]
-        return request.getfixturevalue("make_redis")(max_bytes, **kw)
-
-    return factory
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8"])
@@ -102,16 +87,6 @@ def test_tenants_are_isolated(make_tier: Callable[..., Tier]) -> None:
     assert tier.get(key_b) is not None and tier.keys("alice") == []
 
 
-def entry_bytes(make_tier: Callable[..., Tier], **shape: int) -> int:
-    """What a tier counts for one entry of this shape (measured on a scratch tier)."""
-    probe = make_tier()
-    key, chunk = keyed(0, **shape)
-    probe.put(key, chunk)
-    unit = probe.stats().bytes
-    probe.delete(key)
-    return unit
-
-
 def test_caps_hold_under_a_random_workload(make_tier: Callable[..., Tier]) -> None:
     unit = entry_bytes(make_tier, n_tokens=6)
     cap, tenant_cap = 6 * unit, 4 * unit
@@ -152,7 +127,8 @@ def test_an_entry_larger_than_the_cap_is_refused(make_tier: Callable[..., Tier])
 
 
 def test_one_tenant_cannot_hold_a_full_tier_against_another(make_tier: Callable[..., Tier]) -> None:
-    """When the tier's cap binds, the least recently used entry goes, whoever owns it."""
+    """A tenant that filled the tier alone is over its share once another tenant puts: it
+    loses its least recently used entry."""
     unit = entry_bytes(make_tier)
     tier = make_tier(2 * unit + unit // 2)
     bob = [keyed(i, tenant="bob") for i in range(2)]

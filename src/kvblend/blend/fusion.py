@@ -26,7 +26,7 @@ loader can fetch layer i+1 while layer i is computed; a layer that cannot be had
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +35,7 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
+from kvblend.generation.chunked import run_steps
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
 from kvblend.models.transformer import DecoderLayer, Transformer
@@ -210,9 +211,16 @@ def _select(
     return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values, stats
 
 
-@torch.inference_mode()
 def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
+    """``fuse_steps`` run to its end here."""
+    return run_steps(fuse_steps(model, plan), model)
+
+
+@torch.inference_mode()
+def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, FusionOutput]:
     """Build the prompt's KV cache from the plan; returns it with the next-token logits.
+    A step generator (``generation.chunked``): it yields the number of tokens it computed
+    after each layer, so the model's owner can run other work between layers.
 
     Hooks (all None for the paper's algorithm; a plan with a ``strategy`` goes through
     ``strategies.fuse_planned``, which calls back here with the hooks set); ``recompute`` adds cached
@@ -251,6 +259,8 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
     active_ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rotations = _rotations(model, plan)
     for layer_idx, layer in enumerate(model.layers):
+        if layer_idx:
+            yield recomputed[-1]  # one step per layer: the layer before is done
         if plan.reuse_cache is None:
             _write_cached_layer(model, cache, plan, layer_idx, rotations)
         if layer_idx in checks and not plan.select_from_start:
@@ -284,6 +294,7 @@ def fuse(model: Transformer, plan: FusionPlan) -> FusionOutput:
             attn = attend_planned(q, keys, values, attn_plans[layer.window])
         h = layer.finish(h, attn)
     cache.length = n
+    yield recomputed[-1]
     return FusionOutput(cache, model.logits(h[-1:])[0], recomputed, n_cand, tuple(seen))
 
 
@@ -297,10 +308,17 @@ def _active_rope(memo: dict[int, tuple[torch.Tensor, torch.Tensor]], table: tupl
 
 
 def fuse_or_drop(model: Transformer, plan: FusionPlan,
-                 run: Callable[[Transformer, FusionPlan], FusionOutput] = fuse,
+                 run: Callable[[Transformer, FusionPlan], Generator[int, None, FusionOutput]] | None = None,
                  ) -> tuple[FusionOutput, list[PlacedChunk]]:
-    """``run`` (``fuse`` or ``strategies.fuse_planned``), falling back to recomputing the
-    documents whose cached layers cannot be had.
+    """``fuse_or_drop_steps`` run to its end here."""
+    return run_steps(fuse_or_drop_steps(model, plan, run or fuse_steps), model)
+
+
+def fuse_or_drop_steps(model: Transformer, plan: FusionPlan,
+                       run: Callable[[Transformer, FusionPlan], Generator[int, None, FusionOutput]],
+                       ) -> Generator[int, None, tuple[FusionOutput, list[PlacedChunk]]]:
+    """``run`` (``fuse_steps`` or ``strategies.fuse_planned_steps``), falling back to
+    recomputing the documents whose cached layers cannot be had; a step generator.
 
     A chunk missing layer l is dropped from the plan and fusion starts again from layer 0:
     its tokens then run at every layer, exactly as if the document had missed the store.
@@ -313,7 +331,7 @@ def fuse_or_drop(model: Transformer, plan: FusionPlan,
     dropped: list[PlacedChunk] = []
     while True:
         try:
-            return run(model, plan), dropped
+            return (yield from run(model, plan)), dropped
         except LayerUnavailable as exc:
             gone = set(exc.indices)
             dropped += [p for i, p in enumerate(plan.placed) if i in gone]

@@ -35,7 +35,7 @@ Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -43,7 +43,8 @@ import torch
 
 from kvblend import rope as rope_lib
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse
+from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse, fuse_steps
+from kvblend.generation.chunked import run_steps
 from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
 from kvblend.models.attention import attend_planned, causal_mask, plan_attention
@@ -278,12 +279,18 @@ def _base(plan: FusionPlan) -> FusionPlan:
 
 
 def question_scores(model: Transformer, plan: FusionPlan) -> tuple[torch.Tensor, FusionOutput]:
-    """(N,) attention-mass scores from a reuse pass, and that pass's output (full reuse).
-    The scoring queries are the tokens after the last document (the question / suffix)."""
+    """``question_scores_steps`` run to its end here."""
+    return run_steps(question_scores_steps(model, plan), model)
+
+
+def question_scores_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, tuple[torch.Tensor, FusionOutput]]:
+    """(N,) attention-mass scores from a reuse pass, and that pass's output (full reuse);
+    a step generator. The scoring queries are the tokens after the last document (the
+    question / suffix)."""
     n = plan.ids.shape[0]
     first_row = max((b for _, b in document_spans(plan)), default=n)
     scorer = QuestionScores(n, first_row, [layer.window for layer in model.layers], model.device)
-    out = fuse(model, replace(_base(plan), select_from_start=True, observe=scorer))
+    out = yield from fuse_steps(model, replace(_base(plan), select_from_start=True, observe=scorer))
     return scorer.total, out
 
 
@@ -386,11 +393,23 @@ def oracle_scores(model: Transformer, plan: FusionPlan) -> torch.Tensor:
 
 def fuse_planned(model: Transformer, plan: FusionPlan) -> FusionOutput:
     """Fuse by ``plan.strategy`` when it names one, else the paper's ``fuse``."""
-    return run_strategy(model, plan) if plan.strategy is not None else fuse(model, plan)
+    return run_steps(fuse_planned_steps(model, plan), model)
+
+
+def fuse_planned_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, FusionOutput]:
+    """``fuse_planned`` as a step generator (one step per layer of each pass)."""
+    if plan.strategy is None:
+        return (yield from fuse_steps(model, plan))
+    return (yield from run_strategy_steps(model, plan))
 
 
 def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
-    """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring.
+    """``run_strategy_steps`` run to its end here."""
+    return run_steps(run_strategy_steps(model, plan), model)
+
+
+def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, FusionOutput]:
+    """Fuse by ``plan.strategy`` (a BlendConfig); see the module docstring. A step generator.
 
     Question selection and missed documents: the question pass computes a document that
     has no placed chunk in full, over the reused context before it, so its K/V are at
@@ -417,12 +436,12 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
                                   model.cfg.rope.interleaved, samples)
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
-        return fuse(model, replace(base, pick=pick, correct=correct))
+        return (yield from fuse_steps(model, replace(base, pick=pick, correct=correct)))
     pos = is_cand.nonzero().squeeze(1)
     if n_cached == 0:  # nothing cached (every document missed): there is nothing to select
-        return fuse(model, replace(base, select_from_start=True))
+        return (yield from fuse_steps(model, replace(base, select_from_start=True)))
     if cfg.selection == "question":
-        scores, reused = question_scores(model, plan)
+        scores, reused = yield from question_scores_steps(model, plan)
         if keep == 0:  # no token kept, so no shift sample either: the question pass is the answer
             return reused
     else:
@@ -440,8 +459,8 @@ def run_strategy(model: Transformer, plan: FusionPlan) -> FusionOutput:
     again = reused.cache if cfg.selection == "question" else None
     probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
     exact = _first_placed(plan) if again is not None else 0  # the question pass computed it exactly
-    out = fuse(model, replace(base, select_from_start=True, recompute=recompute, correct=probe, reuse_cache=again,
-                              held=held, exact_upto=exact))
+    out = yield from fuse_steps(model, replace(base, select_from_start=True, recompute=recompute, correct=probe,
+                                               reuse_cache=again, held=held, exact_upto=exact))
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))

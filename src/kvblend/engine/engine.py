@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from kvblend import rope as rope_lib
-from kvblend.blend.chunks import compute_chunk_kv
+from kvblend.blend.chunks import compute_chunk_kv, compute_chunk_steps
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop
-from kvblend.blend.strategies import fuse_planned
+from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop_steps
+from kvblend.blend.strategies import fuse_planned_steps
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.explain import doc_selections
@@ -33,6 +33,7 @@ from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
 from kvblend.errors import ContextLengthError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
+from kvblend.generation.chunked import Steps, forward_chunks, run_steps
 from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
@@ -56,6 +57,14 @@ class Prepared(NamedTuple):
     cache: KVCache
     logits: torch.Tensor  # (V,)
     stats: RequestStats
+
+
+class WarmPlan(NamedTuple):
+    """What precomputing documents takes: every document's chunk key, and the (key, token
+    ids) that still need computing."""
+
+    keys: list[ChunkKey]
+    todo: list[tuple[ChunkKey, tuple[int, ...]]]
 
 
 class _Built(NamedTuple):
@@ -179,6 +188,12 @@ class Engine:
         self._profile = profile if profile is not None else load_profile(self._profile_path())
         self._profile_lock = threading.Lock()
         self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
+        # Who runs background model work (write-back's chunk KV): None, here on the calling
+        # thread; a scheduler sets it so that its worker stays the model's one owner. It takes
+        # a step generator and a name and returns the work's value, blocking the caller, or
+        # raises ComputeRefused when it cannot take the work.
+        self.model_owner: Callable[[Steps, str], Any] | None = None
+        self.slice_tokens: int | None = None  # background work's forward slices (None: whole)
 
     # ----- profile, controller, placement -------------------------------------------
     def _profile_path(self) -> Path:
@@ -240,15 +255,37 @@ class Engine:
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents, now, on this thread (skipping those
         already stored, and computing none the store's admission would refuse)."""
-        ctx, keys = self.key_context(chunk_prefix, tenant), []
         with self._gate.admit():
-            for doc in documents:
-                ids = tokenize_document(self.tokenizer, doc)
-                key = chunk_key(ids, ctx)
-                if ids and not self.store.contains(key) and self.store.sighting(key):
-                    self._put(key, compute_chunk_kv(self.model, chunk_prefix, ids))
-                keys.append(key)
-        return keys
+            plan = self.plan_warm(documents, chunk_prefix, tenant)
+            self.put_chunks(run_steps(self.compute_steps(plan.todo, chunk_prefix), self.model))
+        return plan.keys
+
+    def plan_warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...],
+                  tenant: str = "default") -> WarmPlan:
+        """Each document's chunk key, and the (key, token ids) still to compute: those not
+        stored yet that the store's admission accepts (no model work here)."""
+        ctx, keys, todo = self.key_context(chunk_prefix, tenant), [], {}
+        for doc in documents:
+            ids = tokenize_document(self.tokenizer, doc)
+            key = chunk_key(ids, ctx)
+            if ids and key not in todo and not self.store.contains(key) and self.store.sighting(key):
+                todo[key] = ids
+            keys.append(key)
+        return WarmPlan(keys, list(todo.items()))
+
+    def compute_steps(self, todo: list[tuple[ChunkKey, tuple[int, ...]]],
+                      chunk_prefix: tuple[int, ...]) -> Generator[Any, Any, list[tuple[ChunkKey, ChunkKV]]]:
+        """The chunk KV of each (key, ids) as one step generator (forward slices of
+        ``slice_tokens``), for the model's owner to run."""
+        out = []
+        for key, ids in todo:
+            out.append((key, (yield from compute_chunk_steps(self.model, chunk_prefix, ids, self.slice_tokens))))
+        return out
+
+    def put_chunks(self, chunks: list[tuple[ChunkKey, ChunkKV]]) -> None:
+        """Store computed chunks now, each in the tier placement picks (store I/O, no model work)."""
+        for key, chunk in chunks:
+            self._put(key, chunk)
 
     def _lookup(self, request: Request, layout: PromptLayout, timer: _Timer) -> _Chunks:
         """Each document's chunk KV. A hit reports the tier that served it; a miss is
@@ -316,7 +353,11 @@ class Engine:
             self.writeback.submit(key, partial(self._compute_chunk, ids, chunk_prefix), self._placement(len(ids)))
 
     def _compute_chunk(self, ids: tuple[int, ...], chunk_prefix: tuple[int, ...]) -> ChunkKV:
-        return compute_chunk_kv(self.model, chunk_prefix, ids)
+        """One missed chunk's KV, on the write-back thread: by the model's owner when one is
+        set (this thread waits), else here."""
+        steps = compute_chunk_steps(self.model, chunk_prefix, ids, self.slice_tokens)
+        owner = self.model_owner
+        return run_steps(steps, self.model) if owner is None else owner(steps, "write-back")
 
     def writeback_stats(self) -> WriteBackStats:
         """Write-back counters (queued, written, refused, not_admitted, deduplicated,
@@ -357,8 +398,9 @@ class Engine:
         return not rope_lib.length_dependent(self.loaded.config.rope, n)
 
     def _prefill_exact(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
-                       timer: _Timer) -> _Built:
-        """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest)."""
+                       timer: _Timer, slice_tokens: int | None) -> Generator[Any, Any, _Built]:
+        """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest, in
+        forward slices of ``slice_tokens``)."""
         use_prefix, scope = request.method == "prefix", self.prefix_scope(request.tenant)
         fallback = "dynamic-rope" if use_prefix and not self._prefix_cache_exact(ids.shape[0]) else None
         use_prefix = use_prefix and fallback is None
@@ -367,7 +409,7 @@ class Engine:
         if hit is not None:
             self._load_prefix(cache, hit, timer)
         t = time.perf_counter()
-        logits = self.model(ids[cache.length :], cache)[0]
+        logits = (yield from forward_chunks(self.model, ids[cache.length :], cache, slice_tokens))[0]  # (V,)
         timer.add("prefill", t)
         if use_prefix:
             self.prefix_cache.insert(scope, ids, cache, ids.shape[0])
@@ -376,8 +418,9 @@ class Engine:
         return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
-                       timer: _Timer) -> _Built:
-        """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute."""
+                       timer: _Timer) -> Generator[Any, Any, _Built]:
+        """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute
+        (a step per layer of each fusion pass)."""
         n_prefix, scope = len(layout.prefix), self.prefix_scope(request.tenant)
         fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
         n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
@@ -399,7 +442,7 @@ class Engine:
         try:
             if chunks.feed is not None:
                 chunks.feed.start()
-            out, dropped = fuse_or_drop(self.model, plan, fuse_planned)
+            out, dropped = yield from fuse_or_drop_steps(self.model, plan, fuse_planned_steps)
         finally:
             if chunks.feed is not None:
                 chunks.feed.close()
@@ -424,10 +467,19 @@ class Engine:
         The cache holds the prompt plus ``extra_capacity`` positions, never more than the
         model's context: a client's ``max_tokens`` does not size an allocation. Raises
         ``EngineClosedError`` once ``close`` has begun; decoding needs no shared state after it."""
-        with self._gate.admit():
-            return self._prepare(request, extra_capacity)
+        return run_steps(self.prepare_steps(request, extra_capacity), self.model)
 
-    def _prepare(self, request: Request, extra_capacity: int) -> Prepared:
+    def prepare_steps(self, request: Request, extra_capacity: int = 0,
+                      slice_tokens: int | None = None) -> Generator[Any, Any, Prepared]:
+        """``prepare`` as a step generator (``generation.chunked``) for the model's owner to
+        interleave with other work: a full prefill as ``Forward`` slices of at most
+        ``slice_tokens`` tokens (None: one), a fusion as one step per layer of each pass.
+        The result equals ``prepare``'s (slices: up to float rounding)."""
+        with self._gate.admit():
+            return (yield from self._prepare(request, extra_capacity, slice_tokens))
+
+    def _prepare(self, request: Request, extra_capacity: int,
+                 slice_tokens: int | None) -> Generator[Any, Any, Prepared]:
         timer = _Timer()
         request = replace(request, method="blend") if request.method == "auto" else request
         if self.self_check is not None:
@@ -437,9 +489,9 @@ class Engine:
         extra_capacity = max(0, min(extra_capacity, self.loaded.config.context_length - len(layout)))
         ids = torch.tensor(layout.ids, dtype=torch.long, device=self.model.device)
         if request.method in ("full", "prefix"):
-            built = self._prefill_exact(request, layout, ids, extra_capacity, timer)
+            built = yield from self._prefill_exact(request, layout, ids, extra_capacity, timer, slice_tokens)
         else:
-            built = self._prefill_fused(request, layout, ids, extra_capacity, timer)
+            built = yield from self._prefill_fused(request, layout, ids, extra_capacity, timer)
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],

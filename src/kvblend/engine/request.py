@@ -14,6 +14,9 @@ from kvblend.pipeline.controller import RatioChoice
 from kvblend.pipeline.loader import LoadStats
 
 REQUEST_METHODS = (*METHODS, "auto")  # "auto": a quality guard decides (kvblend.guard.quality)
+# Selections that choose the recomputed tokens once, before layer 0, and recompute them at
+# every layer; question selection runs a reuse pass first (``kvblend.blend.strategies``).
+SELECT_ONCE = ("question", "oracle")
 
 
 @dataclass(frozen=True)
@@ -142,11 +145,30 @@ class RequestStats(NamedTuple):
 
     @property
     def recompute_frac(self) -> float:
-        """Share of token-layer work done, over the context not covered by the prefix cache."""
-        work = self.prompt_tokens - self.prefix_hit_tokens
-        if not self.recomputed_per_layer or work <= 0:
+        """Share of the prompt's token-layers this request computed rather than reused, in [0, 1].
+
+        A token-layer is one prompt token at one layer. Reused: the exact prefix hit at every
+        layer, and at each layer the cached document tokens (``candidates``) not run through
+        it. Computed: every other token-layer, counted once however many passes ran it
+        (question selection runs the question's rows in two passes). So ``full`` is 1, a
+        prefix hit of p tokens alone gives 1 - p / prompt_tokens, and ``reuse`` counts only
+        the tokens around the cached documents. ``recomputed_per_layer`` stays the rows each
+        layer ran, all passes summed (the work done)."""
+        layers = len(self.recomputed_per_layer)
+        if not layers or self.prompt_tokens <= 0:
             return 0.0
-        return sum(self.recomputed_per_layer) / (work * len(self.recomputed_per_layer))
+        computed = sum(self._computed_at(rows) for rows in self.recomputed_per_layer)
+        return computed / (self.prompt_tokens * layers)
+
+    def _computed_at(self, rows: int) -> int:
+        """The distinct prompt tokens one layer computed, from the rows it ran (all passes):
+        every uncached token after the prefix hit, plus the cached document tokens it ran,
+        which one pass cannot exceed and a select-once selection states (its check's kept)."""
+        uncached = max(0, self.prompt_tokens - self.prefix_hit_tokens - self.candidates)
+        recomputed = min(self.candidates, max(0, rows - uncached))
+        if self.checks and (self.strategy or "").split("+")[0] in SELECT_ONCE:
+            recomputed = min(recomputed, self.checks[-1].selected)
+        return uncached + recomputed
 
     def to_dict(self) -> dict[str, Any]:
         out = self._asdict()

@@ -2,46 +2,57 @@
 
 Contract (the HTTP server builds on exactly this)::
 
-    sched = Scheduler(engine, max_running=8, max_queued=64, deadline_s=None, observer=None)
+    sched = Scheduler(engine, max_running=8, max_queued=64, deadline_s=None, observer=None,
+                      prefill_chunk_tokens=128, shares={tenant: TenantShare(...)})
     sched.start()                                # starts the single model-worker thread
     handle = sched.submit(request, sampling)     # QueueFullError (-> 429 + Retry-After),
                                                  # DrainingError (-> 503), WorkerDeadError (-> 503)
     for item in handle.events(): ...             # StreamEvent..., RequestStats after the first
-                                                 # token's event; raises the request's KvblendError
+                                                 # token's event; raises the request's error
     async for item in handle.aevents(): ...      # the same, for asyncio
     handle.cancel()                              # client gone: slot freed within one step
-    job = sched.submit_background(steps)         # low-priority lane: a Future of the job's result,
+    future = sched.submit_job(steps, name)       # model work of the jobs lane (documents,
+                                                 # write-back): QueueFullError when it is full
+    job = sched.submit_background(steps)         # low-priority lane (shadow checks): a Future,
                                                  # or None when the lane is full (counted dropped)
     sched.drain(timeout_s)                       # stop accepting, finish, flush write-back
-    sched.alive, sched.draining, sched.num_running, sched.num_waiting, sched.num_background
+    sched.alive, sched.draining, sched.num_running, sched.num_waiting, sched.num_jobs,
+    sched.num_background, sched.restarts
 
-How the worker runs:
+The worker is the model's one owner: requests, document precompute, write-back's chunk
+KV and shadow checks all run on it, as step generators (``generation.chunked``). Each
+loop turn:
 
-* Requests wait in a bounded FCFS queue (``max_queued``); at most ``max_running``
-  decode at once.
-* Each loop turn admits at most one waiting request — ``Engine.prepare`` (prefix
-  lookup, chunk fusion or full prefill) and its first token — then runs ONE batched
-  decode step for every running request (``generation.batch.decode_batch``:
-  projections and MLP over the batch, attention per request over its own cache). So
-  a new prefill delays running streams by one prefill, never more.
-* Sampling, stop strings, EOS and max_tokens per request, by ``DecodeSlot`` (the same
-  rules as ``Engine.stream``).
-* Background jobs (shadow checks) are a low-priority lane of at most ``max_background``
-  jobs, run one at a time in FIFO order. A job is an iterator whose every ``next()`` does
-  one small piece of model work (a prefill chunk, a decode token); its return value
-  (``StopIteration.value``) resolves the job's Future. The worker runs ONE step of the
-  current job at the end of a turn, and only when no request waits in the queue: so a
-  newly waiting request is admitted before the next background step, and running
-  streams get a decode step between any two. A job that raises ends alone (its Future
-  holds the exception; logged, counted ``failed``); the worker goes on. Drain does not
-  wait for background jobs: pending and running ones are dropped at once (their Futures
-  cancelled, counted ``dropped``), as on worker death.
-* A cancelled request leaves the queue at once, or the batch before the next step; a
-  request past its deadline (queued time included) ends with ``DeadlineExceededError``.
-* A request's own error (too long, invalid) ends that request only; so does an
-  unexpected error in its prefill (``InternalRequestError``). Anything that escapes
-  the batched step kills the worker: ``alive`` turns False and every pending
-  request gets ``WorkerDeadError``.
+* starts at most one request's prefill when fewer than ``max_running`` decode: the head
+  of the tenant the fair queue picks (``engine.fair``: per-tenant queues, Virtual Token
+  Counter, per-tenant caps and optional token rates);
+* runs one *slice* of model work, in this order of priority — the request being
+  prefilled, the jobs lane, the background lane (only while no request waits): a full
+  prefill's slice is a ``Forward`` of at most ``prefill_chunk_tokens`` tokens, a fusion's
+  a group of layers holding about as many token-layers (``prefill_chunk_tokens`` x
+  layers); a job's step the same; the jobs lane gets every fourth slice even while
+  requests prefill, so it is never starved;
+* runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
+  of every running request and the slice's ``Forward``, if any: chunked prefill
+  piggybacking decodes (Sarathi-Serve), so a long prompt delays running streams by one
+  slice per turn, never by its whole prefill;
+* samples each running request's next token (``DecodeSlot``: the same rules as
+  ``Engine.stream``).
+
+Faults stay with their request. Whatever one request raises — preparing (layout,
+lookups, fusion), its part of a batched forward, sampling, stop handling — ends that
+request alone with its KvblendError or an ``InternalRequestError`` (HTTP 500), counted by
+stage in ``Outcome.stage``; a failed batched forward is run again member by member, so the
+others get the tokens they would have got alone. A job that raises ends alone. If the
+worker loop itself fails, a supervisor restarts it (``restarts``; the requests that were
+running or prefilling end as internal errors, queued ones wait); after ``MAX_RESTARTS``
+within ``RESTART_WINDOW_S`` it gives up: ``alive`` turns False and every pending request
+gets ``WorkerDeadError``.
+
+A cancelled request leaves the queue at once, or the batch before the next step; a
+request past its deadline (queued time included) ends with ``DeadlineExceededError``.
+Drain stops accepting, lets requests and the jobs lane (and the write-back computations
+still pending) finish within its timeout, drops the background lane, then stops.
 
 Observers (metrics) get callbacks on the worker thread; they must be quick and
 thread-safe, and an exception they raise is logged and ignored.
@@ -58,15 +69,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple
 
+import torch
+
 from kvblend.engine.engine import Engine
+from kvblend.engine.fair import FairQueue, TenantShare
 from kvblend.engine.request import Request, RequestStats, Result, result_of
 from kvblend.errors import InvalidRequestError, KvblendError
-from kvblend.generation.batch import DecodeSlot, decode_batch
+from kvblend.generation.batch import DecodeSlot, forward_batch
+from kvblend.generation.chunked import Forward, Steps
 from kvblend.generation.sampling import SamplingParams
 from kvblend.generation.stream import StreamEvent
+from kvblend.store.writeback import ComputeRefused
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +126,10 @@ class Outcome(NamedTuple):
     """How a request ended, for metrics and the per-request log line.
 
     ``status``: "ok", "cancelled", "deadline", "error", "drained" or "worker_dead".
-    ``stats`` is None when the request never got its first token."""
+    ``stats`` is None when the request never got its first token. ``stage`` names where an
+    "error" happened: "prepare" (layout, lookups, prefill, fusion), "decode" (its part of a
+    batched forward), "sample" (sampling, stop strings, EOS) or "worker" (the worker loop
+    failed while the request ran)."""
 
     status: str
     finish_reason: str | None
@@ -120,6 +139,7 @@ class Outcome(NamedTuple):
     e2e_s: float  # submit -> end
     stats: RequestStats | None
     error: Exception | None
+    stage: str | None = None
 
 
 class SchedulerObserver:
@@ -143,6 +163,12 @@ class SchedulerObserver:
 
     def on_finish(self, handle: RequestHandle, outcome: Outcome) -> None:
         """The request ended, by any path (called exactly once per admitted or queued request)."""
+
+    def on_restart(self, error: BaseException) -> None:
+        """The worker loop failed on ``error`` and the supervisor restarted it."""
+
+    def on_job(self, lane: str, outcome: str) -> None:
+        """A job of ``lane`` ("jobs" or "background") ended: "ok", "failed" or "dropped"."""
 
 
 # ----- handle -------------------------------------------------------------------------------
@@ -177,6 +203,10 @@ class RequestHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aitems: asyncio.Queue | None = None
         self._ended = False
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
 
     @property
     def cancelled(self) -> bool:
@@ -244,16 +274,46 @@ class _Running(NamedTuple):
     slot: DecodeSlot
 
 
-class _Job(NamedTuple):
-    name: str
-    steps: Iterator[Any]
-    future: Future
+class _Task:
+    """A step generator being run a slice at a time (``_Scheduler._slice``): ``reply`` is
+    what its last step gets back, ``held`` a Forward it asked for that waits for the next
+    turn (a slice that already did work in place does not also run a forward)."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self.reply: Any = None
+        self.held: Forward | None = None
+
+    def close(self) -> None:
+        """Stop the generator (its ``finally`` blocks run); never raises."""
+        try:
+            self.steps.close()
+        except Exception:  # noqa: BLE001 - a dropped task must not break the worker
+            log.exception("closing a step generator failed")
+
+
+class _Prefill(_Task):
+    """A request between admission and its first token."""
+
+    def __init__(self, handle: RequestHandle, steps: Steps) -> None:
+        super().__init__(steps)
+        self.handle = handle
+
+
+class _Job(_Task):
+    """A unit of model work in a lane, resolving ``future`` with its return value."""
+
+    def __init__(self, name: str, steps: Steps, lane: str) -> None:
+        super().__init__(steps)
+        self.name = name
+        self.lane = lane
+        self.future: Future = Future()
 
 
 class BackgroundStats(NamedTuple):
-    """The background lane's counters since the scheduler was made: jobs queued or running
-    now, and jobs ended by outcome (ok, failed: the job raised, dropped: the lane was
-    full, or it was dropped by drain or worker death)."""
+    """A lane's counters since the scheduler was made: jobs queued or running now, and jobs
+    ended by outcome (ok; failed: the job raised; dropped: the lane was full, or drain or
+    worker death dropped it)."""
 
     pending: int
     ok: int
@@ -261,44 +321,71 @@ class BackgroundStats(NamedTuple):
     dropped: int
 
 
+class _Lane:
+    """A bounded FIFO of jobs; the head is the one being run."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.jobs: deque[_Job] = deque()
+        self.counts = {"ok": 0, "failed": 0, "dropped": 0}
+
+    def stats(self) -> BackgroundStats:
+        return BackgroundStats(len(self.jobs), **self.counts)
+
+
+MAX_RESTARTS = 5  # the supervisor gives up after this many loop failures ...
+RESTART_WINDOW_S = 60.0  # ... within this many seconds
+JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requests prefill
+DEFAULT_CHUNK_TOKENS = 128
+
+
 # ----- scheduler ------------------------------------------------------------------------------
 class Scheduler:
     """Owns the engine's model on one worker thread; see the module docstring.
 
     ``deadline_s``: default per-request deadline in seconds (None: no deadline);
-    ``max_background``: background jobs queued or running at most (more are dropped)."""
+    ``max_queued``: waiting requests in all (a tenant below its fair part of it is still
+    admitted: ``engine.fair``); ``shares``: per-tenant weight, queue cap and token rate;
+    ``decode_weight``: what a decoded token counts in the fair queue, prefill tokens 1;
+    ``prefill_chunk_tokens``: the size of a prefill slice (None: whole prefills, no
+    interleaving); ``max_jobs``/``max_background``: jobs queued or running at most in the
+    jobs lane (more are refused) and the background lane (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
-                 observer: SchedulerObserver | None = None, max_background: int = 16) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
-        if max_background < 0:
-            raise ValueError(f"max_background must be >= 0, got {max_background}")
-        if deadline_s is not None and deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+                 observer: SchedulerObserver | None = None, max_background: int = 16, *,
+                 prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
+                 shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0) -> None:
+        _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
         self.deadline_s = deadline_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.observer = observer or SchedulerObserver()
         self._cond = threading.Condition()
-        self._waiting: deque[RequestHandle] = deque()
+        self._queue: FairQueue[RequestHandle] = FairQueue(max_queued, shares, decode_weight)
+        self._prefill: _Prefill | None = None
         self._running: list[_Running] = []
         self._thread: threading.Thread | None = None
         self._draining = False
+        self._stopped = False  # the worker ended after a drain
         self._drain_until: float | None = None
         self._dead: str | None = None
         self._service_s = 1.0  # moving average of a request's time in the worker, for Retry-After
         self.max_background = max_background
-        self._background: deque[_Job] = deque()  # the head is the job being stepped
-        self._bg_counts = {"ok": 0, "failed": 0, "dropped": 0}
+        self._jobs = _Lane("jobs", max_jobs)
+        self._background = _Lane("background", max_background)
+        self._slices_since_job = 0
+        self._failures: deque[float] = deque()  # when the worker loop failed, for the supervisor
+        self.restarts = 0
+        engine.model_owner = self.run_job  # write-back's chunk KV becomes a job of the worker
+        engine.slice_tokens = prefill_chunk_tokens
 
     # -- state
     @property
     def alive(self) -> bool:
-        """The worker thread runs and has not crashed."""
+        """The worker thread runs and has not given up."""
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
@@ -312,20 +399,35 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests decoding or being prefilled."""
+        return len(self._running) + (self._prefill is not None)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
+
+    @property
+    def num_jobs(self) -> int:
+        """Jobs of the jobs lane (documents, write-back) queued or running now."""
+        return len(self._jobs.jobs)
 
     @property
     def num_background(self) -> int:
         """Background jobs queued or running now."""
-        return len(self._background)
+        return len(self._background.jobs)
 
     def background_stats(self) -> BackgroundStats:
         with self._cond:
-            return BackgroundStats(len(self._background), **self._bg_counts)
+            return self._background.stats()
+
+    def job_stats(self) -> BackgroundStats:
+        with self._cond:
+            return self._jobs.stats()
+
+    def tenant_counter(self, tenant: str) -> float:
+        """The fair queue's service counter of ``tenant`` (weighted tokens)."""
+        with self._cond:
+            return self._queue.counter(tenant)
 
     # -- the caller side
     def start(self) -> None:
@@ -337,46 +439,79 @@ class Scheduler:
 
     def submit(self, request: Request, sampling: SamplingParams, deadline_s: float | None = None) -> RequestHandle:
         """Queue a request; returns at once. ``deadline_s`` overrides the default deadline."""
-        if deadline_s is not None and deadline_s <= 0:
+        if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequestError(f"the deadline must be > 0 s, got {deadline_s}")
         handle = RequestHandle(request, sampling, deadline_s if deadline_s is not None else self.deadline_s)
         with self._cond:
-            if self._dead is not None:
-                raise WorkerDeadError("the model worker has stopped; this server cannot serve requests")
-            if self._draining:
-                raise DrainingError("the server is shutting down and takes no new requests")
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting",
-                                     self._retry_after())
-            self._waiting.append(handle)
+            self._check_open()
+            refusal = self._queue.check(request.tenant)
+            if refusal is not None:
+                raise QueueFullError(refusal.message, max(self._retry_after(), math.ceil(refusal.retry_after_s)))
+            self._queue.push(request.tenant, handle)
             self._notify("on_queued", handle)  # before the worker can see it
             self._cond.notify()
         return handle
 
-    def submit_background(self, steps: Iterator[Any], name: str = "background") -> Future | None:
-        """Queue a low-priority job (see the module docstring); returns at once. The Future
-        resolves to the job's return value on the worker thread (its done-callbacks run
-        there: keep them quick), holds its exception if it raised, and is cancelled if
-        the job is dropped by drain or worker death. Returns None, counted ``dropped``,
-        when the lane holds ``max_background`` jobs or the scheduler is draining or dead."""
-        job = _Job(name, steps, Future())
+    def submit_job(self, steps: Steps, name: str = "job") -> Future:
+        """Queue model work in the jobs lane, below requests and above the background lane
+        (document precompute, write-back); returns at once. The Future resolves on the
+        worker thread to the work's value, holds its exception, or is cancelled if drain
+        or worker death drops it. QueueFullError when the lane holds ``max_jobs`` jobs;
+        DrainingError / WorkerDeadError as ``submit``."""
+        job = _Job(name, steps, "jobs")
         with self._cond:
-            if self._dead is not None or self._draining or len(self._background) >= self.max_background:
-                self._bg_counts["dropped"] += 1
-                drop = True
+            self._check_open(draining_ok=True)  # write-back still computes while a drain flushes it
+            if len(self._jobs.jobs) >= self._jobs.limit:
+                self._jobs.counts["dropped"] += 1
+                refused = True
             else:
-                self._background.append(job)
+                self._jobs.jobs.append(job)
                 self._cond.notify()
-                drop = False
+                refused = False
+        if refused:
+            job.close()
+            self._notify("on_job", "jobs", "dropped")
+            raise QueueFullError(f"the server is busy: {self._jobs.limit} model jobs are already waiting",
+                                 self._retry_after())
+        return job.future
+
+    def run_job(self, steps: Steps, name: str = "job") -> Any:
+        """``submit_job`` and wait for its value here (not on the worker thread); raises
+        ComputeRefused when the lane refuses or drops it (the engine's write-back counts
+        that chunk dropped), and whatever the job raised."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("run_job would wait for the worker on the worker itself")
+        try:
+            future = self.submit_job(steps, name)
+        except (QueueFullError, DrainingError, WorkerDeadError) as exc:
+            raise ComputeRefused(str(exc)) from None
+        try:
+            return future.result()
+        except CancelledError:
+            raise ComputeRefused(f"{name} was dropped by the model worker") from None
+
+    def submit_background(self, steps: Steps, name: str = "background") -> Future | None:
+        """Queue a low-priority job (shadow checks); returns at once. Like ``submit_job``,
+        but it runs only while no request waits, and returns None, counted ``dropped``,
+        when the lane holds ``max_background`` jobs or the scheduler is draining or dead."""
+        job = _Job(name, steps, "background")
+        with self._cond:
+            drop = self._dead is not None or self._draining or len(self._background.jobs) >= self.max_background
+            if drop:
+                self._background.counts["dropped"] += 1
+            else:
+                self._background.jobs.append(job)
+                self._cond.notify()
         if drop:
-            _close_quietly(job)
+            job.close()
+            self._notify("on_job", "background", "dropped")
             return None
         return job.future
 
     def drain(self, timeout_s: float) -> None:
-        """Stop accepting; drop background jobs; let queued and running requests finish for
-        up to ``timeout_s``, then end the rest with DrainingError; stop the worker and flush
-        the engine's background chunk writes. Blocks until done."""
+        """Stop accepting; drop background jobs; let queued and running requests, the jobs
+        lane and pending write-back finish for up to ``timeout_s``, then end the rest with
+        DrainingError; stop the worker and flush the engine's chunk writes. Blocks."""
         with self._cond:
             self._draining = True
             self._drain_until = time.perf_counter() + max(timeout_s, 0.0)
@@ -385,82 +520,222 @@ class Scheduler:
             self._thread.join()
         else:
             self._end_all(DrainingError("the server shut down before this request ran"), "drained")
-        self._drop_background()  # what a worker that never ran, or died, left
+        self._drop_lane(self._jobs)  # what a worker that never ran, or died, left
+        self._drop_lane(self._background)
         self.engine.flush()
+
+    def _check_open(self, draining_ok: bool = False) -> None:
+        if self._dead is not None:
+            raise WorkerDeadError("the model worker has stopped; this server cannot serve requests")
+        if self._stopped or (self._draining and not draining_ok):
+            raise DrainingError("the server is shutting down and takes no new requests")
 
     def _retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the queue ahead, served max_running at a time."""
-        waves = (len(self._waiting) + 1) / self.max_running
+        waves = (len(self._queue) + 1) / self.max_running
         return int(min(60, max(1, math.ceil(waves * self._service_s))))
 
-    # -- the worker
+    # -- the worker and its supervisor
     def _work(self) -> None:
-        try:
-            while self._next_turn():
-                self._expire()
-                self._admit_one()
-                if self._running:
-                    self._step()
-                self._background_step()
-        except BaseException as exc:  # noqa: BLE001 - the worker must report any death
-            log.exception("model worker crashed")
-            with self._cond:
-                self._dead = f"{type(exc).__name__}: {exc}"
-            self._end_all(WorkerDeadError("the model worker stopped on an internal error"), "worker_dead")
-            self._drop_background()
+        while True:
+            try:
+                self._loop()
+                break
+            except BaseException as exc:  # noqa: BLE001 - the supervisor must see any failure
+                if not self._recover(exc):
+                    break
+        with self._cond:
+            self._stopped = True
+        self._drop_lane(self._jobs)
+
+    def _loop(self) -> None:
+        while self._next_turn():
+            self._turn()
+
+    def _turn(self) -> None:
+        self._expire()
+        self._admit()
+        forward, owner = self._slice()
+        self._step(forward, owner)
+
+    def _recover(self, exc: BaseException) -> bool:
+        """After the loop failed: end what was in flight, and restart (True) unless it
+        failed too often or was not an ordinary error; then the worker is dead."""
+        log.exception("model worker loop failed")
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
+            self._failures.popleft()
+        self._end_in_flight(InternalRequestError("the model worker failed while serving this request"), "worker")
+        if isinstance(exc, Exception) and len(self._failures) <= MAX_RESTARTS:
+            self.restarts += 1
+            self._notify("on_restart", exc)
+            return True
+        with self._cond:
+            self._dead = f"{type(exc).__name__}: {exc}"
+        self._end_all(WorkerDeadError("the model worker stopped on an internal error"), "worker_dead")
+        self._drop_lane(self._jobs)
+        self._drop_lane(self._background)
+        return False
 
     def _next_turn(self) -> bool:
         """Wait for work; False once draining has nothing left (or its time ran out).
         Draining drops the background lane at once."""
         with self._cond:
-            while not self._running and not self._waiting and not self._background and not self._draining:
+            while not self._has_work() and not self._draining:
                 self._cond.wait()
             draining = self._draining
         if draining:
-            self._drop_background()
+            self._drop_lane(self._background)
         with self._cond:
+            if not self._draining:
+                return True
             past = self._drain_until is not None and time.perf_counter() >= self._drain_until
-            if not self._draining or (not past and (self._running or self._waiting)):
+            if not past and (self._has_work() or self.engine.writeback_stats().pending):
+                if not self._has_work():  # write-back is computing outside: let it hand us its job
+                    self._cond.wait(0.01)
                 return True
         self._end_all(DrainingError("the server shut down before this request finished"), "drained")
         return False
 
+    def _has_work(self) -> bool:
+        return bool(self._running or self._prefill or len(self._queue) or self._jobs.jobs or self._background.jobs)
+
     def _expire(self) -> None:
-        """Drop cancelled and expired requests, queued or running."""
+        """Drop cancelled and expired requests: queued, prefilling or running."""
         now = time.perf_counter()
         with self._cond:
-            gone = [h for h in self._waiting if h.cancelled or h.expired(now)]
+            gone = [h for h in self._queue if h.cancelled or h.expired(now)]
             for h in gone:
-                self._waiting.remove(h)
+                self._queue.remove(h.tenant, h)
             left = [r for r in self._running if r.handle.cancelled or r.handle.expired(now)]
             self._running = [r for r in self._running if r not in left]
-        for h in gone + [r.handle for r in left]:
-            self._end_dropped(h)
+            prefill = self._prefill
+            if prefill is not None and (prefill.handle.cancelled or prefill.handle.expired(now)):
+                self._prefill = None
+            else:
+                prefill = None
+        if prefill is not None:
+            prefill.close()
+            self._end_dropped(prefill.handle, started=True)
+        for h in gone:
+            self._end_dropped(h, started=False)
+        for r in left:
+            self._end_dropped(r.handle, started=True)
 
-    def _end_dropped(self, h: RequestHandle) -> None:
+    def _end_dropped(self, h: RequestHandle, started: bool) -> None:
         if h.cancelled:
-            self._end(h, "cancelled", None, RequestCancelledError(f"request {h.id} was cancelled"))
+            self._end(h, "cancelled", None, RequestCancelledError(f"request {h.id} was cancelled"), started=started)
         else:
             self._end(h, "deadline", None, DeadlineExceededError(
-                f"request {h.id} did not finish within its deadline of {h.deadline - h.submitted:.3g} s"))
+                f"request {h.id} did not finish within its deadline of {h.deadline - h.submitted:.3g} s"),
+                started=started)
 
-    def _admit_one(self) -> None:
+    def _admit(self) -> None:
+        """Start the next request's prefill (fair order) when a slot is free."""
         with self._cond:
-            if len(self._running) >= self.max_running or not self._waiting:
+            if self._prefill is not None or len(self._running) >= self.max_running:
                 return
-            handle = self._waiting.popleft()
+            picked = self._queue.pop()
+            if picked is None:
+                return
+            handle = picked[1]
+            steps = self.engine.prepare_steps(handle.request, handle.sampling.max_tokens, self.prefill_chunk_tokens)
+            self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
+
+    # -- slices
+    def _slice(self) -> tuple[Forward | None, _Task | None]:
+        """Run one slice of the most urgent model work; the Forward it asks for, to run in
+        this turn's batch, and its task."""
+        task = self._pick()
+        if task is None:
+            return None, None
         try:
-            slot, event, stats = self._prefill(handle)
-        except KvblendError as exc:
-            self._end(handle, "error", None, exc)
+            forward, work = self._advance(task)
+        except StopIteration as stop:
+            self._completed(task, stop.value)
+            return None, None
+        except Exception as exc:  # noqa: BLE001 - one task's failure ends that task only
+            self._failed(task, exc)
+            return None, None
+        if isinstance(task, _Prefill):
+            self._charge(task.handle.tenant, prefill=work + (forward.ids.shape[0] if forward is not None else 0))
+        return forward, task
+
+    def _pick(self) -> _Task | None:
+        """The task that gets this turn's slice: the request being prefilled, except that
+        the jobs lane gets every JOB_EVERY-th slice; then the jobs lane; then, when no
+        request waits, the background lane."""
+        with self._cond:
+            jobs = self._jobs.jobs[0] if self._jobs.jobs else None
+            if self._prefill is not None and (jobs is None or self._slices_since_job < JOB_EVERY - 1):
+                self._slices_since_job += 1
+                return self._prefill
+            self._slices_since_job = 0
+            if jobs is not None:
+                return jobs
+            if self._background.jobs and not len(self._queue) and not self._draining:
+                return self._background.jobs[0]
+        return None
+
+    def _advance(self, task: _Task) -> tuple[Forward | None, int]:
+        """Step ``task`` until it asks for a forward, or its in-place work reaches the slice
+        budget; the forward (None: none) and the token-layers done in place, over the layer
+        count. Raises StopIteration with the task's value when it ends."""
+        if task.held is not None:
+            forward, task.held = task.held, None
+            return forward, 0
+        layers = len(self.engine.model.layers)
+        budget = (self.prefill_chunk_tokens or 1 << 62) * layers
+        done = 0
+        while True:
+            step = task.steps.send(task.reply)
+            task.reply = None
+            if isinstance(step, Forward):
+                if done:
+                    task.held = step
+                    return None, done // layers
+                return step, 0
+            if step is None:
+                return None, done // layers
+            done += int(step)
+            if done >= budget:
+                return None, done // layers
+
+    def _completed(self, task: _Task, value: Any) -> None:
+        if isinstance(task, _Prefill):
+            self._prefilled(task, value)
+        else:
+            self._job_done(task, "ok", value)
+
+    def _failed(self, task: _Task, exc: Exception) -> None:
+        """``task`` raised ``exc`` (or its forward did): it ends alone."""
+        task.close()
+        if isinstance(task, _Prefill):
+            with self._cond:
+                if self._prefill is task:
+                    self._prefill = None
+            self._end_failed(task.handle, exc, "prepare")
             return
-        except Exception:  # noqa: BLE001 - one request's internal failure ends that request only
-            log.exception("request %s failed in prefill", handle.id)
-            self._end(handle, "error", None, InternalRequestError(f"request {handle.id} failed on an internal error"))
+        if not isinstance(exc, KvblendError):
+            log.error("%s job %s failed", task.lane, task.name, exc_info=exc)
+        self._job_done(task, "failed", exc)
+
+    def _prefilled(self, task: _Prefill, prepared: Any) -> None:
+        """The prompt is ready: sample the first token, and decode from the next turn."""
+        handle = task.handle
+        with self._cond:
+            self._prefill = None
+        try:
+            slot = DecodeSlot(self.engine.tokenizer, prepared.cache, handle.sampling, self.engine.loaded.eos_token_ids,
+                              self.engine.model.cfg.context_length)
+            event = slot.next_event(prepared.logits)
+        except Exception as exc:  # noqa: BLE001 - this request's sampling failed: it alone ends
+            self._end_failed(handle, exc, "sample", started=True)
             return
-        handle.stats = stats._replace(ttft_s=time.perf_counter() - handle.submitted)
+        handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted)
         self._emit(handle, event)
         handle._push(handle.stats)
         self._notify("on_first_token", handle, handle.stats)
@@ -470,81 +745,150 @@ class Scheduler:
             with self._cond:
                 self._running.append(_Running(handle, slot))
 
-    def _prefill(self, handle: RequestHandle) -> tuple[DecodeSlot, StreamEvent, RequestStats]:
-        """The request's prompt cache (by its method) and its first token."""
-        prepared = self.engine.prepare(handle.request, handle.sampling.max_tokens)
-        slot = DecodeSlot(self.engine.tokenizer, prepared.cache, handle.sampling, self.engine.loaded.eos_token_ids,
-                          self.engine.model.cfg.context_length)
-        return slot, slot.next_event(prepared.logits), prepared.stats
+    def _job_done(self, job: _Job, outcome: str, value: Any) -> None:
+        lane = self._jobs if job.lane == "jobs" else self._background
+        with self._cond:
+            if lane.jobs and lane.jobs[0] is job:
+                lane.jobs.popleft()
+            lane.counts[outcome] += 1
+        _settle(job.future, outcome, value)
+        self._notify("on_job", job.lane, outcome)
 
-    def _step(self) -> None:
-        """One batched decode step for every running request."""
+    # -- the batched step
+    def _step(self, forward: Forward | None, owner: _Task | None) -> None:
+        """One forward over every running request's next token and ``forward`` (owner's
+        slice), then one sampled token per running request."""
         batch = list(self._running)
+        members = [Forward(torch.tensor([r.slot.last_token], device=self.engine.model.device), r.slot.cache)
+                   for r in batch]
+        if forward is not None:
+            members.append(forward)
+        if not members:
+            return
         t = time.perf_counter()
-        logits = decode_batch(self.engine.model, [r.slot.last_token for r in batch], [r.slot.cache for r in batch])
-        self._notify("on_step", len(batch), time.perf_counter() - t)
+        outs = self._forward(members)
+        if batch:
+            self._notify("on_step", len(batch), time.perf_counter() - t)
+        if forward is not None:
+            self._deliver(owner, outs[-1])
         finished = []
-        for r, row in zip(batch, logits):  # row: (V,)
-            event = r.slot.next_event(row)
-            self._emit(r.handle, event)
-            if event.finish_reason is not None:
-                finished.append((r, event.finish_reason))
+        for r, out in zip(batch, outs):
+            reason = self._sample(r, out)
+            if reason is not None:
+                finished.append((r, reason))
         if finished:
             with self._cond:
                 done = {id(r) for r, _ in finished}
                 self._running = [r for r in self._running if id(r) not in done]
             for r, reason in finished:
-                self._end(r.handle, "ok", reason, None)
+                if reason != "failed":
+                    self._end(r.handle, "ok", reason, None)
 
-    def _background_step(self) -> None:
-        """One step of the current background job, unless a request waits (or draining)."""
-        with self._cond:
-            if self._waiting or self._draining or not self._background:
-                return
-            job = self._background[0]
+    def _forward(self, members: list[Forward]) -> list[torch.Tensor | Exception]:
+        """``forward_batch`` over the members; when it fails, each member alone, so that a
+        failure stays with the member that causes it (its exception in its place). A
+        failed batch changed no cache's length, so each member runs from where it was."""
         try:
-            next(job.steps)
-            return
-        except StopIteration as stop:
-            outcome, value = "ok", stop.value
-        except Exception as exc:  # noqa: BLE001 - a job's failure ends that job only
-            log.exception("background job %s failed", job.name)
-            outcome, value = "failed", exc
-        with self._cond:
-            self._background.popleft()
-            self._bg_counts[outcome] += 1
-        _settle(job.future, outcome, value)
+            return forward_batch(self.engine.model, members)
+        except Exception:  # noqa: BLE001 - isolate below
+            log.warning("a batched forward of %d members failed; running them one by one", len(members),
+                        exc_info=True)
+        outs: list[torch.Tensor | Exception] = []
+        for m in members:
+            try:
+                outs.append(forward_batch(self.engine.model, [m])[0])
+            except Exception as exc:  # noqa: BLE001 - this member's own failure
+                outs.append(exc)
+        return outs
 
-    def _drop_background(self) -> None:
-        """Drop every queued or running background job (drain, worker death)."""
+    def _deliver(self, owner: _Task | None, out: torch.Tensor | Exception) -> None:
+        """Hand a slice's logits to its task (or fail the task on its forward's error)."""
+        if owner is None:
+            return
+        if isinstance(out, Exception):
+            self._failed(owner, out)
+            return
+        owner.reply = out
+
+    def _sample(self, r: _Running, out: torch.Tensor | Exception) -> str | None:
+        """Sample ``r``'s next token from its logits; its finish reason, "failed" when it
+        ended on an error (ended here), None while it goes on."""
+        if isinstance(out, Exception):
+            self._end_failed(r.handle, out, "decode", started=True)
+            return "failed"
+        try:
+            event = r.slot.next_event(out[0])
+        except Exception as exc:  # noqa: BLE001 - sampling or stop handling failed for this request
+            self._end_failed(r.handle, exc, "sample", started=True)
+            return "failed"
+        self._emit(r.handle, event)
+        self._charge(r.handle.tenant, decode=1)
+        return event.finish_reason
+
+    # -- endings
+    def _drop_lane(self, lane: _Lane) -> None:
+        """Drop every queued or running job of ``lane`` (drain, worker death)."""
         with self._cond:
-            jobs = list(self._background)
-            self._background.clear()
-            self._bg_counts["dropped"] += len(jobs)
+            jobs = list(lane.jobs)
+            lane.jobs.clear()
+            lane.counts["dropped"] += len(jobs)
         for job in jobs:
-            _close_quietly(job)
+            job.close()
             job.future.cancel()
+            self._notify("on_job", lane.name, "dropped")
 
     def _emit(self, handle: RequestHandle, event: StreamEvent) -> None:
         handle.completion_tokens += 1
         handle._push(event)
         self._notify("on_token", handle, event, time.perf_counter())
 
-    def _end(self, handle: RequestHandle, status: str, reason: str | None, error: Exception | None) -> None:
+    def _charge(self, tenant: str, prefill: float = 0.0, decode: int = 0) -> None:
+        with self._cond:
+            self._queue.charge(tenant, prefill, decode)
+
+    def _end_failed(self, handle: RequestHandle, exc: Exception, stage: str, started: bool = True) -> None:
+        """End a request on its own error: a KvblendError as it is, anything else as an
+        InternalRequestError (the cause logged, never sent)."""
+        if not isinstance(exc, KvblendError):
+            log.error("request %s failed in %s", handle.id, stage, exc_info=exc)
+            exc = InternalRequestError(f"request {handle.id} failed on an internal error")
+        self._end(handle, "error", None, exc, stage=stage, started=started)
+
+    def _end(self, handle: RequestHandle, status: str, reason: str | None, error: Exception | None,
+             stage: str | None = None, started: bool = True) -> None:
         e2e = time.perf_counter() - handle.submitted
         if status == "ok":
             self._service_s = 0.8 * self._service_s + 0.2 * (e2e - handle.queue_s)
+        if started:
+            with self._cond:
+                self._queue.ended(handle.tenant)
         handle._push(_End(error))
         prompt = handle.stats.prompt_tokens if handle.stats else 0
         self._notify("on_finish", handle, Outcome(status, reason, prompt, handle.completion_tokens, handle.queue_s,
-                                                  e2e, handle.stats, error))
+                                                  e2e, handle.stats, error, stage))
+
+    def _end_in_flight(self, error: Exception, stage: str) -> None:
+        """End the requests running or being prefilled (the worker loop failed under them)."""
+        with self._cond:
+            running = [r.handle for r in self._running]
+            prefill, self._prefill, self._running = self._prefill, None, []
+        if prefill is not None:
+            prefill.close()
+            running.append(prefill.handle)
+        for h in running:
+            self._end(h, "error", None, error, stage=stage)
 
     def _end_all(self, error: KvblendError, status: str) -> None:
         with self._cond:
-            pending = list(self._waiting) + [r.handle for r in self._running]
-            self._waiting.clear()
-            self._running = []
-        for h in pending:
+            waiting = self._queue.drain_all()
+            running = [r.handle for r in self._running]
+            prefill, self._prefill, self._running = self._prefill, None, []
+        if prefill is not None:
+            prefill.close()
+            running.append(prefill.handle)
+        for h in waiting:
+            self._end(h, status, None, error, started=False)
+        for h in running:
             self._end(h, status, None, error)
 
     def _notify(self, hook: str, *args) -> None:
@@ -554,20 +898,27 @@ class Scheduler:
             log.exception("scheduler observer %s failed", hook)
 
 
+def _check_limits(max_running: int, max_queued: int, max_background: int, max_jobs: int,
+                  deadline_s: float | None, prefill_chunk_tokens: int | None) -> None:
+    if max_running < 1:
+        raise ValueError(f"max_running must be >= 1, got {max_running}")
+    if max_queued < 1:
+        raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+    if max_background < 0:
+        raise ValueError(f"max_background must be >= 0, got {max_background}")
+    if max_jobs < 1:
+        raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
+    if deadline_s is not None and not deadline_s > 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+        raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+
+
 def _settle(future: Future, outcome: str, value: Any) -> None:
-    """Resolve a background job's Future; a done-callback's error is logged by Future."""
+    """Resolve a job's Future; a done-callback's error is logged by Future."""
+    if future.done():
+        return
     if outcome == "ok":
         future.set_result(value)
     else:
         future.set_exception(value)
-
-
-def _close_quietly(job: _Job) -> None:
-    """Close a dropped job's generator (its ``finally`` blocks run); never raises."""
-    close = getattr(job.steps, "close", None)
-    if close is None:
-        return
-    try:
-        close()
-    except Exception:  # noqa: BLE001 - a dropped job must not break drain
-        log.exception("background job %s failed while being dropped", job.name)

@@ -29,8 +29,8 @@ from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import Example, check_layout, musique_prompt
 from kvblend.eval.runner import Reference, decode_answer, score_prepared
 from kvblend.generation import SamplingParams
-from kvblend.generation.decode import decode_steps
-from kvblend.generation.text import TextStream
+from kvblend.generation.decode import slot_steps
+from kvblend.generation.slot import DecodeSlot
 
 MAP_INSTRUCTION = (
     "You will read one passage and a question. Write one short sentence with the facts "
@@ -123,18 +123,15 @@ def decode_logprobs(engine: Engine, prepared: Prepared, max_tokens: int) -> Deco
     token's log-probability; the cache is rewound to the prompt afterwards."""
     n = prepared.cache.length
     params = SamplingParams(max_tokens=max_tokens, stop=STOP)
-    stream, eos = TextStream(engine.tokenizer, STOP), set(engine.loaded.eos_token_ids)
-    ids, logprobs = [], []
-    for step in decode_steps(engine.model, prepared.cache, prepared.logits, params, engine.loaded.eos_token_ids):
-        ids.append(step.token_id)
-        logprobs.append(float(torch.log_softmax(step.logits.double(), dim=-1)[step.token_id]))
-        if step.token_id in eos:
-            break
-        stream.push(step.token_id)
-        if stream.stopped:
-            break
+    slot = DecodeSlot(engine.tokenizer, prepared.cache, params, engine.loaded.eos_token_ids,
+                      engine.model.cfg.context_length)
+    parts, ids, logprobs = [], [], []
+    for event, logits in slot_steps(engine.model, slot, prepared.logits):
+        parts.append(event.text)
+        ids.append(event.token_id)
+        logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[event.token_id]))
     prepared.cache.truncate(n)
-    return Decoded(stream.emitted if stream.stopped else stream.emitted + stream.finish(), ids, logprobs)
+    return Decoded("".join(parts), ids, logprobs)
 
 
 def _map_call(engine: Engine, index: int, request: Request, max_tokens: int) -> tuple[MapCall, Prepared]:

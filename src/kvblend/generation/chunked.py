@@ -1,20 +1,29 @@
-"""Chunked prefill: a forward over many tokens split into steps of at most N tokens.
+"""Model work as steps: a forward over many tokens split into slices of at most N tokens.
 
-``forward_chunks(model, ids, cache, chunk_tokens, logits_for)`` is a generator: each
-``next()`` runs ONE chunk (and the one after the last returns at once) of at most ``chunk_tokens`` tokens over the growing cache
-(positions continue from ``cache.length``, every earlier token's KV already in it), so
-a caller that owns the model (the scheduler's worker) can do other work between chunks.
-Its return value (``StopIteration.value``, or ``yield from``) is what one forward over
-all of ``ids`` returns: the last token's logits (1, V) with ``logits_for="last"``, every
-token's (T, V) with ``"all"``. Causal attention makes the chunks' results those of one
-forward (up to float rounding: ≤ 1e-4 on logits, tested), except under dynamic NTK RoPE
-past its window, whose frequencies depend on the sequence length: such a forward runs
-in one chunk.
+A *step generator* is how any long piece of model work (a request's prefill or fusion,
+a document's chunk KV, a shadow check) is written so that the one thread owning the
+model can interleave it with other work. Each value it yields is one step:
+
+* ``Forward(ids, cache, logits_for)`` — "append ``ids`` to ``cache``": whoever drives the
+  generator runs that forward (alone, or in one batch with other requests' rows) and
+  sends back its logits, exactly what ``model(ids, cache, logits_for)`` returns;
+* an ``int`` — that many token-layers of work were just done in place (a fusion layer);
+* ``None`` — some other piece of work was just done in place.
+
+Its return value (``StopIteration.value``) is the work's result. ``run_steps`` drives one
+alone, here. ``forward_chunks(model, ids, cache, chunk_tokens, logits_for)`` yields the
+slices of one forward over the growing cache (positions continue from ``cache.length``)
+and returns what one forward over all of ``ids`` returns: the last token's logits (1, V)
+with ``logits_for="last"``, every token's (T, V) with ``"all"``. Causal attention makes
+the slices' results those of one forward (up to float rounding: ≤ 1e-4 on logits,
+tested), except under dynamic NTK RoPE past its window, whose frequencies depend on the
+sequence length: such a forward runs in one slice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -23,9 +32,37 @@ from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
 
 
-def chunk_size(model: Transformer, end: int, chunk_tokens: int) -> int:
-    """The chunk length to use for a forward that ends at position ``end``: ``chunk_tokens``,
-    or everything when some layer's RoPE depends on the sequence length there."""
+class Forward(NamedTuple):
+    """A step asking its driver to append ``ids`` (T,) to ``cache`` and send back the
+    logits: (1, V) for "last", (T, V) for "all", an empty tensor for "none"."""
+
+    ids: torch.Tensor
+    cache: KVCache
+    logits_for: str = "last"
+
+
+Step = Union[Forward, int, None]
+Steps = Generator[Step, Any, Any]
+
+
+def run_steps(steps: Steps, model: Transformer) -> Any:
+    """Drive a step generator to its end on this thread (each ``Forward`` through
+    ``model``, alone); returns its value."""
+    reply = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        reply = model(step.ids, step.cache, step.logits_for) if isinstance(step, Forward) else None
+
+
+def chunk_size(model: Transformer, end: int, chunk_tokens: int | None) -> int:
+    """The slice length to use for a forward that ends at position ``end``: ``chunk_tokens``
+    (None: no slicing), or everything when some layer's RoPE depends on the sequence
+    length there."""
+    if chunk_tokens is None:
+        return max(end, 1)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if any(rope_lib.length_dependent(layer.rope, end) for layer in model.layers):
@@ -33,23 +70,24 @@ def chunk_size(model: Transformer, end: int, chunk_tokens: int) -> int:
     return chunk_tokens
 
 
-def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_tokens: int,
-                   logits_for: str = "last") -> Generator[None, None, torch.Tensor]:
-    """Append ``ids`` (T,) to ``cache`` in chunks of at most ``chunk_tokens``, one per
-    ``next()``; returns the logits one ``model(ids, cache, logits_for)`` would."""
-    if logits_for not in ("last", "all"):
-        raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
+def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_tokens: int | None,
+                   logits_for: str = "last") -> Generator[Forward, torch.Tensor, torch.Tensor]:
+    """Append ``ids`` (T,) to ``cache`` in ``Forward`` steps of at most ``chunk_tokens``
+    (None: one step); returns the logits one ``model(ids, cache, logits_for)`` would.
+    ``model`` only sizes the slices: the driver runs them."""
+    if logits_for not in ("last", "all", "none"):
+        raise ValueError(f"logits_for must be 'last', 'all' or 'none', got {logits_for!r}")
     n = ids.shape[0]
     if n == 0:
         raise ValueError("forward_chunks needs at least one token")
     size = chunk_size(model, cache.length + n, chunk_tokens)
     rows: list[torch.Tensor] = []
     for start in range(0, n, size):
-        part = ids[start : start + size]  # (t,)
         last = start + size >= n
         which = logits_for if logits_for == "all" or last else "none"
-        out = model(part, cache, logits_for=which)  # (1, V), (t, V) or empty
+        out = yield Forward(ids[start : start + size], cache, which)  # (1, V), (t, V) or empty
         if which != "none":
             rows.append(out)
-        yield  # after every chunk, the last too: whatever the caller does next is a new step
+    if not rows:  # logits_for="none": the last slice's empty tensor
+        return out
     return rows[0] if len(rows) == 1 else torch.cat(rows)  # (1, V) or (T, V)

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvblend.generation.sampling import Sampler, SamplingParams
+from kvblend.generation.sampling import SamplingParams
+from kvblend.generation.slot import DecodeSlot, StreamEvent
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
 
@@ -15,6 +16,21 @@ from kvblend.models.transformer import Transformer
 class StepOutput(NamedTuple):
     token_id: int
     logits: torch.Tensor  # (V,) the distribution the token was drawn from
+
+
+def slot_steps(model: Transformer, slot: DecodeSlot, first_logits: torch.Tensor
+               ) -> Iterator[tuple[StreamEvent, torch.Tensor]]:
+    """Feed ``slot`` the model's logits, one forward per token over ``slot.cache`` (grown in
+    place), until it finishes; yield each event with the (V,) logits its token was drawn
+    from. The next token is only computed when the consumer asks for it."""
+    logits = first_logits.reshape(-1)  # (V,)
+    while True:
+        event = slot.next_event(logits)
+        yield event, logits
+        if slot.finished:
+            return
+        ids = torch.tensor([event.token_id], device=model.device)  # (1,)
+        logits = model(ids, slot.cache)[0]  # (V,)
 
 
 def decode_steps(
@@ -26,19 +42,13 @@ def decode_steps(
 ) -> Iterator[StepOutput]:
     """Yield tokens starting from the logits a prefill produced; the cache grows in place.
 
-    Stops after ``max_tokens`` or at an EOS token (yielded, unless ``ignore_eos``).
-    The next token is only computed when the consumer asks for it.
+    ``DecodeSlot``'s rules without text: stops after ``max_tokens`` (capped to the
+    context left) or at an EOS token (yielded, unless ``ignore_eos``); stop strings need
+    ``stream_from``. The next token is only computed when the consumer asks for it.
     """
-    sampler = Sampler(params)
-    logits = first_logits.reshape(-1)
-    eos = set() if params.ignore_eos else set(eos_ids)
-    for step in range(params.max_tokens):
-        token = sampler(logits)
-        yield StepOutput(token, logits)
-        if token in eos or step == params.max_tokens - 1:
-            return
-        ids = torch.tensor([token], device=model.device)
-        logits = model(ids, cache)[0]
+    slot = DecodeSlot(None, cache, params, eos_ids, model.cfg.context_length)
+    for event, logits in slot_steps(model, slot, first_logits):
+        yield StepOutput(event.token_id, logits)
 
 
 def prefill(model: Transformer, prompt_ids: Sequence[int], extra_capacity: int = 0) -> tuple[KVCache, torch.Tensor]:

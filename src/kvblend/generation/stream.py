@@ -1,31 +1,22 @@
-"""Text generation: chat rendering, streaming events with stop strings, completions."""
+"""Text generation: chat rendering, streaming decode, completions.
+
+The decode rules (sampling, stop strings, EOS, max_tokens) are ``DecodeSlot``'s, in
+``slot.py``; ``stream_from`` only runs the model for it, one token per forward.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
-from kvblend.errors import ContextLengthError, InvalidRequestError
-from kvblend.generation.decode import decode_steps, prefill
+from kvblend.errors import InvalidRequestError
+from kvblend.generation.decode import prefill, slot_steps
 from kvblend.generation.sampling import SamplingParams
-from kvblend.generation.text import TextStream
+from kvblend.generation.slot import DecodeSlot, StreamEvent, cap_new_tokens
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
-
-
-class StreamEvent(NamedTuple):
-    """One generated token and the text it made safe to show.
-
-    ``finish_reason`` is set on the last event: "stop" (EOS or a stop string) or
-    "length" (max_tokens or the context limit).
-    """
-
-    token_id: int
-    text: str
-    finish_reason: str | None = None
 
 
 class Completion(NamedTuple):
@@ -68,14 +59,6 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return ids
 
 
-def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingParams:
-    """Fit max_tokens into the context left after ``used`` positions; error if none is left."""
-    room = context - used
-    if room < 1:
-        raise ContextLengthError(f"the prompt has {used} tokens; the model's context is {context} tokens")
-    return params if params.max_tokens <= room else replace(params, max_tokens=room)
-
-
 def stream_from(
     model: Transformer,
     tokenizer: Any,
@@ -84,21 +67,12 @@ def stream_from(
     params: SamplingParams,
     eos_ids: Sequence[int],
 ) -> Iterator[StreamEvent]:
-    """Stream text from a prefilled cache (ours or a fused one); the cache grows in place."""
-    params = cap_new_tokens(params, cache.length, model.cfg.context_length)
-    text = TextStream(tokenizer, params.stop)
-    eos = set() if params.ignore_eos else set(eos_ids)
-    count = 0
-    for step in decode_steps(model, cache, first_logits, params, eos_ids):
-        count += 1
-        delta = text.push(step.token_id) if step.token_id not in eos else text.finish()  # EOS: flush what was held
-        if step.token_id in eos or text.stopped:
-            yield StreamEvent(step.token_id, delta, "stop")
-            return
-        if count == params.max_tokens:
-            yield StreamEvent(step.token_id, delta + text.finish(), "length")
-            return
-        yield StreamEvent(step.token_id, delta)
+    """Stream text from a prefilled cache (ours or a fused one); the cache grows in place.
+    The tokens follow ``DecodeSlot``'s rules (stop strings, EOS, max_tokens capped to the
+    context left)."""
+    slot = DecodeSlot(tokenizer, cache, params, eos_ids, model.cfg.context_length)
+    for event, _ in slot_steps(model, slot, first_logits):
+        yield event
 
 
 def stream(

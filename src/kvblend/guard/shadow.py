@@ -21,19 +21,19 @@ it already added). It costs one full prefill, one blended prompt, a greedy decod
 two teacher-forced passes over the answer (the other side's own answer is decoded from
 the same prefill as its teacher forcing).
 
-``shadow_steps`` is the same check as a job of small steps for the scheduler's
-low-priority lane (``Scheduler.submit_background``): each ``next()`` does one piece of
-model work — a chunk of at most ``chunk_tokens`` tokens of the full prefill or of a
-teacher-forced pass (``generation.chunked``), the blended re-prepare, or one greedy
-decode token — and its return value is the ``ShadowResult``. ``shadow_check`` runs
-those steps to the end inline.
+``shadow_steps`` is the same check as a step generator (``generation.chunked``) for the
+scheduler's low-priority lane (``Scheduler.submit_background``): each step is one piece
+of model work — a ``Forward`` slice of at most ``chunk_tokens`` tokens of the full
+prefill or of a teacher-forced pass, a slice or layer of the blended re-prepare
+(``Engine.prepare_steps``), or one greedy decode token — and its return value is the
+``ShadowResult``. ``shadow_check`` runs those steps to the end inline.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,13 +42,13 @@ from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.eval.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams, collect, stream_from
-from kvblend.generation.chunked import forward_chunks
+from kvblend.generation.chunked import forward_chunks, run_steps
 from kvblend.models.kv_cache import KVCache
 
 BLENDED = ("reuse", "blend")
 DEFAULT_CHUNK_TOKENS = 256  # tokens per prefill / teacher-forcing step of a shadow job
 
-Steps = Generator[None, None, "ShadowResult"]
+Steps = Generator[Any, Any, "ShadowResult"]  # generation.chunked's steps
 
 
 class ShadowResult(NamedTuple):
@@ -70,7 +70,7 @@ class _Prompt(NamedTuple):
     stats: RequestStats | None  # the engine's stats (blended prompts); None for the chunked full prefill
 
 
-def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[None, None, _Prompt]:
+def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[Any, Any, _Prompt]:
     """Full prefill of the request's prompt, ``chunk_tokens`` per step, into a fresh cache
     with room for ``extra`` more tokens (what ``Engine.prepare`` of a full request builds)."""
     layout = engine.layout(request)
@@ -83,15 +83,14 @@ def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int
     return _Prompt(cache, logits[0], None)
 
 
-def _engine_prompt(engine: Engine, request: Request, extra: int) -> Generator[None, None, _Prompt]:
-    """The request's prompt by its own method, through ``Engine.prepare``: one step."""
-    prepared = engine.prepare(request, extra_capacity=extra)
-    yield
+def _engine_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[Any, Any, _Prompt]:
+    """The request's prompt by its own method, through ``Engine.prepare_steps``."""
+    prepared = yield from engine.prepare_steps(request, extra_capacity=extra, slice_tokens=chunk_tokens)
     return _Prompt(prepared.cache, prepared.logits, prepared.stats)
 
 
-def _teacher_forced(engine: Engine, prompt: Generator[None, None, _Prompt], answer: list[int], own_answer: bool,
-                    chunk_tokens: int) -> Generator[None, None, tuple[torch.Tensor, RequestStats | None, str | None]]:
+def _teacher_forced(engine: Engine, prompt: Generator[Any, Any, _Prompt], answer: list[int], own_answer: bool,
+                    chunk_tokens: int) -> Generator[Any, Any, tuple[torch.Tensor, RequestStats | None, str | None]]:
     """Next-token logits (T, V) before each of ``answer``'s T tokens, the prompt built by
     ``prompt`` and then fed the answer's tokens; the prompt's stats; and, with
     ``own_answer``, the prompt's own greedy answer of up to T tokens, decoded first from
@@ -142,23 +141,15 @@ def shadow_steps(engine: Engine, request: Request, served: Result, probe: Reques
     full_logits, _, full_text = yield from _teacher_forced(  # (T, V)
         engine, _full_prompt(engine, full_req, len(answer), chunk_tokens), answer, served_blended, chunk_tokens)
     blended_logits, stats, blended_text = yield from _teacher_forced(  # (T, V)
-        engine, _engine_prompt(engine, blended_req, len(answer)), answer, not served_blended, chunk_tokens)
+        engine, _engine_prompt(engine, blended_req, len(answer), chunk_tokens), answer, not served_blended,
+        chunk_tokens)
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
     f1 = token_f1(served.text, full_text if served_blended else blended_text)
     return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, f1, agree,
                         kl_divergence(full_logits, blended_logits), len(answer), first_score(stats))
 
 
-def run_steps(steps: Generator[None, None, object]) -> object:
-    """Run a job of steps to its end here; returns its value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
-
-
 def shadow_check(engine: Engine, request: Request, served: Result, probe: Request | None = None,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ShadowResult:
     """Compare the blended and full-prefill answers to ``request`` (see the module doc), inline."""
-    return run_steps(shadow_steps(engine, request, served, probe, chunk_tokens))
+    return run_steps(shadow_steps(engine, request, served, probe, chunk_tokens), engine.model)

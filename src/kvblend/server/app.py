@@ -7,20 +7,25 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
 Ray Serve deployment. Every request is scoped by the tenant its API key maps to
 (``guard.Guard``); one JSON log line per completion request never holds document text
-or ids.
+or ids. The event loop never waits on the document registry: its calls run on the
+registry's own threads (``ServerState.off_loop``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import asyncio
 import dataclasses
 import functools
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI
@@ -34,7 +39,9 @@ from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import RequestHandle, Scheduler
 from kvblend.errors import KvblendError
 from kvblend.models.loader import cache_home
-from kvblend.server.documents import DocumentRegistry, StoredChunk, default_id, new_record, text_sha256
+from kvblend.server.documents import (
+    DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
+)
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.explain import explainer, stored_pieces
 from kvblend.server.guard import Guard, read_json, tenant_of
@@ -55,6 +62,8 @@ from kvblend.store.keys import ChunkKey
 
 log = logging.getLogger("kvblend.server")
 access = logging.getLogger("kvblend.server.requests")
+T = TypeVar("T")
+REGISTRY_THREADS = 4
 
 
 @dataclass
@@ -72,6 +81,14 @@ class ServerState:
     guard: ServerGuard | None = None  # when settings.guard.enabled
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    registry_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        REGISTRY_THREADS, thread_name_prefix="kvblend-registry"))
+    document_locks: KeyedLocks = field(default_factory=KeyedLocks)  # one POST/DELETE per (tenant, id) at a time
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the registry's threads (anything that reads or writes the
+        registry goes through here); the loop only awaits it. Exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.registry_pool, functools.partial(fn, *args))
 
     @property
     def context_length(self) -> int:
@@ -105,11 +122,13 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
         engine = target
         sch = settings.scheduler
         scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
-                              deadline_s=sch.request_deadline_s, max_background=sch.max_background)
+                              deadline_s=sch.request_deadline_s, max_background=sch.max_background,
+                              prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
+                              shares=sch.shares(), decode_weight=sch.decode_weight)
     model_id = settings.model_id
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
                             lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
-                            cache_usage=lambda: kv_cache_usage(engine.store))
+                            cache_usage=lambda: kv_cache_usage(engine.store), jobs=lambda: scheduler.num_jobs)
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
@@ -132,7 +151,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
         state.draining = True
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
-        state.registry.close()  # drain dropped any pending shadow checks (counted)
+        await anyio.to_thread.run_sync(_close_registry, state)  # drain dropped any pending shadow checks (counted)
         if state.retriever is not None:
             state.retriever.close()
 
@@ -145,6 +164,12 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
     _add_routes(app, state)
     add_playground(app)
     return app
+
+
+def _close_registry(state: ServerState) -> None:
+    """Wait for the registry's running calls, then close it (blocks: run it off the loop)."""
+    state.registry_pool.shutdown(wait=True)
+    state.registry.close()
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -199,7 +224,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_answers_errors
     async def health() -> Response:
         ok = state.scheduler.alive and not state.draining and not state.scheduler.draining
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if ok else 503,
+                        headers={"X-Kvblend-Worker-Restarts": str(state.scheduler.restarts)})
 
     @app.get("/metrics")
     @_answers_errors
@@ -235,7 +261,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def list_documents(request: HTTPRequest, limit: int = 100, after: str | None = None) -> dict[str, Any]:
         if not 1 <= limit <= 1000:
             raise APIError(400, "limit must be within 1..1000", "limit")
-        rows = state.registry.list(tenant_of(request), limit, after)
+        rows = await state.off_loop(state.registry.list, tenant_of(request), limit, after)
         data = [r.public() for r in rows]
         return {"object": "list", "data": data, "has_more": len(rows) == limit,
                 "last_id": rows[-1].id if rows else None}
@@ -243,7 +269,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/documents/{doc_id}")
     @_answers_errors
     async def get_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
-        record = _own_document(state, tenant_of(request), doc_id)
+        record = await _own_document(state, tenant_of(request), doc_id)
         tiers = await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, record.keys)
         return record.public(tiers, detail=True)
 
@@ -257,19 +283,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_answers_errors
     async def delete_document(request: HTTPRequest, doc_id: str) -> dict[str, Any]:
         tenant = tenant_of(request)
-        record = _own_document(state, tenant, doc_id)
-        state.registry.delete(tenant, doc_id)
-        await anyio.to_thread.run_sync(_delete_unused, state, tenant, record.keys, doc_id)
+        async with state.document_locks.hold((tenant, doc_id)):
+            record = await _own_document(state, tenant, doc_id)
+            await state.off_loop(state.registry.delete, tenant, doc_id)
+            await _delete_unused(state, tenant, record.keys, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
 
 # ----- documents ----------------------------------------------------------------------------
-def _own_document(state: ServerState, tenant: str, doc_id: str):
+async def _own_document(state: ServerState, tenant: str, doc_id: str) -> DocumentRecord:
     try:
         check_doc_id(doc_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "id") from None
-    record = state.registry.get(tenant, doc_id)
+    record = await state.off_loop(state.registry.get, tenant, doc_id)
     if record is None:  # the same answer whether another tenant has this id or nobody does
         raise APIError(404, f"no stored document with id {doc_id!r}", "id", "NotFoundError")
     return record
@@ -289,12 +316,18 @@ def _tiers_holding_all(engine: Engine, keys: list[str]) -> list[str]:
     return [t for t in held[0] if all(t in h for h in held[1:])] if held else []
 
 
-def _delete_unused(state: ServerState, tenant: str, keys: list[str], doc_id: str) -> None:
-    """Delete from every tier the KV under ``keys`` that no other document of the tenant uses."""
-    shared = state.registry.keys_in_use(tenant, keys, doc_id)
-    for key in dict.fromkeys(keys):
-        if key not in shared:
-            state.engine.store.delete(ChunkKey.parse(key))
+async def _delete_unused(state: ServerState, tenant: str, keys: list[str], doc_id: str) -> None:
+    """Delete from every tier the KV under ``keys`` that no document of the tenant but
+    ``doc_id`` uses (the registry's key index answers; the store is called off the loop)."""
+    shared = await state.off_loop(state.registry.keys_in_use, tenant, keys, doc_id)
+    unused = [key for key in dict.fromkeys(keys) if key not in shared]
+    if unused:
+        await anyio.to_thread.run_sync(_delete_keys, state.engine, unused)
+
+
+def _delete_keys(engine: Engine, keys: list[str]) -> None:
+    for key in keys:
+        engine.store.delete(ChunkKey.parse(key))
 
 
 def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...]:
@@ -304,6 +337,9 @@ def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...
 
 
 async def _store_document(state: ServerState, tenant: str, body: DocumentCreate) -> dict[str, Any]:
+    """Check, warm and register a document. One POST or DELETE per ``(tenant, id)`` runs at a
+    time (two POSTs of one id with other texts: the second sees the first and gets a 409);
+    the tenant's document count is checked again in the registry's put transaction."""
     limits = state.settings.limits
     size = utf8_len(body.text, "text")
     if size > limits.max_document_bytes:
@@ -311,13 +347,8 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
     if not body.text.strip():
         raise APIError(400, "the document text is empty", "text")
     doc_id = body.id or default_id(body.text)
-    existing = state.registry.get(tenant, doc_id)
-    if existing is not None and existing.sha256 != text_sha256(body.text):
-        raise APIError(409, f"document {doc_id!r} exists with other text; delete it first", "id")
-    if existing is None and state.registry.count(tenant) >= limits.max_stored_documents:
-        raise APIError(400, f"at most {limits.max_stored_documents} stored documents per tenant", "id")
 
-    def warm() -> tuple[list[StoredChunk], list[str]]:
+    def cut() -> tuple[list[Any], tuple[int, ...], Any]:
         engine = state.engine
         chunks = document_chunks(engine, body.text, state.settings.documents.chunk_tokens)
         tokens = sum(c.n_tokens for c in chunks)
@@ -327,20 +358,60 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         if not chunks or tokens == 0:
             raise APIError(400, "the document text has no tokens", "text")
         prefix = _document_chunk_prefix(engine, state.settings)
-        keys = [str(k) for k in engine.warm([c.token_ids for c in chunks], prefix, tenant)]
-        stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
-        return stored, _tiers_holding_all(engine, keys)
+        return chunks, prefix, engine.plan_warm([c.token_ids for c in chunks], prefix, tenant)
 
-    chunks, tiers = await anyio.to_thread.run_sync(warm)
-    record = new_record(doc_id, body.text, chunks, body.metadata)
-    if existing is not None:  # idempotent: the same text keeps its creation time
-        record = record._replace(created=existing.created)
-    if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
-        state.registry.put(tenant, record)
-        if existing is not None:  # re-cut (the chunk size changed): drop the old chunks' KV
-            stale = [k for k in existing.keys if k not in record.keys]
-            await anyio.to_thread.run_sync(_delete_unused, state, tenant, stale, doc_id)
+    async def warm() -> tuple[list[StoredChunk], list[str]]:
+        """Cut and key the text (a thread), compute the missing chunks' KV on the model
+        worker (its jobs lane: 429 when full), store them (a thread)."""
+        chunks, prefix, plan = await anyio.to_thread.run_sync(cut)
+        if plan.todo:
+            computed = await _run_job(state, state.engine.compute_steps(plan.todo, prefix), f"document ({tenant})")
+            await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
+        keys = [str(k) for k in plan.keys]
+        stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
+        return stored, await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, keys)
+
+    async with state.document_locks.hold((tenant, doc_id)):
+        existing = await state.off_loop(state.registry.get, tenant, doc_id)
+        if existing is not None and existing.sha256 != text_sha256(body.text):
+            raise APIError(409, f"document {doc_id!r} exists with other text; delete it first", "id")
+        if existing is None and await state.off_loop(state.registry.count, tenant) >= limits.max_stored_documents:
+            raise APIError(400, f"at most {limits.max_stored_documents} stored documents per tenant", "id")
+        chunks, tiers = await warm()
+        record = new_record(doc_id, body.text, chunks, body.metadata)
+        if existing is not None:  # idempotent: the same text keeps its creation time
+            record = record._replace(created=existing.created)
+        if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
+            await _put_document(state, tenant, record, existing)
     return record.public(tiers)
+
+
+async def _run_job(state: ServerState, steps: Any, name: str) -> Any:
+    """Model work as a job of the scheduler's jobs lane, awaited here; its refusals as
+    HTTP errors (429 when the lane is full, 503 while draining)."""
+    try:
+        future = state.scheduler.submit_job(steps, name)
+    except KvblendError as exc:
+        raise from_exception(exc) from None
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if future.cancelled():  # dropped by drain or worker death, not our caller's cancellation
+            raise APIError(503, "the server stopped before this work ran") from None
+        raise
+
+
+async def _put_document(state: ServerState, tenant: str, record: DocumentRecord,
+                        existing: DocumentRecord | None) -> None:
+    """Register ``record``; refused for the tenant's count (400), the KV just warmed for it
+    is dropped. Replacing a row cut otherwise (the chunk size changed) drops the old chunks' KV."""
+    try:
+        await state.off_loop(state.registry.put, tenant, record, state.settings.limits.max_stored_documents)
+    except RegistryFullError as exc:
+        await _delete_unused(state, tenant, record.keys, record.id)
+        raise APIError(400, str(exc), "id") from None
+    if existing is not None:
+        await _delete_unused(state, tenant, [k for k in existing.keys if k not in record.keys], record.id)
 
 
 # ----- completions --------------------------------------------------------------------------
@@ -351,7 +422,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     body = parse(model, await read_json(http, settings.limits.max_body_bytes))
     check_common(body, settings, state.model_ids)
     top_k = check_retrieval(body, settings, state.retriever)
-    request = build_request(body, settings, state.registry, tenant, state.num_layers)
+    request = await state.off_loop(build_request, body, settings, state.registry, tenant, state.num_layers)
     used = None
     if top_k is not None:  # the caller's own tenant's chunks, as the token ids they were indexed with
         hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
@@ -361,8 +432,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     prompt_tokens, request = checked.prompt_tokens, checked.request
     explains = None
     if request.explain:
-        explains = explainer(request, state.engine.tokenizer, stored_pieces(body, state.registry, tenant),
-                             checked.pieces, settings.limits)
+        pieces = await state.off_loop(stored_pieces, body, state.registry, tenant)
+        explains = explainer(request, state.engine.tokenizer, pieces, checked.pieces, settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:

@@ -6,18 +6,24 @@ One SQLite file (``documents.sqlite`` under the server's state directory) maps
 token ids), so that requests may name a stored document by id (it expands to its chunks,
 in order, each hitting its stored KV) and the KV can be deleted from every tier. A row
 written before chunking (no chunks) stands for one chunk: its whole text under
-``chunk_key``.
+``chunk_key``. A second table indexes ``(tenant, chunk key, id)``, written in the same
+transaction as the row, so "which of these keys does another document use" reads the
+index, never the rows (a registry written before it is indexed once when opened).
 Every query takes the tenant: one tenant can never read, list, count or delete another's
-rows. Thread-safe (one connection behind a lock).
+rows. Thread-safe (one connection behind a lock); the server calls it off its event loop.
+``KeyedLocks`` serializes the server's check-then-put per ``(tenant, id)``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import AsyncIterator, Hashable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +35,33 @@ CREATE TABLE IF NOT EXISTS documents (
     PRIMARY KEY (tenant, id)
 )
 """
+# Which documents store KV under a key: looked up by (tenant, key) when a document is
+# deleted, and by (tenant, id) when a row is replaced or deleted.
+_KEY_INDEX = """
+CREATE TABLE IF NOT EXISTS chunk_keys (
+    tenant TEXT NOT NULL, chunk_key TEXT NOT NULL, doc_id TEXT NOT NULL,
+    PRIMARY KEY (tenant, chunk_key, doc_id)
+) WITHOUT ROWID
+"""
+_KEYS_BY_DOC = "CREATE INDEX IF NOT EXISTS chunk_keys_by_doc ON chunk_keys (tenant, doc_id)"
+_INDEX_ALL_ROWS = """
+INSERT OR IGNORE INTO chunk_keys (tenant, chunk_key, doc_id)
+SELECT d.tenant, json_extract(c.value, '$.key'), d.id FROM documents AS d, json_each(d.chunks) AS c
+UNION ALL SELECT tenant, chunk_key, id FROM documents WHERE chunks = '[]'
+"""
+SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = every row's keys are in chunk_keys
+KEYS_IN_USE_SQL = ("SELECT DISTINCT chunk_key FROM chunk_keys WHERE tenant = ? AND doc_id != ? "
+                   "AND chunk_key IN ({marks})")
+_MAX_PARAMS = 500  # keys per IN (...) query, well under SQLite's bound on parameters
 _COLUMNS = "id, sha256, text, tokens, chunk_key, metadata, created, chunks"
+
+
+class RegistryFullError(Exception):
+    """A new document would exceed the tenant's ``limit`` of stored documents."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"at most {limit} stored documents per tenant")
+        self.limit = limit
 
 
 class StoredChunk(NamedTuple):
@@ -86,20 +118,50 @@ def default_id(text: str) -> str:
 
 
 class DocumentRegistry:
-    """``(tenant, id) -> DocumentRecord`` persisted in SQLite (``path=None``: in memory)."""
+    """``(tenant, id) -> DocumentRecord`` persisted in SQLite (``path=None``: in memory).
+
+    Every method is a short indexed query or one transaction, safe to call from any thread
+    (one connection behind a lock); none reads another row than the ones it names, except
+    ``list`` (at most ``limit``) and ``count`` (the tenant's primary-key range)."""
 
     def __init__(self, path: str | Path | None) -> None:
         target = ":memory:"
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             target = str(path)
+        self._lock = threading.Lock()
         self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
-        self._db.execute(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(documents)")}
-        if "chunks" not in columns:  # a registry written before documents were chunked
-            self._db.execute("ALTER TABLE documents ADD COLUMN chunks TEXT NOT NULL DEFAULT '[]'")
-        self._lock = threading.Lock()
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: no fsync per commit, still never corrupt
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Create the tables, add the ``chunks`` column to a registry written before
+        chunking, and index the keys of every row of a registry written before the index."""
+        with self._transaction() as db:
+            db.execute(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(documents)")}
+            if "chunks" not in columns:
+                db.execute("ALTER TABLE documents ADD COLUMN chunks TEXT NOT NULL DEFAULT '[]'")
+            db.execute(_KEY_INDEX)
+            db.execute(_KEYS_BY_DOC)
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                db.execute("DELETE FROM chunk_keys")
+                db.execute(_INDEX_ALL_ROWS)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection, locked, inside one write transaction (rolled back on error)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def get(self, tenant: str, doc_id: str) -> DocumentRecord | None:
         with self._lock:
@@ -118,33 +180,73 @@ class DocumentRegistry:
 
     def count(self, tenant: str) -> int:
         with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM documents WHERE tenant = ?", (tenant,)).fetchone()[0])
+            return _count(self._db, tenant)
 
-    def put(self, tenant: str, record: DocumentRecord) -> None:
-        with self._lock:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO documents (tenant, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
-                 json.dumps(record.metadata), record.created,
-                 json.dumps([c.to_json() for c in record.chunks], separators=(",", ":"))))
+    def put(self, tenant: str, record: DocumentRecord, limit: int | None = None) -> None:
+        """Insert or replace the row and its keys in the index, in one transaction. With
+        ``limit``, a new id when the tenant already holds ``limit`` documents raises
+        ``RegistryFullError`` and changes nothing (replacing an existing id never does)."""
+        row = (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
+               json.dumps(record.metadata), record.created,
+               json.dumps([c.to_json() for c in record.chunks], separators=(",", ":")))
+        keys = [(tenant, key, record.id) for key in dict.fromkeys(record.keys)]
+        with self._transaction() as db:
+            exists = db.execute("SELECT 1 FROM documents WHERE tenant = ? AND id = ?", (tenant, record.id)).fetchone()
+            if limit is not None and exists is None and _count(db, tenant) >= limit:
+                raise RegistryFullError(limit)
+            db.execute(f"INSERT OR REPLACE INTO documents (tenant, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            db.execute("DELETE FROM chunk_keys WHERE tenant = ? AND doc_id = ?", (tenant, record.id))
+            db.executemany("INSERT INTO chunk_keys (tenant, chunk_key, doc_id) VALUES (?, ?, ?)", keys)
 
     def keys_in_use(self, tenant: str, keys: list[str], except_id: str) -> set[str]:
         """Those of ``keys`` that another of the tenant's documents (not ``except_id``) stores
-        its KV under (two documents may share a chunk), so deleting one keeps the other's KV."""
+        its KV under (two documents may share a chunk), so deleting one keeps the other's KV.
+        Reads the key index only: its cost grows with ``len(keys)``, not the tenant's rows."""
+        wanted, used = list(dict.fromkeys(keys)), set()
         with self._lock:
-            rows = self._db.execute(f"SELECT {_COLUMNS} FROM documents WHERE tenant = ? AND id != ?",
-                                    (tenant, except_id)).fetchall()
-        wanted = set(keys)
-        return {k for r in rows for k in _record(r).keys if k in wanted}
+            for i in range(0, len(wanted), _MAX_PARAMS):
+                batch = wanted[i : i + _MAX_PARAMS]
+                sql = KEYS_IN_USE_SQL.format(marks=", ".join("?" * len(batch)))
+                used.update(r[0] for r in self._db.execute(sql, (tenant, except_id, *batch)))
+        return used
 
     def delete(self, tenant: str, doc_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id))
+        """Remove the row and its keys from the index; False when there was no such row."""
+        with self._transaction() as db:
+            cur = db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id))
+            db.execute("DELETE FROM chunk_keys WHERE tenant = ? AND doc_id = ?", (tenant, doc_id))
         return cur.rowcount > 0
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class KeyedLocks:
+    """One ``asyncio.Lock`` per key (e.g. ``(tenant, id)``), kept only while it is held or
+    awaited: ``async with locks.hold(key):`` runs one holder of a key at a time, in order.
+    For one event loop (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @asynccontextmanager
+    async def hold(self, key: Hashable) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            users = self._locks[key][1] - 1
+            if users:
+                self._locks[key] = (lock, users)
+            else:
+                del self._locks[key]
 
 
 def new_record(doc_id: str, text: str, chunks: list[StoredChunk], metadata: dict[str, Any]) -> DocumentRecord:
@@ -153,6 +255,10 @@ def new_record(doc_id: str, text: str, chunks: list[StoredChunk], metadata: dict
         raise ValueError("a stored document has at least one chunk")
     return DocumentRecord(doc_id, text_sha256(text), text, sum(c.tokens for c in chunks), chunks[0].key,
                           dict(metadata), time.time(), tuple(chunks))
+
+
+def _count(db: sqlite3.Connection, tenant: str) -> int:
+    return int(db.execute("SELECT COUNT(*) FROM documents WHERE tenant = ?", (tenant,)).fetchone()[0])
 
 
 def _record(row: tuple[Any, ...]) -> DocumentRecord:

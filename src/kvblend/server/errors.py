@@ -2,8 +2,9 @@
 
 ``APIError`` carries the HTTP status, the error type and the offending field (``param``,
 a dotted path such as ``documents.2.text``). ``from_exception`` maps the engine's and the
-scheduler's errors; anything unexpected becomes a 500 whose message says nothing of the
-cause (the cause is logged on the server).
+scheduler's errors; non-finite logits are a 500 that names the failure; anything
+unexpected becomes a 500 whose message says nothing of the cause (the cause is logged
+on the server).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
+from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError, NonFiniteLogitsError
 
 log = logging.getLogger("kvblend.server")
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -66,7 +67,7 @@ def from_validation(exc: ValidationError | Any, prefix: tuple[Any, ...] = ()) ->
     """A pydantic/FastAPI validation failure as a 400 naming the first offending field
     (at most ten problems listed in the message)."""
     errors = exc.errors()
-    parts = [f"{_loc(prefix + tuple(e['loc']))}: {e['msg']}" for e in errors[:10]]
+    parts = [f"{_loc(prefix + tuple(e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in errors[:10]]
     param = _loc(prefix + tuple(errors[0]["loc"])) if errors else None
     return APIError(400, "; ".join(parts) or "invalid request", param)
 
@@ -86,6 +87,9 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc) or "the server is shutting down")
     if "Deadline" in name or "Timeout" in name:
         return APIError(504, str(exc) or "the request ran past its deadline")
+    if isinstance(exc, NonFiniteLogitsError):  # the model failed, not the request: a 500 that says how
+        log.error("internal error: %s", exc)
+        return APIError(500, f"internal server error: {exc}", type_="InternalServerError")
     if isinstance(exc, (InvalidRequestError, KvblendError)):
         return APIError(400, str(exc))
     log.error("internal error: %s", type(exc).__name__, exc_info=exc)

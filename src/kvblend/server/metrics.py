@@ -84,7 +84,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, running: Callable[[], float], waiting: Callable[[], float],
                  tier_stats: Callable[[], dict[str, Any]], *, background: Callable[[], float],
-                 cache_usage: Callable[[], float]) -> None:
+                 cache_usage: Callable[[], float], jobs: Callable[[], float] = lambda: 0.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
@@ -99,7 +99,7 @@ class ServerMetrics:
                           QUEUE_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "Prefill / fusion time of a request", LATENCY_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
-        self.recompute = hist("recompute_fraction", "Share of token-layers recomputed per request",
+        self.recompute = hist("recompute_fraction", "Share (0..1) of a request's prompt token-layers computed, not reused",
                               FRACTION_BUCKETS)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
@@ -107,6 +107,16 @@ class ServerMetrics:
             model_name).set_function(waiting)
         Gauge(P + "num_background_jobs", "Background jobs (shadow checks) queued or running on the model worker",
               lab, registry=reg).labels(model_name).set_function(background)
+        Gauge(P + "num_jobs", "Jobs of the model worker's jobs lane (document precompute, write-back) queued or "
+              "running", lab, registry=reg).labels(model_name).set_function(jobs)
+        self.jobs = Counter(P + "jobs", "Model-worker jobs ended, by lane (jobs, background) and outcome "
+                            "(ok, failed, dropped)", lab + ["lane", "outcome"], registry=reg)
+        self.failures = Counter(P + "request_failures", "Requests ended by an error of their own, by stage "
+                                "(prepare, decode, sample, worker)", lab + ["stage"], registry=reg)
+        self.nonfinite = Counter(P + "nonfinite_logits", "Requests ended because the model produced NaN/inf logits",
+                                 lab, registry=reg).labels(model_name)
+        self.restarts = Counter(P + "worker_restarts", "Times the supervisor restarted a failed model-worker loop",
+                                lab, registry=reg).labels(model_name)
         Gauge(P + "kv_cache_usage_perc", "Share (0..1) of the chunk KV store's byte capacity in use: its fastest "
               "capped tier (the memory tier when enabled)", lab, registry=reg).labels(model_name).set_function(cache_usage)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", lab,

@@ -6,6 +6,7 @@ import threading
 
 from kvblend.engine.request import RequestStats
 from kvblend.engine.scheduler import Outcome, RequestHandle, SchedulerObserver
+from kvblend.errors import NonFiniteLogitsError
 from kvblend.generation import StreamEvent
 from kvblend.server.metrics import ServerMetrics
 from kvblend.server.usage import cached_tokens
@@ -52,4 +53,16 @@ class MetricsObserver(SchedulerObserver):
         elif outcome.stats is not None:  # cancelled/expired after its prefill: the work still counts
             self.metrics.prompt_tokens.inc(outcome.stats.prompt_tokens)
             self.metrics.generation_tokens.inc(outcome.completion_tokens)
+        if outcome.status == "error" and outcome.stage is not None:
+            self.metrics.failures.labels(self.metrics.model_name, outcome.stage).inc()
+            if isinstance(outcome.error, NonFiniteLogitsError):
+                self.metrics.nonfinite.inc()
         self.inner.on_finish(handle, outcome)
+
+    def on_restart(self, error: BaseException) -> None:
+        self.metrics.restarts.inc()
+        self.inner.on_restart(error)
+
+    def on_job(self, lane: str, outcome: str) -> None:
+        self.metrics.jobs.labels(self.metrics.model_name, lane, outcome).inc()
+        self.inner.on_job(lane, outcome)

@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvblend.settings import RatioOrAuto
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DOC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -46,7 +49,7 @@ class KvblendOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None  # auto: the quality guard picks
-    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] | None = None
+    ratio: RatioOrAuto | None = None
     check_layers: list[int] | None = Field(None, min_length=1, max_length=256)
     schedule: list[float] | None = Field(None, min_length=1, max_length=256)
     signal: Literal["v", "k", "kv"] | None = None
@@ -82,7 +85,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's bounds: a signed 64-bit integer
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

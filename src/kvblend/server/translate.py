@@ -152,6 +152,8 @@ def chat_messages(body: ChatCompletionRequest, settings: Settings) -> list[dict[
 
 def build_request(body: _Common, settings: Settings, registry: DocumentRegistry, tenant: str,
                   num_layers: int) -> Request:
+    """The engine ``Request`` of a body (a 400/404/413 ``APIError`` when it is refused). Reads
+    the registry to expand ``{"id": ...}`` documents: call it off the event loop."""
     documents = resolve_documents(body, settings, registry, tenant)
     method, blend = blend_options(body, settings, num_layers)
     explain = bool(body.kvblend and body.kvblend.explain)

@@ -80,10 +80,13 @@ class ChunkStore(ABC):
       where the medium can corrupt); a corrupt entry is removed and reported as a miss.
     - Lookups never raise for an unavailable backend: they miss and count a warning.
     - Tenant-scoped: a key names its tenant; ``keys``/``stats``/``evict`` take a tenant and
-      never touch or reveal another tenant's entries. Capacity is shared fairly: when a
-      store's cap binds, a put evicts the least valuable entries of any tenant (global
-      LRU), so no tenant can hold the store against the others; an optional per-tenant
-      cap makes a tenant over it lose its own entries first.
+      never touch or reveal another tenant's entries. Capacity is shared fairly: a
+      tenant's fair share of a capped store is its cap divided by the number of tenants
+      holding entries there. When the cap binds, a put evicts its own tenant's least
+      valuable entries while that tenant would exceed its share, else those of the tenant
+      holding the most; a tenant holding at most its share never loses an entry to another
+      tenant's put (such a put is refused instead). A lone tenant can fill the store. An
+      optional per-tenant cap makes a tenant over it lose its own entries first.
     - Returned tensors are fresh CPU tensors in the store's compute dtype; the caller may
       modify them. Tensors passed to ``put`` are copied, never kept or modified.
     """

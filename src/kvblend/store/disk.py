@@ -67,8 +67,8 @@ class DiskStore(IndexedTier):
         with self._lock:
             for key, size, mtime in found:
                 self._index.add(key, size, last_used=mtime)
-            while self._index.total > self._index.max_bytes and found:  # the cap shrank: oldest first
-                self._delete_locked(found.pop(0)[0])
+            for victim in self._index.over_cap():  # the cap shrank: fair shares, LRU within each
+                self._delete_locked(victim)
 
     def _adopt(self, key: ChunkKey, path: Path) -> None:
         """Index an entry another process wrote, evicting entries to fit it as a put would

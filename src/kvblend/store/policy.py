@@ -1,10 +1,8 @@
 """Eviction policies (small strategy objects) and admission after N sightings.
 
-A policy only orders keys; the tier that owns it decides how much to evict and holds the
-lock (policies are not thread-safe on their own). It orders each tenant's keys (for a
-per-tenant cap and for ``evict``) and all keys together (for the tier's cap: when the
-tier is full, the globally least valuable entry goes, whoever owns it, so no tenant can
-hold a tier against the others).
+A policy only orders each tenant's keys; the tier that owns it decides whose entries go
+and how many (fair shares across tenants: ``kvblend.store.index.ByteIndex``) and holds
+the lock (policies are not thread-safe on their own).
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from kvblend.store.keys import ChunkKey
 
 
 class EvictionPolicy(ABC):
-    """Orders a tier's keys for eviction. Calls: ``insert`` once per new key, ``touch`` on
-    each hit, ``remove`` when a key leaves, ``order(tenant)`` to list victims, first first
-    (``order(None)``: every tenant's keys in one order)."""
+    """Orders each tenant's keys for eviction. Calls: ``insert`` once per new key, ``touch``
+    on each hit, ``remove`` when a key leaves, ``order(tenant)`` to list victims, first first."""
 
     @abstractmethod
     def insert(self, key: ChunkKey) -> None: ...
@@ -33,9 +30,9 @@ class EvictionPolicy(ABC):
     def remove(self, key: ChunkKey) -> None: ...
 
     @abstractmethod
-    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
-        """``tenant``'s keys (all keys when None), the first to evict first. Lazy: do not
-        mutate the policy while iterating."""
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        """``tenant``'s keys, the first to evict first. Lazy: do not mutate the policy while
+        iterating."""
 
 
 class LRUPolicy(EvictionPolicy):
@@ -44,28 +41,26 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._lists: dict[str, OrderedDict[ChunkKey, None]] = defaultdict(OrderedDict)
-        self._all: OrderedDict[ChunkKey, None] = OrderedDict()
 
     def insert(self, key: ChunkKey) -> None:
-        for lru in (self._lists[key.tenant], self._all):
-            lru[key] = None
-            lru.move_to_end(key)
+        lru = self._lists[key.tenant]
+        lru[key] = None
+        lru.move_to_end(key)
 
     def touch(self, key: ChunkKey) -> None:
-        if key in self._all:
-            self._all.move_to_end(key)
-            self._lists[key.tenant].move_to_end(key)
+        lru = self._lists.get(key.tenant)
+        if lru is not None and key in lru:
+            lru.move_to_end(key)
 
     def remove(self, key: ChunkKey) -> None:
-        self._all.pop(key, None)
         lru = self._lists.get(key.tenant)
         if lru is not None:
             lru.pop(key, None)
             if not lru:
                 del self._lists[key.tenant]
 
-    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
-        return iter(self._all if tenant is None else self._lists.get(tenant, ()))
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        return iter(self._lists.get(tenant, ()))
 
 
 class LFUPolicy(EvictionPolicy):
@@ -91,12 +86,9 @@ class LFUPolicy(EvictionPolicy):
             if not scores:
                 del self._scores[key.tenant]
 
-    def order(self, tenant: str | None) -> Iterator[ChunkKey]:
-        if tenant is not None:
-            scores = self._scores.get(tenant, {})
-            return iter(sorted(scores, key=scores.__getitem__))
-        merged = {k: s for scores in self._scores.values() for k, s in scores.items()}
-        return iter(sorted(merged, key=merged.__getitem__))
+    def order(self, tenant: str) -> Iterator[ChunkKey]:
+        scores = self._scores.get(tenant, {})
+        return iter(sorted(scores, key=scores.__getitem__))
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}

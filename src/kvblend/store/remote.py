@@ -2,14 +2,17 @@
 
 Each entry is a Redis hash: ``format``/``header``/``header_xxh3`` plus one field per
 tensor (``k.3``, ``v.3``, ...), so one layer is fetched alone with HMGET. Per tenant a
-sorted set orders entries by last use, a hash holds their sizes and a counter their
-bytes; a global sorted set (members ``tenant/digest``) orders all entries by last use and
-a global counter holds all bytes. Puts, deletes and evictions run as Lua scripts, so caps
-and accounting stay exact with many clients, and every script touches only the entries it
-removes (pops from the front of a sorted set): a put never scans the store. When the
-tier's cap binds, a put evicts the globally least recently used entries of any tenant; a
-tenant over ``tenant_bytes`` loses its own first. An optional TTL expires entries; a
-sorted set by expiry time lets a put that is short of room drop their index rows first.
+sorted set orders entries by last use and a hash holds their sizes; a global sorted set
+(``usage``) holds the bytes of each tenant holding entries, and global counters hold all
+bytes and entries. Puts, deletes and evictions run as Lua scripts, so caps and accounting
+stay exact with many clients, and every script touches only the entries it removes (pops
+from the front of a sorted set): a put never scans the store. Capacity is shared fairly,
+as in the local tiers (``kvblend.store.index.ByteIndex``): when the tier's cap binds, a
+put evicts its tenant's least recently used entries while that tenant would exceed its
+fair share (cap / tenants in ``usage``), else those of the tenant holding the most, and
+never those of a tenant within its share; a tenant over ``tenant_bytes`` loses its own
+first. An optional TTL expires entries; a sorted set by expiry time lets a put that is
+short of room drop their index rows first.
 
 Every Redis call has a timeout and no retries; a failure counts a warning, reads miss,
 writes return False, and the tier is skipped for ``retry_s`` before trying again.
@@ -46,10 +49,12 @@ local function drop(t, d)
   local existed = redis.call('DEL', base .. ':e:' .. d)
   local indexed = redis.call('HDEL', base .. ':size', d)
   redis.call('ZREM', base .. ':lru', d)
-  redis.call('ZREM', prefix .. ':lru', t .. '/' .. d)
   redis.call('ZREM', prefix .. ':expiry', t .. '/' .. d)
-  redis.call('DECRBY', base .. ':bytes', n)
-  redis.call('DECRBY', prefix .. ':bytes', n)
+  if indexed == 1 then
+    redis.call('DECR', prefix .. ':entries')
+    redis.call('DECRBY', prefix .. ':bytes', n)
+    if num(redis.call('ZINCRBY', prefix .. ':usage', -n, t)) <= 0 then redis.call('ZREM', prefix .. ':usage', t) end
+  end
   return existed + indexed
 end
 local function split(member)
@@ -58,7 +63,7 @@ local function split(member)
 end
 """
 
-# KEYS: entry, tenant lru, tenant bytes, global bytes, tenants, sizes, global lru, expiry
+# KEYS: entry, tenant lru, sizes, usage, global bytes, global entries, expiry
 # ARGV: prefix, tenant, digest, nbytes, now, ttl_ms, cap, tenant_cap (-1: none), field, value, ...
 # Returns {stored, tenant of each evicted entry...}.
 _LUA_PUT = _LUA_COMMON + """
@@ -69,41 +74,53 @@ local member = tenant .. '/' .. digest
 local out = {0}
 if need > cap or (tcap >= 0 and need > tcap) then return out end
 drop(tenant, digest)
-local function over_tenant() return tcap >= 0 and num(redis.call('GET', KEYS[3])) + need > tcap end
-local function over_tier() return num(redis.call('GET', KEYS[4])) + need > cap end
-local function pop(zset)
-  local first = redis.call('ZRANGE', zset, 0, 0)[1]
+local function held(t) return num(redis.call('ZSCORE', KEYS[4], t)) end
+local function over_tenant() return tcap >= 0 and held(tenant) + need > tcap end
+local function over_tier() return num(redis.call('GET', KEYS[5])) + need > cap end
+local function fair_victim()  -- whose entry goes next; nil when all others are within their share
+  local mine = held(tenant)
+  local holders = redis.call('ZCARD', KEYS[4]) + (mine > 0 and 0 or 1)
+  if mine > 0 and (mine + need) * holders > cap then return tenant end
+  local top = redis.call('ZREVRANGE', KEYS[4], 0, 1, 'WITHSCORES')
+  for i = 1, #top, 2 do
+    if top[i] ~= tenant then
+      if tonumber(top[i + 1]) * holders > cap then return top[i] end
+      return nil
+    end
+  end
+  return nil
+end
+local function pop(t)  -- evict t's least recently used entry; false when it has none
+  local first = redis.call('ZRANGE', prefix .. ':' .. t .. ':lru', 0, 0)[1]
   if first == nil then return false end
-  local t, d = tenant, first
-  if zset == KEYS[7] then t, d = split(first) end
-  if drop(t, d) > 1 then table.insert(out, t) end
+  if drop(t, first) > 1 then table.insert(out, t) end
   return true
 end
 if over_tenant() or over_tier() then  -- expired entries' index rows go first, oldest expiry first
   while true do
-    local first = redis.call('ZRANGE', KEYS[8], 0, 0, 'WITHSCORES')
+    local first = redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')
     if first[1] == nil or tonumber(first[2]) > now * 1000 then break end
     local t, d = split(first[1])
     drop(t, d)
   end
 end
 while over_tenant() do
-  if not pop(KEYS[2]) then return out end
+  if not pop(tenant) then return out end
 end
 while over_tier() do
-  if not pop(KEYS[7]) then return out end
+  local victim = fair_victim()
+  if victim == nil or not pop(victim) then return out end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 if ttl > 0 then
   redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('ZADD', KEYS[8], now * 1000 + ttl, member)
+  redis.call('ZADD', KEYS[7], now * 1000 + ttl, member)
 end
-redis.call('HSET', KEYS[6], digest, need)
+redis.call('HSET', KEYS[3], digest, need)
 redis.call('ZADD', KEYS[2], now, digest)
-redis.call('ZADD', KEYS[7], now, member)
-redis.call('INCRBY', KEYS[3], need)
-redis.call('INCRBY', KEYS[4], need)
-redis.call('SADD', KEYS[5], tenant)
+redis.call('ZINCRBY', KEYS[4], need, tenant)
+redis.call('INCRBY', KEYS[5], need)
+redis.call('INCR', KEYS[6])
 out[1] = 1
 return out
 """
@@ -111,10 +128,10 @@ return out
 # ARGV: prefix, tenant, digest
 _LUA_DROP = _LUA_COMMON + "return drop(ARGV[2], ARGV[3])"
 
-# KEYS: lru, tenant bytes; ARGV: prefix, tenant, target_bytes
+# KEYS: tenant lru, usage; ARGV: prefix, tenant, target_bytes
 _LUA_EVICT = _LUA_COMMON + """
 local evicted = 0
-while num(redis.call('GET', KEYS[2])) > tonumber(ARGV[3]) do
+while num(redis.call('ZSCORE', KEYS[2], ARGV[2])) > tonumber(ARGV[3]) do
   local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
   if victim == nil then break end
   drop(ARGV[2], victim)
@@ -181,10 +198,8 @@ class RedisStore(Tier):
     # -- reads -------------------------------------------------------------------------
 
     def _touch(self, pipe: Any, key: ChunkKey) -> None:
-        """Queue the recency update of a read (both orders; absent members stay absent)."""
-        now = time.time()
-        pipe.zadd(self._k(key.tenant, "lru"), {key.digest: now}, xx=True)
-        pipe.zadd(f"{self.prefix}:lru", {str(key): now}, xx=True)
+        """Queue the recency update of a read (an absent member stays absent)."""
+        pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
 
     def contains(self, key: ChunkKey) -> bool:
         try:
@@ -231,9 +246,8 @@ class RedisStore(Tier):
         h = entry.header
         payload = _payload(entry)
         nbytes = sum(len(v) for v in payload.values())
-        keys = [self._k(h.tenant, f"e:{h.digest}"), self._k(h.tenant, "lru"), self._k(h.tenant, "bytes"),
-                f"{self.prefix}:bytes", f"{self.prefix}:tenants", self._k(h.tenant, "size"),
-                f"{self.prefix}:lru", f"{self.prefix}:expiry"]
+        keys = [self._k(h.tenant, f"e:{h.digest}"), self._k(h.tenant, "lru"), self._k(h.tenant, "size"),
+                f"{self.prefix}:usage", f"{self.prefix}:bytes", f"{self.prefix}:entries", f"{self.prefix}:expiry"]
         tenant_cap = -1 if self.tenant_bytes is None else self.tenant_bytes
         args: list[Any] = [self.prefix, h.tenant, h.digest, nbytes, time.time(), self.ttl_ms,
                            self.max_bytes, tenant_cap]
@@ -247,7 +261,7 @@ class RedisStore(Tier):
         return bool(self._call(lambda: self._drop_script(keys=[], args=args)))
 
     def _evict(self, tenant: str, target_bytes: int) -> int:
-        keys = [self._k(tenant, "lru"), self._k(tenant, "bytes")]
+        keys = [self._k(tenant, "lru"), f"{self.prefix}:usage"]
         return int(self._call(lambda: self._evict_script(keys=keys, args=[self.prefix, tenant, target_bytes])))
 
     # -- accounting --------------------------------------------------------------------
@@ -284,19 +298,19 @@ class RedisStore(Tier):
             def one() -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
                 pipe.zcard(self._k(tenant, "lru"))
-                pipe.get(self._k(tenant, "bytes"))
+                pipe.zscore(f"{self.prefix}:usage", tenant)
                 return pipe.execute()
 
             count, nbytes = self._call(one)
             return int(count), int(nbytes or 0)
         def whole() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            pipe.zcard(f"{self.prefix}:lru")
+            pipe.get(f"{self.prefix}:entries")
             pipe.get(f"{self.prefix}:bytes")
             return pipe.execute()
 
         count, nbytes = self._call(whole)
-        return int(count), int(nbytes or 0)
+        return int(count or 0), int(nbytes or 0)
 
     def ping(self) -> bool:
         """Whether the server answers now (ignores the back-off)."""

@@ -28,6 +28,11 @@ OUTCOMES = ("queued", "written", "refused", "not_admitted", "deduplicated", "dro
 ChunkSource = Union[ChunkKV, Callable[[], ChunkKV]]
 
 
+class ComputeRefused(Exception):
+    """What a chunk-computing function raises when whoever runs model work would not take
+    it now (its queue is full, or it is stopping): the chunk is counted ``dropped``."""
+
+
 class WriteBackStats(NamedTuple):
     """Counters since the write-back started (for logs and metrics), plus what is pending."""
 
@@ -36,7 +41,7 @@ class WriteBackStats(NamedTuple):
     refused: int  # the store could not store the chunk (too large, backend failed)
     not_admitted: int  # the store's admission said not yet (nothing computed)
     deduplicated: int  # the same key was already pending (nothing computed twice)
-    dropped: int  # the queue was full or the write-back closed
+    dropped: int  # the queue was full, the write-back closed, or the model's owner refused the computation
     failed: int  # computing or storing raised (logged)
     pending: int  # queued or being written now
 
@@ -141,6 +146,8 @@ class WriteBack:
             computed = chunk() if callable(chunk) else chunk
             stored = self.store.put(key, computed) if tiers is None else self.store.put(key, computed, tiers=tiers)
             return "written" if stored else "refused"
+        except ComputeRefused:
+            return "dropped"
         except Exception as exc:  # the worker must survive any failure; it is counted and logged
             log.warning("write-back of %s failed: %s: %s", key, type(exc).__name__, exc, exc_info=True)
             return "failed"

@@ -1,0 +1,99 @@
+"""The decode rules of one request, in one place: sampling, stop strings, EOS, max_tokens.
+
+Every decode loop — ``stream_from`` (one request, a forward per token),
+``decode_steps``, and the server's scheduler (many requests, one batched forward) —
+feeds a ``DecodeSlot`` the logits of the request's next position and gets back the
+``StreamEvent`` for the token it drew. How the logits were computed is the loop's
+business; what a token means for the request is the slot's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from kvblend.errors import ContextLengthError
+from kvblend.generation.sampling import Sampler, SamplingParams
+from kvblend.generation.text import TextStream
+from kvblend.models.kv_cache import KVCache
+
+
+class StreamEvent(NamedTuple):
+    """One generated token and the text it made safe to show.
+
+    ``finish_reason`` is set on the last event: "stop" (EOS or a stop string) or
+    "length" (max_tokens or the context limit).
+    """
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingParams:
+    """Fit max_tokens into the context left after ``used`` positions; error if none is left."""
+    room = context - used
+    if room < 1:
+        raise ContextLengthError(f"the prompt has {used} tokens; the model's context is {context} tokens")
+    return params if params.max_tokens <= room else replace(params, max_tokens=room)
+
+
+class DecodeSlot:
+    """One request's decode state between steps, whoever computes the logits.
+
+    Feed it the logits of its next position; it samples a token and returns the event:
+
+    * max_tokens is capped to the context left after ``cache.length`` positions
+      (``ContextLengthError`` when none is left);
+    * EOS (any of ``eos_ids``, unless ``ignore_eos``) ends with "stop" and flushes the
+      text held back for a possible stop string; the EOS token itself adds no text;
+    * a stop string ends with "stop"; only the text before it is ever emitted;
+    * the last allowed token ends with "length" and flushes the held-back text.
+
+    After an event with a ``finish_reason``, ``finished`` is True and the slot takes no
+    more logits. The slot never touches ``cache``: the caller appends ``last_token`` to
+    it before asking for the next event. With ``tokenizer=None`` the events carry no
+    text (token ids only), and stop strings are refused.
+    """
+
+    def __init__(self, tokenizer: Any, cache: KVCache, params: SamplingParams, eos_ids: Sequence[int],
+                 context_length: int) -> None:
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer")
+        self.cache = cache
+        self.params = cap_new_tokens(params, cache.length, context_length)
+        self.sampler = Sampler(self.params)
+        self.text = TextStream(tokenizer, self.params.stop) if tokenizer is not None else None
+        self.eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
+        self.count = 0
+        self.last_token: int | None = None
+        self.finished = False
+
+    def next_event(self, logits: torch.Tensor) -> StreamEvent:
+        """Sample from the (V,) logits of the next position and account for the token."""
+        if self.finished:
+            raise RuntimeError("this request has already finished decoding")
+        token = self.sampler(logits.reshape(-1))  # (V,)
+        self.count += 1
+        self.last_token = token
+        if token in self.eos:
+            return self._finish(token, self._flush(), "stop")
+        delta = self._push(token)
+        if self.text is not None and self.text.stopped:
+            return self._finish(token, delta, "stop")
+        if self.count == self.params.max_tokens:
+            return self._finish(token, delta + self._flush(), "length")
+        return StreamEvent(token, delta)
+
+    def _push(self, token: int) -> str:
+        return self.text.push(token) if self.text is not None else ""
+
+    def _flush(self) -> str:
+        return self.text.finish() if self.text is not None else ""
+
+    def _finish(self, token: int, text: str, reason: str) -> StreamEvent:
+        self.finished = True
+        return StreamEvent(token, text, reason)

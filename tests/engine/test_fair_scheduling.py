@@ -1,0 +1,237 @@
+"""Issue #20: the scheduler interleaves long prefills with decoding (slices batched with
+decode tokens, fusion in layer groups), shares the worker fairly between tenants (Virtual
+Token Counter, per-tenant queue caps) and runs model jobs in their own lane."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvblend.blend.chunks import compute_chunk_kv, compute_chunk_steps
+from kvblend.engine import Engine, Request
+from kvblend.engine.fair import FairQueue, TenantShare
+from kvblend.engine.scheduler import QueueFullError, Scheduler, SchedulerObserver
+from kvblend.generation import SamplingParams
+from tests.conftest import WORDS, make_loaded
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+class Timeline(SchedulerObserver):
+    """The order of admissions, first tokens and tokens, per request id."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def _add(self, kind: str, handle) -> None:
+        with self.lock:
+            self.events.append((kind, handle.id))
+
+    def on_admitted(self, handle) -> None:
+        self._add("admitted", handle)
+
+    def on_first_token(self, handle, stats) -> None:
+        self._add("first", handle)
+
+    def on_token(self, handle, event, now) -> None:
+        self._add("token", handle)
+
+    def between(self, rid: str, start: tuple[str, str], end: tuple[str, str]) -> int:
+        """Tokens of ``rid`` between two events."""
+        a, b = self.events.index(start), self.events.index(end)
+        return sum(1 for kind, who in self.events[a:b] if kind == "token" and who == rid)
+
+
+def _long_question(n_words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n_words))
+
+
+def _stream_then(sched: Scheduler, second: Request, sampling: SamplingParams):
+    """Start a long stream, wait for its first tokens, then submit ``second``."""
+    stream = sched.submit(Request(documents=(), question="hello", method="full", tenant="a"), LONG)
+    events = stream.events()
+    next(events), next(events)
+    other = sched.submit(second, sampling)
+    return stream, other
+
+
+@pytest.mark.parametrize("method", ["full", "blend"])
+def test_a_long_prefill_lets_a_running_stream_decode_and_keeps_its_answer(method: str) -> None:
+    loaded = make_loaded(num_hidden_layers=4, max_position_embeddings=512)
+    docs = [_long_question(40), _long_question(50)]
+    request = Request(documents=docs, question=_long_question(60), method=method, tenant="b")
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng = Engine(loaded)
+    eng.generate(request, sampling)  # stores the documents (blend then hits them)
+    eng.flush()
+    want = eng.generate(request, sampling).token_ids
+    timeline = Timeline()
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8)
+    sched.start()
+    stream, other = _stream_then(sched, request, sampling)
+    assert other.result().token_ids == want
+    stream.cancel()
+    sched.drain(5)
+    during = timeline.between(stream.id, ("admitted", other.id), ("first", other.id))
+    if method == "full":  # about 170 prompt tokens in slices of 8: a decode step rides with each
+        assert during >= 15
+    else:  # fusion: two passes of 4 layers, a group of layers per slice
+        assert during >= 2
+
+
+def test_unsliced_prefill_stalls_the_stream() -> None:
+    """The control: without slices the stream waits for the whole prefill."""
+    eng = Engine(make_loaded(num_hidden_layers=4, max_position_embeddings=512))
+    timeline = Timeline()
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=None)
+    sched.start()
+    stream, other = _stream_then(sched, Request(documents=(), question=_long_question(150), method="full"),
+                                 SamplingParams(max_tokens=2, ignore_eos=True))
+    other.result()
+    stream.cancel()
+    sched.drain(5)
+    assert timeline.between(stream.id, ("admitted", other.id), ("first", other.id)) <= 1
+
+
+# ----- the fair queue -----------------------------------------------------------------------
+def test_the_tenant_with_the_least_service_goes_first() -> None:
+    q: FairQueue[str] = FairQueue(64)
+    for i in range(5):
+        q.push("heavy", f"h{i}")
+    started = [q.pop()]  # heavy alone: served
+    q.charge("heavy", prefill_tokens=100)
+    q.push("light", "l0")
+    assert q.counter("light") == pytest.approx(100.0)  # lifted to heavy's level: no debt, no credit
+    started.append(q.pop())  # a tie: the tenant seen first
+    q.charge("heavy", prefill_tokens=100)
+    started.append(q.pop())  # heavy is ahead now
+    assert [t for t, _ in started] == ["heavy", "heavy", "light"]
+    q.charge("light", prefill_tokens=10)
+    q.push("light", "l1")  # light still busy: keeps its counter
+    assert q.pop() == ("light", "l1")  # 110 < 200: light again, until it catches up
+
+
+def test_weights_divide_service_and_decode_tokens_weigh_more() -> None:
+    q: FairQueue[str] = FairQueue(64, {"gold": TenantShare(weight=4.0)}, decode_weight=2.0)
+    q.push("gold", "g")
+    q.push("plain", "p")
+    q.charge("gold", prefill_tokens=100, decode_tokens=10)
+    q.charge("plain", prefill_tokens=40)
+    assert q.counter("gold") == pytest.approx(30.0) and q.counter("plain") == pytest.approx(40.0)
+    assert q.pop() == ("gold", "g")
+
+
+def test_an_idle_tenant_earns_no_credit() -> None:
+    q: FairQueue[str] = FairQueue(64)
+    q.push("a", "a0")
+    q.pop()
+    q.charge("a", prefill_tokens=1000)
+    q.ended("a")
+    q.push("b", "b0")  # b was never served: it enters at a's level, not at 0
+    assert q.counter("b") == pytest.approx(1000.0)
+
+
+def test_a_flooding_tenant_gets_the_refusals_and_another_is_admitted() -> None:
+    q: FairQueue[str] = FairQueue(4, {"capped": TenantShare(max_queued=1)})
+    for i in range(4):
+        assert q.check("flood") is None
+        q.push("flood", f"f{i}")
+    assert q.check("flood") is not None  # the total is full and flood holds all of it
+    assert q.check("light") is None  # below its fair part (4 / 2 tenants)
+    q.push("light", "l0")
+    q.push("light", "l1")
+    assert q.check("light") is not None  # now at its part
+    q.push("capped", "c0")
+    assert "limit" in q.check("capped").message
+
+
+def test_a_token_rate_refuses_until_the_bucket_refills(monkeypatch) -> None:
+    import kvblend.engine.fair as fair
+
+    now = [100.0]
+    monkeypatch.setattr(fair.time, "monotonic", lambda: now[0])
+    q: FairQueue[str] = FairQueue(64, {"metered": TenantShare(tokens_per_s=10.0)})
+    assert q.check("metered") is None
+    q.charge("metered", prefill_tokens=150)  # a 100-token burst, 50 over
+    refusal = q.check("metered")
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(5.0)
+    now[0] += 6.0
+    assert q.check("metered") is None
+
+
+@pytest.mark.parametrize("bad", [dict(weight=0.0), dict(weight=float("nan")), dict(max_queued=0),
+                                 dict(tokens_per_s=-1.0)])
+def test_invalid_shares_are_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        FairQueue(8, {"t": TenantShare(**bad)})
+
+
+def test_a_light_tenant_is_served_before_a_heavy_backlog() -> None:
+    """One worker slot, tenant "heavy" queues 8 requests, then "light" one: light's starts
+    second (after the request already running), not ninth as FCFS would have it."""
+    timeline = Timeline()
+    sched = Scheduler(Engine(make_loaded()), max_running=1, observer=timeline)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    heavy = [sched.submit(Request(documents=(), question=f"hello {i}", tenant="heavy"), sampling) for i in range(8)]
+    light = sched.submit(Request(documents=(), question="hello", tenant="light"), sampling)
+    sched.start()
+    for h in heavy + [light]:
+        h.result()
+    sched.drain(5)
+    admitted = [who for kind, who in timeline.events if kind == "admitted"]
+    assert admitted.index(light.id) <= 2
+    with pytest.raises(QueueFullError):  # per-tenant cap through the scheduler
+        capped = Scheduler(Engine(make_loaded()), shares={"t": TenantShare(max_queued=1)})
+        capped.submit(Request(documents=(), question="a", tenant="t"), sampling)
+        capped.submit(Request(documents=(), question="b", tenant="t"), sampling)
+
+
+# ----- the jobs lane ------------------------------------------------------------------------
+def test_a_job_computes_chunk_kv_on_the_worker_while_a_stream_decodes() -> None:
+    eng = Engine(make_loaded())
+    timeline = Timeline()
+    sched = Scheduler(eng, max_running=2, observer=timeline, prefill_chunk_tokens=4)
+    sched.start()
+    stream = sched.submit(Request(documents=(), question="hello", tenant="a"), LONG)
+    events = stream.events()
+    next(events)
+    ids = tuple(range(5, 45))
+    seen = []
+    steps = compute_chunk_steps(eng.model, (1,), ids, 4)
+
+    def watched():
+        seen.append(threading.current_thread().name)
+        return (yield from steps)
+
+    chunk = sched.submit_job(watched(), "test").result(timeout=30)
+    want = compute_chunk_kv(eng.model, (1,), ids)
+    assert seen == ["kvblend-worker"]
+    for a, b in zip(chunk.keys + chunk.values, want.keys + want.values):
+        assert torch.allclose(a, b, atol=1e-4)
+    assert stream.completion_tokens > 1  # the stream kept going
+    stream.cancel()
+    sched.drain(5)
+    assert sched.job_stats().ok == 1
+
+
+def test_the_jobs_lane_is_bounded_and_write_back_goes_through_it() -> None:
+    eng = Engine(make_loaded())
+    sched = Scheduler(eng, max_jobs=1)  # not started: jobs wait
+
+    def idle():
+        yield None
+        return 1
+
+    first = sched.submit_job(idle())
+    with pytest.raises(QueueFullError):
+        sched.submit_job(idle())
+    assert sched.job_stats().dropped == 1 and eng.model_owner == sched.run_job
+    sched.start()
+    assert first.result(timeout=10) == 1
+    docs = ["the city river is in paris .", "the doctor led the project ."]
+    sched.submit(Request(documents=docs, question="who ?", method="blend"), SamplingParams(max_tokens=2)).result()
+    sched.drain(10)  # waits for the write-back, whose chunks the worker computed
+    assert eng.writeback_stats().written == 2 and sched.job_stats().ok == 3

@@ -1,0 +1,252 @@
+"""The document registry off the event loop: which chunk keys are still in use is read
+from the key index (never the tenant's rows), a DELETE among 10 000 documents is quick,
+registry calls never stall other requests, and POST's check-then-put is atomic per id."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvblend.engine import Engine
+from kvblend.server import create_app
+from kvblend.server.documents import DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, new_record
+from kvblend.settings import Settings
+from kvblend.store.keys import ChunkKey
+from tests.conftest import make_loaded
+
+SLOW_S = 0.4
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "who is the doctor ?"}], "max_tokens": 2}
+
+
+def key(n: int, tenant: str = "default") -> str:
+    return f"{tenant}/{hashlib.sha256(str(n).encode()).hexdigest()}"
+
+
+def record(doc_id: str, keys: list[str]):
+    return new_record(doc_id, "x", [StoredChunk(f"{doc_id}-{i}", k, (1, 2, 3)) for i, k in enumerate(keys)], {})
+
+
+def fill(reg: DocumentRegistry, n: int, tenant: str = "default") -> None:
+    """``n`` documents of two chunks each: document i has keys i and i + 1 (shared with i + 1)."""
+    for i in range(n):
+        reg.put(tenant, record(f"doc-{i:05d}", [key(i, tenant), key(i + 1, tenant)]))
+
+
+def tables_read(reg: DocumentRegistry, call) -> set[str]:
+    """The tables whose columns SQLite reads while ``call()`` runs."""
+    seen: set[str] = set()
+
+    def authorize(action, table, column, db, trigger):
+        if action == sqlite3.SQLITE_READ:
+            seen.add(table)
+        return sqlite3.SQLITE_OK
+
+    reg._db.set_authorizer(authorize)
+    try:
+        call()
+    finally:
+        reg._db.set_authorizer(None)
+    return seen
+
+
+def test_keys_in_use_reads_the_key_index_not_the_document_rows(tmp_path) -> None:
+    reg = DocumentRegistry(tmp_path / "documents.sqlite")
+    fill(reg, 50)
+    fill(reg, 3, tenant="bob")
+    reg.put("default", record("twin", [key(0)]))
+    got: dict[str, set[str]] = {}
+    read = tables_read(reg, lambda: got.update(used=reg.keys_in_use("default", [key(0), key(1), key(60)], "doc-00000")))
+    assert "documents" not in read and "chunk_keys" in read
+    assert got["used"] == {key(0), key(1)}  # 0: the twin; 1: doc-00001; 60: nobody
+    assert reg.keys_in_use("default", [key(0)], "twin") == {key(0)}
+    assert reg.keys_in_use("default", [key(0, "bob")], "none") == set()  # another tenant's key
+    assert reg.keys_in_use("default", [key(i) for i in range(1200)], "none") == {key(i) for i in range(51)}
+    reg.delete("default", "twin")
+    assert reg.keys_in_use("default", [key(0)], "doc-00000") == set()  # the index follows deletes
+    reg.put("default", record("doc-00001", [key(500)]))  # and replacements
+    assert reg.keys_in_use("default", [key(1), key(2)], "doc-00000") == {key(2)}
+    reg.close()
+
+
+def test_a_registry_written_before_the_key_index_is_indexed_when_opened(tmp_path) -> None:
+    path = tmp_path / "documents.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE documents (tenant TEXT NOT NULL, id TEXT NOT NULL, sha256 TEXT NOT NULL, "
+               "text TEXT NOT NULL, tokens INTEGER NOT NULL, chunk_key TEXT NOT NULL, metadata TEXT NOT NULL, "
+               "created REAL NOT NULL, chunks TEXT NOT NULL DEFAULT '[]', PRIMARY KEY (tenant, id))")
+    chunks = json.dumps([{"id": "c0", "key": key(1), "ids": [1]}, {"id": "c1", "key": key(2), "ids": [2]}])
+    db.execute("INSERT INTO documents VALUES ('default', 'a', 'h', 't', 2, ?, '{}', 1.0, ?)", (key(1), chunks))
+    db.execute("INSERT INTO documents VALUES ('default', 'old', 'h', 't', 2, ?, '{}', 1.0, '[]')", (key(3),))
+    db.commit()
+    db.close()
+    reg = DocumentRegistry(path)
+    assert reg.keys_in_use("default", [key(1), key(2), key(3)], "none") == {key(1), key(2), key(3)}
+    assert reg.keys_in_use("default", [key(1), key(2), key(3)], "a") == {key(3)}
+    reg.close()
+    assert DocumentRegistry(path).keys_in_use("default", [key(2)], "old") == {key(2)}  # indexed once, kept
+
+
+def test_put_refuses_a_new_id_past_the_limit_in_its_transaction(tmp_path) -> None:
+    reg = DocumentRegistry(None)
+    reg.put("t", record("a", [key(1, "t")]), limit=1)
+    with pytest.raises(RegistryFullError):
+        reg.put("t", record("b", [key(2, "t")]), limit=1)
+    reg.put("t", record("a", [key(3, "t")]), limit=1)  # replacing an id is not a new document
+    assert reg.count("t") == 1 and reg.keys_in_use("t", [key(2, "t"), key(3, "t")], "none") == {key(3, "t")}
+    reg.put("u", record("b", [key(2, "u")]), limit=1)  # limits are per tenant
+
+
+def test_keyed_locks_serialize_one_key_and_forget_it_after() -> None:
+    async def run() -> list[str]:
+        locks, order = KeyedLocks(), []
+
+        async def hold(k: str, name: str) -> None:
+            async with locks.hold(k):
+                order.append(f"{name}+")
+                await asyncio.sleep(0.01)
+                order.append(f"{name}-")
+
+        await asyncio.gather(hold("a", "1"), hold("a", "2"), hold("b", "3"))
+        assert len(locks) == 0
+        return order
+
+    order = asyncio.run(run())
+    assert order.index("1-") < order.index("2+")  # one holder of "a" at a time
+    assert order.index("3+") < order.index("1-")  # "b" did not wait for "a"
+
+
+# ----- the app ------------------------------------------------------------------------------
+def app_client(tmp_path: Path, **settings):
+    app = create_app(Engine(make_loaded()), Settings.load(model="tiny", state_dir=str(tmp_path), **settings))
+    return TestClient(app), app.state.kvblend
+
+
+def test_delete_among_10000_documents_is_quick(tmp_path) -> None:
+    reg = DocumentRegistry(tmp_path / "documents.sqlite")
+    t = time.perf_counter()
+    for i in range(10_000):
+        reg.put("default", record(f"doc-{i:05d}", [key(2 * i), key(2 * i + 1)]))
+    built = time.perf_counter() - t
+    reg.close()
+    client, state = app_client(tmp_path)
+    with client:
+        reg = state.registry
+        timings = []
+        for i in range(0, 10_000, 1000):
+            t = time.perf_counter()
+            r = client.delete(f"/v1/documents/doc-{i:05d}")
+            timings.append(time.perf_counter() - t)
+            assert r.status_code == 200 and r.json()["deleted"] is True
+        read = tables_read(reg, lambda: reg.keys_in_use("default", [key(3), key(5)], "doc-00001"))
+        assert reg.count("default") == 9_990 and "documents" not in read
+    timings.sort()
+    print(f"\n10 000 documents (built in {built:.1f} s): DELETE median {timings[5] * 1e3:.1f} ms, "
+          f"max {timings[-1] * 1e3:.1f} ms")
+    assert timings[5] < 0.25  # ≤ 50 ms on a quiet machine; generous for a shared one
+
+
+class SlowRegistry:
+    """A registry whose every call takes ``SLOW_S`` seconds and notes whether it ran on a
+    thread with a running event loop."""
+
+    def __init__(self, inner: DocumentRegistry) -> None:
+        self.inner, self.on_loop, self.calls = inner, [], 0
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.inner, name)
+
+        def slow(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                self.on_loop.append(name)
+            except RuntimeError:
+                pass
+            self.calls += 1
+            time.sleep(SLOW_S)
+            return fn(*args, **kwargs)
+
+        return slow
+
+
+@pytest.mark.parametrize("route", ["delete", "get", "list", "post", "chat-by-id"])
+def test_a_slow_registry_never_stalls_other_requests(tmp_path, route) -> None:
+    client, state = app_client(tmp_path)
+    with client:
+        assert client.post("/v1/documents", json={"id": "d1", "text": "the doctor works in paris ."}).status_code == 200
+        slow = state.registry = SlowRegistry(state.registry)
+        call = {
+            "delete": lambda: client.delete("/v1/documents/d1"),
+            "get": lambda: client.get("/v1/documents/d1"),
+            "list": lambda: client.get("/v1/documents"),
+            "post": lambda: client.post("/v1/documents", json={"id": "d2", "text": "the nurse works in rome ."}),
+            "chat-by-id": lambda: client.post("/v1/chat/completions", json={**CHAT, "documents": [{"id": "d1"}]}),
+        }[route]
+        with ThreadPoolExecutor(1) as pool:
+            started = time.perf_counter()
+            pending = pool.submit(call)
+            time.sleep(SLOW_S / 4)
+            t = time.perf_counter()
+            assert client.get("/v1/models").status_code == 200
+            waited = time.perf_counter() - t
+            assert pending.result().status_code == 200
+            took = time.perf_counter() - started
+    assert slow.calls >= 1 and slow.on_loop == []
+    assert took >= SLOW_S and waited < SLOW_S / 2, (took, waited)
+
+
+def _racing(client: TestClient, bodies: list[dict]) -> list:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: client.post("/v1/documents", json=b), bodies))
+
+
+def _slow_warm(state, monkeypatch) -> list[list[ChunkKey]]:
+    """``engine.warm`` slowed so that concurrent POSTs overlap; returns what each call warmed."""
+    real, warmed = state.engine.warm, []
+
+    def warm(*args, **kwargs):
+        time.sleep(SLOW_S)
+        keys = real(*args, **kwargs)
+        warmed.append(keys)
+        return keys
+
+    monkeypatch.setattr(state.engine, "warm", warm)
+    return warmed
+
+
+def test_two_posts_of_one_id_with_other_texts_one_wins_one_gets_409(tmp_path, monkeypatch) -> None:
+    client, state = app_client(tmp_path)
+    with client:
+        warmed = _slow_warm(state, monkeypatch)
+        texts = ["the doctor works in paris .", "the nurse lives in rome ."]
+        replies = _racing(client, [{"id": "same", "text": t} for t in texts])
+        assert sorted(r.status_code for r in replies) == [200, 409], [r.text for r in replies]
+        winner = texts[[r.status_code for r in replies].index(200)]
+        stored = state.registry.get("default", "same")
+        assert stored.text == winner
+        for keys in warmed:  # no KV is left that no document names
+            for k in keys:
+                assert state.engine.store.contains(k) == (str(k) in stored.keys)
+
+
+def test_two_new_documents_racing_for_the_last_slot_one_gets_400(tmp_path, monkeypatch) -> None:
+    client, state = app_client(tmp_path, limits={"max_stored_documents": 1})
+    with client:
+        warmed = _slow_warm(state, monkeypatch)
+        replies = _racing(client, [{"id": "a", "text": "the doctor works in paris ."},
+                                   {"id": "b", "text": "the nurse lives in rome ."}])
+        assert sorted(r.status_code for r in replies) == [200, 400], [r.text for r in replies]
+        assert state.registry.count("default") == 1
+        kept = (state.registry.get("default", "a") or state.registry.get("default", "b")).keys
+        assert len(warmed) == 2
+        for keys in warmed:  # the refused document's KV was dropped
+            for k in keys:
+                assert state.engine.store.contains(k) == (str(k) in kept)
