@@ -52,7 +52,7 @@ from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, Do
 from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
-from kvblend.server.storeview import store_summary
+from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
 )
@@ -276,8 +276,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/kvblend/store")
     @_answers_errors
     async def store_view(request: HTTPRequest) -> dict[str, Any]:
-        return await anyio.to_thread.run_sync(store_summary, state.engine, state.registry, settings,
-                                              tenant_of(request))
+        tenant = tenant_of(request)
+        documents = await state.off_loop(documents_summary, state.registry, tenant)
+        return await anyio.to_thread.run_sync(store_summary, state.engine, settings, tenant, documents)
 
     @app.delete("/v1/documents/{doc_id}")
     @_answers_errors

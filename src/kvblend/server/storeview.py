@@ -33,15 +33,18 @@ def _tier(tier: Any, tenant: str) -> dict[str, Any]:
             "used_bytes": shared.bytes, "used_entries": shared.entries, "tenant": _own(tier.stats(tenant))}
 
 
-def _documents(registry: DocumentRegistry, tenant: str) -> dict[str, Any]:
+def documents_summary(registry: DocumentRegistry, tenant: str) -> dict[str, Any]:
+    """The tenant's stored documents: how many, and their tokens and chunks (over the first
+    ``MAX_LISTED``). A registry read: run on the registry's threads."""
     rows = registry.list(tenant, MAX_LISTED)
     return {"count": registry.count(tenant), "tokens": sum(r.tokens for r in rows),
             "chunks": sum(len(r.keys) for r in rows), "summed_over": len(rows)}
 
 
-def store_summary(engine: Engine, registry: DocumentRegistry, settings: Settings, tenant: str) -> dict[str, Any]:
-    """The body of ``GET /v1/kvblend/store`` for ``tenant`` (reads every tier: run off the loop)."""
+def store_summary(engine: Engine, settings: Settings, tenant: str, documents: dict[str, Any]) -> dict[str, Any]:
+    """The body of ``GET /v1/kvblend/store`` for ``tenant``, with its ``documents_summary``
+    (reads every tier: run off the loop)."""
     store = engine.store
     tiers = [_tier(t, tenant) for t in getattr(store, "tiers", ())]
-    return {"object": "kvblend.store", "documents": _documents(registry, tenant), "tiers": tiers,
+    return {"object": "kvblend.store", "documents": documents, "tiers": tiers,
             "lookups": _own(store.stats(tenant)), "tenant_bytes_cap": settings.store.tenant_bytes}
