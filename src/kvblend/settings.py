@@ -142,6 +142,10 @@ class LimitSettings(_Section):
     default_max_tokens: int = Field(256, gt=0)  # when the client gives none
     max_stop: int = Field(8, ge=0)
     max_stored_documents: int = Field(10_000, ge=0)  # per tenant, documents API
+    # ``"kvblend": {"explain": true}``: token texts and selections shown per prompt document,
+    # and in all (documents past either bound are cut, and say so)
+    explain_document_tokens: int = Field(512, ge=0)
+    explain_total_tokens: int = Field(4096, ge=0)
 
 
 class DocumentSettings(_Section):

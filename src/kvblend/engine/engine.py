@@ -27,6 +27,7 @@ from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_
 from kvblend.blend.strategies import fuse_planned_steps
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
+from kvblend.engine.explain import doc_selections
 from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
@@ -81,16 +82,22 @@ class _Built(NamedTuple):
     controller: RatioChoice | None = None
 
 
-def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk]) -> tuple[CheckStat, ...]:
-    """Fusion's per-check selection, with kept tokens counted per request document."""
+def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
+                explain: bool = False) -> tuple[CheckStat, ...]:
+    """Fusion's per-check selection, with kept tokens counted per request document (and,
+    to ``explain``, listed per document)."""
     doc_at = {start: i for i, (start, d) in enumerate(zip(layout.doc_starts, layout.docs)) if d}
     where = [doc_at[p.start] for p in placed]
+    spans = [(p.start, p.start + p.chunk.n_tokens) for p in placed]
     result = []
     for c in out.checks:
         per_doc = [0] * len(layout.docs)
         for doc, n in zip(where, c.kept_per_span.tolist()):
             per_doc[doc] += n
-        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc))
+        detail = c.detail if explain else None
+        tokens = None if detail is None else doc_selections(detail, spans, where, len(layout.docs))
+        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc,
+                                tokens))
     return tuple(result)
 
 
@@ -446,7 +453,7 @@ class Engine:
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, fused), loading, choice)
+                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work)."""

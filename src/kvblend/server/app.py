@@ -1,8 +1,9 @@
 """``create_app(engine_or_scheduler, settings)``: the OpenAI-compatible FastAPI app.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``POST|GET /v1/documents``, ``GET|DELETE /v1/documents/{id}``, ``GET /health``,
-``GET /metrics``. The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
+``POST|GET /v1/documents``, ``GET|DELETE /v1/documents/{id}``, ``GET /v1/kvblend/store``
+(the caller's store view), ``GET /health``, ``GET /metrics``, and the playground page at
+``GET /`` (``playground.py``). The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
 or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
 Ray Serve deployment. Every request is scoped by the tenant its API key maps to
 (``guard.Guard``); one JSON log line per completion request never holds document text
@@ -42,13 +43,16 @@ from kvblend.server.documents import (
     DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
+from kvblend.server.explain import explainer, stored_pieces
 from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
+from kvblend.server.playground import add_playground
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
 from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
+from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
 )
@@ -158,6 +162,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
                        draining=lambda: state.draining or state.scheduler.draining)
     _install_error_handlers(app, state)
     _add_routes(app, state)
+    add_playground(app)
     return app
 
 
@@ -267,6 +272,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         record = await _own_document(state, tenant_of(request), doc_id)
         tiers = await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, record.keys)
         return record.public(tiers, detail=True)
+
+    @app.get("/v1/kvblend/store")
+    @_answers_errors
+    async def store_view(request: HTTPRequest) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        documents = await state.off_loop(documents_summary, state.registry, tenant)
+        return await anyio.to_thread.run_sync(store_summary, state.engine, settings, tenant, documents)
 
     @app.delete("/v1/documents/{doc_id}")
     @_answers_errors
@@ -417,7 +429,12 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
         request = dataclasses.replace(request, documents=[h.token_ids for h in hits])
         used = tuple(sources(hits))
-    prompt_tokens, request = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
+    checked = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
+    prompt_tokens, request = checked.prompt_tokens, checked.request
+    explains = None
+    if request.explain:
+        pieces = await state.off_loop(stored_pieces, body, state.registry, tenant)
+        explains = explainer(request, state.engine.tokenizer, pieces, checked.pieces, settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
@@ -426,7 +443,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         handle = state.scheduler.submit(request, sampling)
     except KvblendError as exc:
         raise from_exception(exc) from None
-    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used)
+    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used,
+                  explain=explains.block if explains is not None else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def finish(out: Outcome) -> None:

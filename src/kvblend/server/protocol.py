@@ -58,6 +58,7 @@ class KvblendOptions(BaseModel):
     budget: bool | None = None
     sinks: int | None = None
     shift: bool | None = None
+    explain: bool | None = None  # the response's kvblend block lists the recomputed tokens (server/explain.py)
 
 
 class RetrievalOptions(BaseModel):

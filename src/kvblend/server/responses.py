@@ -58,12 +58,16 @@ class Shape:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
+    explain: Callable[[RequestStats], dict[str, Any]] | None = None  # when the request asked (server/explain.py)
 
-    def kvblend(self, stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
-        """The response's ``kvblend`` block, with the retrieved sources when there are any."""
+    def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True) -> dict[str, Any]:
+        """The response's ``kvblend`` block, with the retrieved sources when there are any
+        and, when asked and ``explain``, the recomputed tokens."""
         block = kvblend_block(stats, queue_s)
         if self.sources is not None:
             block["sources"] = list(self.sources)
+        if explain and self.explain is not None and stats is not None:
+            block["explain"] = self.explain(stats)
         return block
 
     @property
@@ -150,9 +154,9 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
             last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
                     **usage_field, "kvblend": shape.kvblend(out.stats, handle.queue_s)}
             yield sse(last)
-        if include_usage:
+        if include_usage:  # the explanation went with the last choice chunk already
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
-                       "kvblend": shape.kvblend(out.stats, handle.queue_s)})
+                       "kvblend": shape.kvblend(out.stats, handle.queue_s, explain=False)})
         yield sse("[DONE]")
     except asyncio.CancelledError:
         out.disconnected = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -113,7 +114,7 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     opts = body.kvblend
     if opts is None:
         return base.method, base.blend_config()
-    given = {k: v for k, v in opts.model_dump().items() if v is not None}
+    given = {k: v for k, v in opts.model_dump(exclude={"explain"}).items() if v is not None}
     values = {**base.model_dump(), **given}
     if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
@@ -155,10 +156,11 @@ def build_request(body: _Common, settings: Settings, registry: DocumentRegistry,
     the registry to expand ``{"id": ...}`` documents: call it off the event loop."""
     documents = resolve_documents(body, settings, registry, tenant)
     method, blend = blend_options(body, settings, num_layers)
+    explain = bool(body.kvblend and body.kvblend.explain)
     try:
         if isinstance(body, ChatCompletionRequest):
             return Request(documents=documents, messages=chat_messages(body, settings), method=method,
-                           blend=blend, tenant=tenant)
+                           blend=blend, tenant=tenant, explain=explain)
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list):
@@ -167,7 +169,7 @@ def build_request(body: _Common, settings: Settings, registry: DocumentRegistry,
             prompt = prompt[0]
         utf8_len(prompt, "prompt")
         return Request(documents=documents, question=prompt, method=method, blend=blend, tenant=tenant,
-                       use_chat_template=False)
+                       use_chat_template=False, explain=explain)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt") from None
 
@@ -178,14 +180,23 @@ def document_chunks(engine: Engine, text: str, chunk_tokens: int) -> list[Chunk]
     return chunk_text(engine.tokenizer, text, ChunkerConfig(size=chunk_tokens), engine.loaded.tokenizer_fingerprint)
 
 
-def check_lengths(engine: Engine, request: Request, settings: Settings) -> tuple[int, Request]:
+class Checked(NamedTuple):
+    """A request whose lengths fit: its prompt's token count, the request with token-id
+    documents, and how many prompt documents each document given became (in order)."""
+
+    prompt_tokens: int
+    request: Request
+    pieces: tuple[int, ...]
+
+
+def check_lengths(engine: Engine, request: Request, settings: Settings) -> Checked:
     """Tokenize each document once (bounded inputs only) and check its tokens and the
     context. Returns the prompt's token count and the request with every text document
     replaced by its token ids, cut into the chunks ``document_chunks`` gives, so that a
     stored document sent again as text hits each of its chunks. The prompt's tokens do not
     change: documents are concatenated without separators and the windows partition the
     document's ids. Runs off the event loop."""
-    limit, docs = settings.limits.max_document_tokens, []
+    limit, docs, pieces_of = settings.limits.max_document_tokens, [], []
     for i, doc in enumerate(request.documents):
         chunks = document_chunks(engine, doc, settings.documents.chunk_tokens) if isinstance(doc, str) else []
         pieces = [c.token_ids for c in chunks] or [tokenize_document(engine.tokenizer, doc)]
@@ -193,6 +204,7 @@ def check_lengths(engine: Engine, request: Request, settings: Settings) -> tuple
         if n > limit:
             raise APIError(413, f"document {i} has {n} tokens; the limit is {limit}", f"documents.{i}")
         docs.extend(pieces if n else [doc])
+        pieces_of.append(len(pieces) if n else 1)
     request = dataclasses.replace(request, documents=docs)
     try:
         layout = engine.layout(request)
@@ -204,7 +216,7 @@ def check_lengths(engine: Engine, request: Request, settings: Settings) -> tuple
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your request has "
                             f"{n} input tokens. Please reduce the length of the input messages or documents.",
                        "input_tokens", "BadRequestError")
-    return n, request
+    return Checked(n, request, tuple(pieces_of))
 
 
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
