@@ -69,7 +69,10 @@ class _Section(BaseModel):
 
 
 class StoreSettings(_Section):
-    """Chunk KV store tiers (see ``kvblend.store.config.StoreConfig``)."""
+    """Chunk KV store tiers (see ``kvblend.store.config.StoreConfig``), read alike by
+    ``kvblend serve`` and ``kvblend ingest`` so that they share one store. The disk tier is
+    on by default, in ``disk_dir`` or else ``$KVBLEND_HOME/kv`` (where ``kvblend ingest``
+    writes), capped at ``disk_bytes``; leave ``disk`` out of ``tiers`` to turn it off."""
 
     tiers: tuple[Literal["memory", "disk", "redis"], ...] = TIER_NAMES
     memory_bytes: Size = 1 * GiB
@@ -83,8 +86,15 @@ class StoreSettings(_Section):
     tenant_bytes: Size | None = None
     prefix_cache_bytes: Size = 512 * MiB
 
+    @property
+    def disk_folder(self) -> str:
+        """The disk tier's folder: ``disk_dir``, else ``$KVBLEND_HOME/kv``."""
+        from kvblend.models.gguf import cache_home
+
+        return self.disk_dir or str(cache_home() / "kv")
+
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
-        return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_dir,
+        return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
                            redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix, kv_dtype=self.kv_dtype,
                            compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
