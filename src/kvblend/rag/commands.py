@@ -82,6 +82,7 @@ def add_ingest_command(sub) -> None:
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records")
     p.add_argument("--store-dir", default=None, help="chunk KV disk tier (default: store.disk_dir, else $KVBLEND_HOME/kv: the server's)")
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--hidden", action="store_true", help="also read hidden files and folders (names starting with '.')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_retrieval_args(p)
     from kvblend.cliargs import add_model_args as _add_model_args
@@ -95,12 +96,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvblend.engine import Engine
     from kvblend.rag.chunking import ChunkerConfig
     from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
-
     from kvblend.rag.readers import discover
 
     config = IngestConfig(ChunkerConfig(args.chunker, args.chunk_tokens, args.overlap), args.tenant, args.batch,
                           args.precompute, args.precompute_after, args.text_field, dense=args.retriever != "bm25")
-    files, skipped = discover([Path(p) for p in args.paths])
+    files, skipped = discover([Path(p) for p in args.paths], args.hidden)
     if not files:
         print("nothing to ingest: " + ("no files found (the folder is empty)" if not skipped else
                                        f"none of the {len(skipped)} file(s) can be read:"))
@@ -114,7 +114,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config, KvWarmer(engine))
         lazy_after = config.precompute_after if config.precompute == "lazy" else 0
         retriever.catalog.set_meta(f"precompute_after:{config.tenant}", str(lazy_after))
-        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet)
+        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet, hidden=args.hidden)
         _print_summary(summary, retriever, config)
         if summary.chunks:
             print(_economics(ingestor, engine, loaded).describe())
