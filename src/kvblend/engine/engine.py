@@ -34,7 +34,7 @@ from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Re
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import Steps, forward_chunks, run_steps
-from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
+from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.pipeline.controller import DocLoad, RatioChoice, choose_ratio, choose_tier
@@ -172,7 +172,7 @@ class Engine:
     per-request state lives in request-scoped objects, shared state in the caches.
 
     ``self_check``: run (or read) the model's self-check at construction; a model that
-    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.guard.selfcheck``).
+    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the

@@ -12,13 +12,6 @@ from pathlib import Path
 from typing import Any
 
 
-def default_index_dir(tokenizer_id: str) -> Path:
-    """``$KVBLEND_HOME/rag/<tokenizer fingerprint>``: one index per tokenizer."""
-    from kvblend.models.loader import cache_home
-
-    return cache_home() / "rag" / tokenizer_id[:16]
-
-
 def default_store_dir() -> Path:
     """``$KVBLEND_HOME/kv``: the disk tier ``kvblend ingest`` fills and ``kvblend serve`` reads."""
     from kvblend.settings import StoreSettings
@@ -59,7 +52,7 @@ def _store(args: argparse.Namespace, loaded, memory: bool = True):
 
 
 def open_retriever(args: argparse.Namespace, tokenizer_id: str):
-    from kvblend.rag.retriever import Retriever, RetrieverConfig
+    from kvblend.rag.retriever import Retriever, RetrieverConfig, default_index_dir
 
     folder = Path(args.index) if args.index else default_index_dir(tokenizer_id)
     return Retriever(RetrieverConfig(folder, mode=args.retriever))
@@ -147,8 +140,7 @@ def _economics(ingestor, engine, loaded):
     from kvblend.store.keys import chunk_key
 
     tenant = ingestor.config.tenant
-    ids, texts = ingestor.catalog.all_texts(tenant)
-    row = ingestor.catalog.chunks(tenant, ids[:1])[0]
+    row = ingestor.catalog.chunks(tenant, ingestor.catalog.first_ids(tenant, 1))[0]
     warmer = ingestor.warmer
     t = time.perf_counter()
     chunk = compute_chunk_kv(engine.model, warmer.chunk_prefix, row.token_ids)
@@ -195,7 +187,7 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
 def _report(args, hits, result, full, print_stats) -> None:
     import json
 
-    from kvblend.eval.metrics import first_line, token_f1
+    from kvblend.metrics import first_line, token_f1
 
     if args.json:
         out = result.to_dict()
