@@ -6,7 +6,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /`` (``playground.py``). The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
 or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
 Ray Serve deployment. Every request is scoped by the tenant its API key maps to
-(``guard.Guard``); one JSON log line per completion request never holds document text
+(``auth.ApiKeyAuth``); one JSON log line per completion request never holds document text
 or ids. The event loop never waits on the document registry: its calls run on the
 registry's own threads (``ServerState.off_loop``).
 """
@@ -43,8 +43,8 @@ from kvblend.server.documents import (
     DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
+from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
 from kvblend.server.explain import explainer, stored_pieces
-from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.playground import add_playground
@@ -157,7 +157,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvblend = state
-    app.add_middleware(Guard, api_keys=settings.api_keys, admin_key=settings.admin_key,
+    app.add_middleware(ApiKeyAuth, api_keys=settings.api_keys, admin_key=settings.admin_key,
                        max_body_bytes=settings.limits.max_body_bytes,
                        draining=lambda: state.draining or state.scheduler.draining)
     _install_error_handlers(app, state)
