@@ -51,7 +51,7 @@ from kvblend.server.playground import add_playground
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
 from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
-from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
+from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
 from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
@@ -447,14 +447,14 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
                   explain=explains.block if explains is not None else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def finish(out: Outcome) -> None:
+    def finish(out: StreamResult) -> None:
         guarded = {}
         if routing is not None:  # the shadow check is queued, never awaited
             guarded = {"guard": routing.fallback, "shadow": state.guard.after(routing, out)}
         _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:
-        out = Outcome()
+        out = StreamResult()
         return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
                            headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
     out = await run_to_end(handle, http)
@@ -466,7 +466,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     return JSONResponse(shape.completion(out, handle.queue_s), headers={"X-Request-Id": shape.object_id})
 
 
-def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
+def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,
              started: float, guarded: dict[str, Any] | None = None) -> None:
     """Metrics for what only the HTTP layer sees, and the request's one log line."""
     if out.disconnected:
