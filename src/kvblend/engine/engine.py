@@ -31,10 +31,10 @@ from kvblend.engine.explain import doc_selections
 from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
-from kvblend.errors import ContextLengthError
+from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import Steps, forward_chunks, run_steps
-from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
+from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.pipeline.controller import DocLoad, RatioChoice, choose_ratio, choose_tier
@@ -152,12 +152,27 @@ def _skip_loading(chunks: _Chunks) -> None:
     chunks.feed = None
 
 
+def sink_prefix(tokenizer: Any) -> tuple[int, ...]:
+    """The token chunk KV is computed after under the ``bos`` chunk prefix (the attention
+    sink): the tokenizer's BOS token, else the first token of its chat template (Qwen2.5:
+    ``<|im_start|>``), else none. It is the model's, not the request's, so that chat and
+    plain-completion requests, ``kvblend ingest`` and ``/v1/documents`` key a chunk alike."""
+    if tokenizer.bos_token_id is not None:
+        return (int(tokenizer.bos_token_id),)
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    try:
+        return render_layout(tokenizer, (), question="?").prefix[:1]
+    except InvalidRequestError:  # a template that refuses a lone user turn: no sink
+        return ()
+
+
 class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
     per-request state lives in request-scoped objects, shared state in the caches.
 
     ``self_check``: run (or read) the model's self-check at construction; a model that
-    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.guard.selfcheck``).
+    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
@@ -180,6 +195,7 @@ class Engine:
         self.store = store if store is not None else build_store(StoreConfig())
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
+        self.sink_prefix = sink_prefix(self.tokenizer)  # the ``bos`` chunk prefix, one per model
         self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
         self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
@@ -250,7 +266,9 @@ class Engine:
         return PrefixScope(tenant, f"{self.loaded.fingerprint}:{self.loaded.config_digest}", str(self.model.dtype))
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
-        return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
+        """What a document's chunk KV is computed after: the request's whole prefix
+        (``prompt``) or the model's one sink token (``bos``, see ``sink_prefix``)."""
+        return layout.prefix if request.blend.chunk_prefix == "prompt" else self.sink_prefix
 
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents, now, on this thread (skipping those

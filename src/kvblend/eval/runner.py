@@ -19,7 +19,7 @@ import torch
 from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SIGNALS, BlendConfig
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.eval.datasets import Example, musique_prompt
-from kvblend.eval.metrics import (
+from kvblend.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
 from kvblend.generation import SamplingParams, collect, stream_from

@@ -6,7 +6,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /`` (``playground.py``). The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
 or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
 Ray Serve deployment. Every request is scoped by the tenant its API key maps to
-(``guard.Guard``); one JSON log line per completion request never holds document text
+(``auth.ApiKeyAuth``); one JSON log line per completion request never holds document text
 or ids. The event loop never waits on the document registry: its calls run on the
 registry's own threads (``ServerState.off_loop``).
 """
@@ -43,15 +43,15 @@ from kvblend.server.documents import (
     DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
+from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
 from kvblend.server.explain import explainer, stored_pieces
-from kvblend.server.guard import Guard, read_json, tenant_of
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.playground import add_playground
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
 from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
-from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
+from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
 from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.server.translate import (
     build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
@@ -157,7 +157,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvblend = state
-    app.add_middleware(Guard, api_keys=settings.api_keys, admin_key=settings.admin_key,
+    app.add_middleware(ApiKeyAuth, api_keys=settings.api_keys, admin_key=settings.admin_key,
                        max_body_bytes=settings.limits.max_body_bytes,
                        draining=lambda: state.draining or state.scheduler.draining)
     _install_error_handlers(app, state)
@@ -447,14 +447,14 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
                   explain=explains.block if explains is not None else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def finish(out: Outcome) -> None:
+    def finish(out: StreamResult) -> None:
         guarded = {}
         if routing is not None:  # the shadow check is queued, never awaited
             guarded = {"guard": routing.fallback, "shadow": state.guard.after(routing, out)}
         _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:
-        out = Outcome()
+        out = StreamResult()
         return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
                            headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
     out = await run_to_end(handle, http)
@@ -466,7 +466,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     return JSONResponse(shape.completion(out, handle.queue_s), headers={"X-Request-Id": shape.object_id})
 
 
-def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
+def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,
              started: float, guarded: dict[str, Any] | None = None) -> None:
     """Metrics for what only the HTTP layer sees, and the request's one log line."""
     if out.disconnected:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from pydantic import BaseModel, ValidationError
@@ -26,17 +25,6 @@ from kvblend.settings import BlendSettings, Settings
 
 log = logging.getLogger("kvblend.server")
 MAX_STOP_CHARS = 256
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request ready to submit."""
-
-    request: Request
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-    prompt_tokens: int
 
 
 def parse(model: type[BaseModel], data: dict) -> BaseModel:
