@@ -101,3 +101,39 @@ def test_a_prefill_failure_in_the_worker_is_a_500_for_that_request_only(app_clie
     assert client.get("/health").status_code == 200  # the worker lives on
     assert client.post("/v1/chat/completions", json={**BODY, "max_tokens": 2}).status_code == 200
     assert 'stage="prepare"} 1.0' in client.get("/metrics").text
+
+
+def test_document_precompute_is_a_job_of_the_worker_and_a_full_lane_is_a_429(tmp_path) -> None:
+    """Issue #20: POST /v1/documents ran its prefill on a thread of its own, unbounded; now it
+    is a job of the model worker's jobs lane, and a full lane answers 429 with Retry-After."""
+    import threading
+
+    settings = Settings.load(model="tiny", state_dir=str(tmp_path), scheduler={"max_jobs": 1})
+    app = create_app(Engine(make_loaded()), settings)
+    release, where = threading.Event(), []
+
+    def blocker():
+        while not release.is_set():
+            yield None
+
+    with TestClient(app) as client:
+        state = app.state.kvblend
+        held = state.scheduler.submit_job(blocker(), "held")
+        r = client.post("/v1/documents", json={"text": "the doctor works in paris ."})
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "RateLimitError"
+        release.set()
+        held.result(timeout=10)
+        real = state.engine.compute_steps
+
+        def watched(*args, **kwargs):
+            where.append(threading.current_thread().name)
+            return (yield from real(*args, **kwargs))
+
+        state.engine.compute_steps = watched
+        r = client.post("/v1/documents", json={"text": "the doctor works in paris ."})
+        assert r.status_code == 200, r.text
+        assert where == ["kvblend-worker"]  # the generator ran on the worker, not a request thread
+        metrics = client.get("/metrics").text
+        assert 'kvblend:jobs_total{lane="jobs",model_name="tiny",outcome="dropped"} 1.0' in metrics
+        assert 'kvblend:jobs_total{lane="jobs",model_name="tiny",outcome="ok"}' in metrics

@@ -546,6 +546,8 @@ class Scheduler:
                     break
         with self._cond:
             self._stopped = True
+        if self.engine.model_owner == self.run_job:  # nobody owns the model now: the engine computes inline again
+            self.engine.model_owner = None
         self._drop_lane(self._jobs)
 
     def _loop(self) -> None:
