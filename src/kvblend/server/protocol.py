@@ -58,6 +58,7 @@ class KvblendOptions(BaseModel):
     budget: bool | None = None
     sinks: int | None = None
     shift: bool | None = None
+    match: bool | None = None  # false: do not look for stored documents in the messages' text
 
 
 class RetrievalOptions(BaseModel):

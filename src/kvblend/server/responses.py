@@ -58,12 +58,16 @@ class Shape:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
+    matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
 
     def kvblend(self, stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
-        """The response's ``kvblend`` block, with the retrieved sources when there are any."""
+        """The response's ``kvblend`` block, with the retrieved sources and the matched
+        spans when there are any."""
         block = kvblend_block(stats, queue_s)
         if self.sources is not None:
             block["sources"] = list(self.sources)
+        if self.matches is not None:
+            block["matches"] = list(self.matches)
         return block
 
     @property
