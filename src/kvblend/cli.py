@@ -109,7 +109,8 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from kvblend.engine import Engine, Request
+    from kvblend.engine import Engine
+    from kvblend.engine.shaping import Draft, shape
 
     if not args.doc:
         from kvblend.rag.commands import run_retrieval_ask
@@ -124,11 +125,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             raise KvblendError(f"cannot read document {path}: {exc.strerror}") from exc
         except UnicodeDecodeError as exc:
             raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
-    request = Request(documents=docs, question=_read_text(args.question), system=args.system,
-                      method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
+    draft = Draft(documents=docs, question=_read_text(args.question), system=args.system,
+                  method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     engine = Engine(_load(args), store=_store_from_args(args))
     try:
-        result = engine.generate(request, _sampling(args))
+        result = engine.generate(shape(engine, draft).request, _sampling(args))
     finally:
         engine.close()
     if args.json:
