@@ -13,12 +13,15 @@ ones, rarely) is anchored at its first window instead (``fixed``). Matching a me
 
     h       = window_hashes(message)                   # (n - WINDOW + 1,) one numpy pass
     anchors = positions where h is an anchor           # ~ n / 2**ANCHOR_BITS of them
-    for each anchor position p, for each text t in its bucket:
+    known   = anchors whose hash passes the tenant's bit filter   # one vector gather
+    for each known position p, for each text t in its bucket:
         s = p - t.anchor_offset; verify message[s : s + len(t)] == t   # a full comparison
     keep the non-overlapping verified spans that cover the most characters
 
 so the cost grows with the message's length (and the number of spans found), not with the
-number of stored texts. Texts sharing an anchor window share a bucket (a bucket holds at
+number of stored texts: the bit filter (``FILTER_BITS`` bits per text, so about
+1/``FILTER_BITS`` of the anchors pass it falsely) keeps Python's per-anchor work to the
+anchors of stored texts. Texts sharing an anchor window share a bucket (a bucket holds at
 most ``MAX_BUCKET`` texts; the newest win).
 
 Memory is bounded: ``DocumentIndex(max_bytes)`` counts each text's characters, its token
@@ -42,12 +45,15 @@ import numpy as np
 WINDOW = 32  # characters per anchor window (a power of two: hashes are built by doubling)
 ANCHOR_BITS = 3  # a window is an anchor with probability 2**-ANCHOR_BITS
 MIN_CHARS = WINDOW  # shorter texts are not indexed
+FILTER_BITS = 64  # bits of the anchor filter per indexed text (a power of two)
+MIN_FILTER = 1 << 12
 MAX_BUCKET = 64  # texts per anchor hash
 ENTRY_OVERHEAD = 400  # bytes per text besides its characters and ids (objects, dict slots)
 DEFAULT_MAX_BYTES = 256 << 20
 _BASE = np.uint64(0x100000001B3)  # polynomial base (odd)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: top bits of h * _MIX depend on all of h
 _SHIFT = np.uint64(64 - ANCHOR_BITS)
+_MIX2 = np.uint64(0xD6E8FEB86659FD93)  # another odd multiplier: the filter's bits
 
 
 class IndexedText(NamedTuple):
@@ -146,6 +152,37 @@ def best_spans(found: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, in
 
 
 # ----- one tenant ---------------------------------------------------------------------------
+class _BitFilter:
+    """A set of 64-bit hashes that may answer yes falsely, never no falsely: one bit per
+    hash slot, ``FILTER_BITS`` bits per member (grown by rebuilding; removed members'
+    bits stay until then)."""
+
+    def __init__(self, bits: int = MIN_FILTER) -> None:
+        self.size_log2 = bits.bit_length() - 1
+        self.bits = np.zeros(bits >> 3, dtype=np.uint8)
+
+    def _slots(self, hashes: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return (hashes * _MIX2) >> np.uint64(64 - self.size_log2)
+
+    def add(self, hashes: np.ndarray) -> None:
+        slots = self._slots(hashes)
+        np.bitwise_or.at(self.bits, slots >> np.uint64(3), (np.uint8(1) << (slots & np.uint64(7)).astype(np.uint8)))
+
+    def contains(self, hashes: np.ndarray) -> np.ndarray:
+        """(len(hashes),) bool: members, and about 1/FILTER_BITS of the others."""
+        slots = self._slots(hashes)
+        return (self.bits[slots >> np.uint64(3)] >> (slots & np.uint64(7)).astype(np.uint8)) & 1 == 1
+
+    @classmethod
+    def of(cls, hashes: Iterable[int], members: int) -> _BitFilter:
+        bits = max(MIN_FILTER, 1 << (FILTER_BITS * max(1, members) - 1).bit_length())
+        f = cls(bits)
+        f.add(np.fromiter(hashes, dtype=np.uint64))
+        return f
+
+
+
 class _TenantIndex:
     """One tenant's texts: entries in recency order, buckets by anchor hash."""
 
@@ -155,6 +192,7 @@ class _TenantIndex:
         self.fixed: dict[int, list[int]] = {}
         self.by_content: dict[tuple[str, bytes], int] = {}
         self._fixed_sorted: np.ndarray | None = None
+        self._filter = _BitFilter()
         self.nbytes = 0
 
     def add(self, serial: int, entry: _Entry) -> int:
@@ -164,6 +202,8 @@ class _TenantIndex:
         freed = self.remove(bucket[0]).nbytes if len(bucket) >= MAX_BUCKET else 0
         buckets.setdefault(entry.anchor, []).append(serial)
         self.entries[serial] = entry
+        if not entry.fixed:
+            self._note_anchor(entry.anchor)
         self.by_content[(entry.text, entry.ids.tobytes())] = serial
         self.nbytes += entry.nbytes
         if entry.fixed:
@@ -183,6 +223,13 @@ class _TenantIndex:
             self._fixed_sorted = None
         return entry
 
+    def _note_anchor(self, anchor: int) -> None:
+        """Put ``anchor`` in the filter, rebuilt twice as large when it holds too few bits per text."""
+        if FILTER_BITS * len(self.anchors) > self._filter.bits.size * 8:
+            self._filter = _BitFilter.of(self.anchors, len(self.anchors))
+        else:
+            self._filter.add(np.array([anchor], dtype=np.uint64))
+
     def fixed_hashes(self) -> np.ndarray:
         """The sorted anchor hashes of the fixed-anchored texts (cached until they change)."""
         if self._fixed_sorted is None:
@@ -196,6 +243,7 @@ class _TenantIndex:
         with np.errstate(over="ignore"):
             h = window_hashes(code_points(message))
             positions = np.flatnonzero(anchor_mask(h))
+            positions = positions[self._filter.contains(h[positions])]
             found = self._verify(message, positions.tolist(), h[positions].tolist(), self.anchors)
             if self.fixed:
                 fixed = self.fixed_hashes()
