@@ -98,12 +98,6 @@ class Draft:
     use_chat_template: bool = True
     match: bool = True
 
-    @classmethod
-    def of(cls, request: Request, match: bool = True) -> Draft:
-        """The draft of a built request (its placement and layout are shaped again)."""
-        return cls(request.documents, request.question, request.messages, request.system, request.method,
-                   request.blend, request.tenant, request.use_chat_template, match)
-
     def base(self) -> Request:
         """The request without documents (validates every other field)."""
         return Request(question=self.question, messages=self.messages, system=self.system, method=self.method,

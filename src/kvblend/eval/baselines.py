@@ -218,5 +218,6 @@ def score_baseline(engine: Engine, ex: Example, method: str, ref: Reference,
         prompt_tokens=prompt_tokens + sum(m.prompt_tokens for m in run.maps), calls=calls + len(run.maps),
         map_s=sum(m.elapsed_s for m in run.maps), map_outputs=[m.text.strip() for m in run.maps],
         confidences=[m.confidence for m in run.maps], picked=run.picked,
+        match_rate=1.0,  # every call is given its passages as documents, never matched
     )
     return scores
