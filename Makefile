@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test test-slow test-gemma bench redis qwen gemma clean
+.PHONY: setup demo test test-slow test-gemma bench redis chromium qwen gemma clean
 
 setup: $(STAMP)
 
@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml
 redis:
 	bash scripts/ensure-redis.sh
 
+chromium:
+	bash scripts/ensure-chromium.sh
+
 demo: setup
 	$(PY) -m kvblend demo
 
-test: setup redis
+test: setup redis chromium
 	$(PY) -m pytest -q
 
 test-slow: setup redis

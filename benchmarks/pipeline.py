@@ -40,7 +40,7 @@ from kvblend.blend.config import BlendConfig  # noqa: E402
 from kvblend.data import MUSIQUE_SAMPLE  # noqa: E402
 from kvblend.engine import Engine, Request  # noqa: E402
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, load_musique, musique_query  # noqa: E402
-from kvblend.eval.metrics import kl_divergence  # noqa: E402
+from kvblend.metrics import kl_divergence  # noqa: E402
 from kvblend.models import DEFAULT_MODEL, load_model  # noqa: E402
 from kvblend.pipeline.profile import Profile, measure_layer, measure_tier  # noqa: E402
 from kvblend.store import StoreConfig, build_store  # noqa: E402

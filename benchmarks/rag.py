@@ -100,7 +100,7 @@ def end_to_end(loaded, retriever: Retriever, data: list[dict], n: int, home: Pat
     from kvblend.blend.config import BlendConfig
     from kvblend.engine import Engine, Request
     from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, musique_query
-    from kvblend.eval.metrics import best_f1, first_line, token_f1
+    from kvblend.metrics import best_f1, first_line, token_f1
     from kvblend.generation import SamplingParams
     from kvblend.rag.ask import ask
     from kvblend.store.config import StoreConfig, build_store

@@ -1,5 +1,6 @@
 """The package's modules form layers: no import circle, not even through an import
-inside a function (#10 tidy)."""
+inside a function (#10 tidy), and neither do its packages (#21): engine, guard, eval,
+rag, pipeline, server... import each other one way only, lazy imports included."""
 
 from __future__ import annotations
 
@@ -42,3 +43,22 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as exc:
         raise AssertionError(f"import circle: {exc.args[1]}") from None
+
+
+def _package(module: str) -> str:
+    """``kvblend.engine.engine`` -> ``kvblend.engine``; a top-level module is its own node."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_package_imports_one_that_imports_it_back() -> None:
+    graph: dict[str, set[str]] = {}
+    for module, deps in _imports().items():
+        graph.setdefault(_package(module), set()).update(_package(d) for d in deps)
+    for package, deps in graph.items():
+        deps.discard(package)
+    assert {"kvblend.engine", "kvblend.guard", "kvblend.eval", "kvblend.metrics"} <= set(graph)
+    assert "kvblend.engine" in graph["kvblend.guard"] and "kvblend.metrics" in graph["kvblend.eval"]  # edges seen
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"package import circle: {exc.args[1]}") from None

@@ -113,7 +113,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from kvblend.engine.shaping import Draft, shape
 
     if not args.doc:
-        from kvblend.rag.commands import run_retrieval_ask
+        from kvblend.commands.ingest import run_retrieval_ask
 
         kw = dict(system=args.system, method=args.method, blend=_blend_config(args))
         return run_retrieval_ask(args, _read_text(args.question), kw, _sampling(args))
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    from kvblend.rag.commands import add_ask_args, add_ingest_command
+    from kvblend.commands.ingest import add_ask_args, add_ingest_command
 
     add_ingest_command(sub)
     p = sub.add_parser("ask", help="answer a question over documents (--doc) or retrieved chunks, with KV reuse")
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     from kvblend.eval.harness import add_eval_commands
-    from kvblend.pipeline.cli import add_profile_command
+    from kvblend.commands.profile import add_profile_command
     from kvblend.store.cli import add_store_commands
 
     add_store_commands(sub)

@@ -19,12 +19,13 @@ from kvblend.blend.config import BlendConfig
 from kvblend.data import MUSIQUE_RAG
 from kvblend.engine import Engine
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, musique_query
-from kvblend.eval.metrics import best_f1, first_line, token_f1
+from kvblend.metrics import best_f1, first_line, token_f1
 from kvblend.generation import SamplingParams
 from kvblend.models import load_model
 from kvblend.rag.ask import Answer, ask
 from kvblend.rag.chunking import ChunkerConfig
-from kvblend.rag.commands import default_index_dir, default_store_dir
+from kvblend.commands.ingest import default_store_dir
+from kvblend.rag.retriever import default_index_dir
 from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
 from kvblend.rag.readers import Document
 from kvblend.rag.retriever import Retriever, RetrieverConfig

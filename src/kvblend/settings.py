@@ -9,6 +9,7 @@ units (``"1GiB"``, ``"512MB"``). ``Settings.load`` merges them; ``redacted()`` i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -69,7 +70,10 @@ class _Section(BaseModel):
 
 
 class StoreSettings(_Section):
-    """Chunk KV store tiers (see ``kvblend.store.config.StoreConfig``)."""
+    """Chunk KV store tiers (see ``kvblend.store.config.StoreConfig``), read alike by
+    ``kvblend serve`` and ``kvblend ingest`` so that they share one store. The disk tier is
+    on by default, in ``disk_dir`` or else ``$KVBLEND_HOME/kv`` (where ``kvblend ingest``
+    writes), capped at ``disk_bytes``; leave ``disk`` out of ``tiers`` to turn it off."""
 
     tiers: tuple[Literal["memory", "disk", "redis"], ...] = TIER_NAMES
     memory_bytes: Size = 1 * GiB
@@ -83,8 +87,15 @@ class StoreSettings(_Section):
     tenant_bytes: Size | None = None
     prefix_cache_bytes: Size = 512 * MiB
 
+    @property
+    def disk_folder(self) -> str:
+        """The disk tier's folder: ``disk_dir``, else ``$KVBLEND_HOME/kv``."""
+        from kvblend.models.gguf import cache_home
+
+        return self.disk_dir or str(cache_home() / "kv")
+
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
-        return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_dir,
+        return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
                            redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix, kv_dtype=self.kv_dtype,
                            compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
@@ -94,29 +105,46 @@ _BLEND = BlendConfig()  # the engine's defaults: the one place a default blend i
 SERVED_SELECTIONS = tuple(s for s in SELECTIONS if s != "oracle")  # oracle costs a full prefill: eval only
 
 
-class BlendSettings(_Section):
-    """Server-wide defaults of the per-request ``kvblend`` options; every default is the
-    engine's own (``BlendConfig()``), so the CLI, the server and the library agree."""
+class BlendOptions(_Section):
+    """The blend knobs a server default (``blend.*``) or a request (``"kvblend": {...}``)
+    may set, each typed and bounded here once; None: not given. ``BlendSettings`` fills
+    what is not given with the engine's defaults (``BlendConfig()``) and the request's
+    ``KvblendOptions`` is this model as it is."""
 
-    method: Literal["full", "prefix", "reuse", "blend", "auto"] = "blend"  # auto: the guard routes (guard.enabled)
-    ratio: RatioOrAuto = _BLEND.ratio  # auto: the loading controller picks it per request
-    check_layers: tuple[int, ...] = _BLEND.check_layers
-    schedule: tuple[float, ...] | None = _BLEND.schedule
-    signal: Literal["v", "k", "kv"] = _BLEND.signal  # type: ignore[assignment]
-    chunk_prefix: Literal["bos", "prompt"] = _BLEND.chunk_prefix  # type: ignore[assignment]
-    selection: str = _BLEND.selection
-    budget: bool = _BLEND.budget
-    sinks: int = Field(_BLEND.sinks, ge=0, le=MAX_SINKS)
-    shift: bool = _BLEND.shift
-    r_min: Ratio = _BLEND.r_min
-    r_max: Ratio = _BLEND.r_max
+    method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None
+    ratio: RatioOrAuto | None = None  # auto: the loading controller picks it per request
+    check_layers: tuple[int, ...] | None = Field(None, min_length=1, max_length=256)
+    schedule: tuple[float, ...] | None = Field(None, min_length=1, max_length=256)
+    signal: Literal["v", "k", "kv"] | None = None
+    chunk_prefix: Literal["bos", "prompt"] | None = None
+    selection: str | None = Field(None, max_length=32)
+    budget: bool | None = None
+    sinks: int | None = Field(None, ge=0, le=MAX_SINKS)
+    shift: bool | None = None
 
     @field_validator("selection")
     @classmethod
-    def _served(cls, value: str) -> str:
-        if value not in SERVED_SELECTIONS:
+    def _served(cls, value: str | None) -> str | None:
+        if value is not None and value not in SERVED_SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SERVED_SELECTIONS)}; got {value!r}")
         return value
+
+
+class BlendSettings(BlendOptions):
+    """Server-wide defaults of the per-request ``kvblend`` options: every knob not set is
+    the engine's own default (``BlendConfig()``, method ``blend``), so the CLI, the server
+    and the library agree; ``r_min``/``r_max`` bound ``ratio: auto`` (server-wide only)."""
+
+    r_min: Ratio = _BLEND.r_min
+    r_max: Ratio = _BLEND.r_max
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaults = {name: getattr(_BLEND, name, None) for name in BlendOptions.model_fields} | {"method": "blend"}
+        return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
     @model_validator(mode="after")
     def _valid(self) -> BlendSettings:
@@ -124,10 +152,9 @@ class BlendSettings(_Section):
         return self
 
     def blend_config(self) -> BlendConfig:
-        return BlendConfig(ratio=self.ratio, check_layers=self.check_layers, schedule=self.schedule,
-                           signal=self.signal, chunk_prefix=self.chunk_prefix, selection=self.selection,
-                           budget=self.budget, sinks=self.sinks, shift=self.shift, r_min=self.r_min,
-                           r_max=self.r_max)
+        """The engine's ``BlendConfig`` of these settings (every knob they share)."""
+        shared = set(BlendSettings.model_fields) & {f.name for f in dataclasses.fields(BlendConfig)}
+        return BlendConfig(**{name: getattr(self, name) for name in shared})
 
 
 class LimitSettings(_Section):
@@ -142,6 +169,10 @@ class LimitSettings(_Section):
     default_max_tokens: int = Field(256, gt=0)  # when the client gives none
     max_stop: int = Field(8, ge=0)
     max_stored_documents: int = Field(10_000, ge=0)  # per tenant, documents API
+    # ``"kvblend": {"explain": true}``: token texts and selections shown per prompt document,
+    # and in all (documents past either bound are cut, and say so)
+    explain_document_tokens: int = Field(512, ge=0)
+    explain_total_tokens: int = Field(4096, ge=0)
 
 
 class DocumentSettings(_Section):
@@ -373,5 +404,5 @@ def model_defaults() -> ModelSettings:
     return ModelSettings.load()
 
 
-__all__ = ["BlendSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
+__all__ = ["BlendOptions", "BlendSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
            "StoreSettings", "model_defaults"]

@@ -17,7 +17,8 @@ from tests.engine.test_blend_invariants import DOCS, QUESTION
 
 
 class CountingCompute:
-    """Wraps ``compute_chunk_kv``: counts calls, optionally waits for a gate or raises."""
+    """Wraps ``compute_chunk_steps`` (the write-back's chunk computation): counts calls,
+    optionally waits for a gate or raises."""
 
     def __init__(self, real, gate: threading.Event | None = None, fail: bool = False) -> None:
         self.real, self.gate, self.fail = real, gate, fail
@@ -40,8 +41,8 @@ def loaded():
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, **kw) -> CountingCompute:
-    spy = CountingCompute(engine_module.compute_chunk_kv, **kw)
-    monkeypatch.setattr(engine_module, "compute_chunk_kv", spy)
+    spy = CountingCompute(engine_module.compute_chunk_steps, **kw)
+    monkeypatch.setattr(engine_module, "compute_chunk_steps", spy)
     return spy
 
 

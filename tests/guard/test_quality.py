@@ -18,6 +18,7 @@ from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
 from kvblend.guard import quality
 from kvblend.guard.quality import GuardConfig, QualityGuard, ShadowRunner, serve
+from kvblend.generation.chunked import Forward
 from kvblend.guard.shadow import ShadowResult, shadow_check, shadow_steps
 from kvblend.store.keys import chunk_key
 from tests.conftest import make_loaded
@@ -231,14 +232,15 @@ def test_shadow_steps_in_small_chunks_judge_as_one_pass(eng: Engine) -> None:
     served = eng.generate(req, SAMPLING)
     whole = shadow_check(eng, req, served, chunk_tokens=4096)
     steps = shadow_steps(eng, req, served, chunk_tokens=3)
-    n = 0
-    while True:
+    n, reply = 0, None
+    while True:  # driven as the scheduler's worker does: each Forward run and its logits sent back
         try:
-            next(steps)
+            step = steps.send(reply)
             n += 1
         except StopIteration as stop:
             small = stop.value
             break
+        reply = eng.model(step.ids, step.cache, step.logits_for) if isinstance(step, Forward) else None
     prompt = len(eng.layout(req))
     assert n >= -(-prompt // 3) + len(served.token_ids)  # prefill chunks, decode tokens, ...
     assert (small.answer_f1, small.first_token_agree, small.tokens) == (whole.answer_f1, whole.first_token_agree,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvblend.cli import main
-from kvblend.pipeline.cli import dtype_quality
+from kvblend.commands.profile import dtype_quality
 from kvblend.pipeline.profile import Profile, TierSpeed, _fit, load_profile, profile_path
 from tests.conftest import make_hf_model, make_loaded, make_tokenizer
 from tests.engine.test_blend_invariants import DOCS, QUESTION

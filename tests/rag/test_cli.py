@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvblend.cli import main
-from kvblend.rag.commands import default_index_dir, default_store_dir
+from kvblend.commands.ingest import default_store_dir
+from kvblend.rag.retriever import default_index_dir
 
 DOCS = {
     "lighthouse.md": "# Vormsi\n\nThe lighthouse keeper of Vormsi island is Theodora Quill. She has kept the lamp "

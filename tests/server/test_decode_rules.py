@@ -58,13 +58,13 @@ def test_the_server_flushes_held_back_text_at_eos_as_the_engine_does(engine_and_
 
 def test_non_finite_logits_are_a_500_that_says_so(engine_and_client, monkeypatch) -> None:
     engine, client = engine_and_client
-    real = engine.prepare
+    real = engine.prepare_steps
 
-    def overflowed(request, extra_capacity=0):
-        prepared = real(request, extra_capacity)
+    def overflowed(request, extra_capacity=0, slice_tokens=None):
+        prepared = yield from real(request, extra_capacity, slice_tokens)
         return prepared._replace(logits=torch.full_like(prepared.logits, float("nan")))  # (V,)
 
-    monkeypatch.setattr(engine, "prepare", overflowed)
+    monkeypatch.setattr(engine, "prepare_steps", overflowed)
     r = client.post("/v1/chat/completions", json=BODY)
     assert r.status_code == 500
     err = r.json()["error"]

@@ -209,16 +209,17 @@ def _racing(client: TestClient, bodies: list[dict]) -> list:
 
 
 def _slow_warm(state, monkeypatch) -> list[list[ChunkKey]]:
-    """``engine.warm`` slowed so that concurrent POSTs overlap; returns what each call warmed."""
-    real, warmed = state.engine.warm, []
+    """``engine.plan_warm`` (the POST's first step: cut and key the text) slowed so that
+    concurrent POSTs overlap; returns the keys each call planned to warm."""
+    real, warmed = state.engine.plan_warm, []
 
-    def warm(*args, **kwargs):
+    def plan_warm(*args, **kwargs):
         time.sleep(SLOW_S)
-        keys = real(*args, **kwargs)
-        warmed.append(keys)
-        return keys
+        plan = real(*args, **kwargs)
+        warmed.append(plan.keys)
+        return plan
 
-    monkeypatch.setattr(state.engine, "warm", warm)
+    monkeypatch.setattr(state.engine, "plan_warm", plan_warm)
     return warmed
 
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from kvblend import rope as rope_lib
-from kvblend.blend.select import SelectionStats, deviation, kept_count, select_tokens, selection_stats
+from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
 from kvblend.generation.chunked import run_steps
 from kvblend.models.kv_cache import KVCache
@@ -204,8 +204,10 @@ def _select(
     k, v = layer.project_kv(h[cand_idx], cos[pos], sin[pos], keys=use_k)
     cached_k = cache.keys[layer_idx][:, pos] if use_k else None
     dev = deviation(k, v, cached_k, cache.values[layer_idx][:, pos], signal)
-    chosen = cand_idx[(pick or (lambda d, _p, k: select_tokens(d, k)))(dev, pos, keep)]
-    stats = selection_stats(layer_idx, dev, active[chosen], spans)
+    picked = (pick or (lambda d, _p, k: select_tokens(d, k)))(dev, pos, keep)  # (K,) into the candidates
+    chosen = cand_idx[picked]
+    stats = selection_stats(layer_idx, dev, active[chosen], spans)._replace(
+        detail=SelectionDetail(pos, dev, picked, pos, dev))
     return torch.cat((chosen, (~is_cand).nonzero().squeeze(1))).sort().values, stats
 
 

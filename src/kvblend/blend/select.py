@@ -41,6 +41,19 @@ def kept_count(ratio: float, n_candidates: int) -> int:
     return int(round(ratio * n_candidates))
 
 
+class SelectionDetail(NamedTuple):
+    """Which candidates one selection ranked, what it chose, and the deviation it measured,
+    token by token: what a request that asks to explain its blend is shown. Tensors the
+    selection computed anyway, left on the model's device (nothing is copied unless read)."""
+
+    positions: torch.Tensor  # (T,) the candidates' prompt positions, ascending
+    scores: torch.Tensor  # (T,) the score that ranked them (deviation, question attention, hybrid rank)
+    chosen: torch.Tensor  # (K,) indices into ``positions`` of the tokens chosen for recompute
+    measured: torch.Tensor  # (M,) prompt positions whose deviation was measured at the stats' layer
+    deviation: torch.Tensor  # (M,)
+    forced: torch.Tensor | None = None  # (N,) bool: positions chosen before any score (the shift's sample)
+
+
 class SelectionStats(NamedTuple):
     """What one check layer saw and kept: for request stats and the quality guard.
 
@@ -53,6 +66,7 @@ class SelectionStats(NamedTuple):
     mean_score: torch.Tensor  # () deviation over the candidates (0 when there are none)
     max_score: torch.Tensor  # ()
     kept_per_span: torch.Tensor  # (S,) kept tokens inside each (start, end) span, in order
+    detail: SelectionDetail | None = None  # token by token (the engine reads it only to explain a request)
 
 
 def selection_stats(

@@ -45,7 +45,7 @@ from kvblend import rope as rope_lib
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse, fuse_steps
 from kvblend.generation.chunked import run_steps
-from kvblend.blend.select import SelectionStats, deviation, kept_count, select_tokens, selection_stats
+from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
 from kvblend.models.attention import attend_planned, causal_mask, plan_attention
 from kvblend.models.kv_cache import KVCache
@@ -449,7 +449,8 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     ranked, mass = scores[pos], None
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
-    kept = pos[choose(ranked, pos, keep, spans, cfg, mass, samples)]
+    chosen = choose(ranked, pos, keep, spans, cfg, mass, samples)  # (K,) into the candidates
+    kept = pos[chosen]
     recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
     recompute[kept] = True
     # the question pass's cache already holds every chunk re-rotated, the held documents
@@ -462,7 +463,8 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
                                                reuse_cache=again, held=held, exact_upto=exact))
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
-    return out._replace(candidates=n_cached, checks=(once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan)),))
+    stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
+    return out._replace(candidates=n_cached, checks=(stats,))
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:
@@ -495,8 +497,15 @@ class DeviationProbe:
             self.then(cache, layer, written, k, v)
 
 
-def once_stats(probe: DeviationProbe, n_candidates: int, kept: torch.Tensor, spans: Sequence[Span]) -> SelectionStats:
+def once_stats(probe: DeviationProbe, n_candidates: int, kept: torch.Tensor, spans: Sequence[Span],
+               ranked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+               ) -> SelectionStats:
     """The stats of a selection made once, before layer 0, as a check layer's: the probe's
-    layer and the deviation of the kept tokens there; kept: positions."""
+    layer and the deviation of the kept tokens there; kept: positions. ``ranked``: the
+    selection's (candidate positions, scores, chosen indices, forced mask), kept as its detail."""
     dev = probe.deviation if probe.deviation is not None else torch.zeros(0, device=kept.device)
-    return selection_stats(probe.layer, dev, kept, spans)._replace(candidates=n_candidates)
+    stats = selection_stats(probe.layer, dev, kept, spans)._replace(candidates=n_candidates)
+    if ranked is None:
+        return stats
+    measured = kept if probe.deviation is not None else kept[:0]  # the probe saw the kept cached tokens
+    return stats._replace(detail=SelectionDetail(*ranked[:3], measured, dev, ranked[3]))

@@ -28,13 +28,14 @@ from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_
 from kvblend.blend.strategies import fuse_planned_steps
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
+from kvblend.engine.explain import doc_selections
 from kvblend.engine.gate import RequestGate
 from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
-from kvblend.errors import ContextLengthError
+from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import Steps, forward_chunks, run_steps
-from kvblend.guard.selfcheck import SelfCheckResult, ensure_checked
+from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
 from kvblend.pipeline.controller import DocLoad, RatioChoice, choose_ratio, choose_tier
@@ -82,16 +83,22 @@ class _Built(NamedTuple):
     controller: RatioChoice | None = None
 
 
-def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk]) -> tuple[CheckStat, ...]:
-    """Fusion's per-check selection, with kept tokens counted per request document."""
+def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
+                explain: bool = False) -> tuple[CheckStat, ...]:
+    """Fusion's per-check selection, with kept tokens counted per request document (and,
+    to ``explain``, listed per document)."""
     doc_at = {start: i for i, (start, d) in enumerate(zip(layout.doc_starts, layout.docs)) if d}
     where = [doc_at[p.start] for p in placed]
+    spans = [(p.start, p.start + p.chunk.n_tokens) for p in placed]
     result = []
     for c in out.checks:
         per_doc = [0] * len(layout.docs)
         for doc, n in zip(where, c.kept_per_span.tolist()):
             per_doc[doc] += n
-        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc))
+        detail = c.detail if explain else None
+        tokens = None if detail is None else doc_selections(detail, spans, where, len(layout.docs))
+        result.append(CheckStat(c.layer, c.candidates, c.kept, float(c.mean_score), float(c.max_score), per_doc,
+                                tokens))
     return tuple(result)
 
 
@@ -146,12 +153,27 @@ def _skip_loading(chunks: _Chunks) -> None:
     chunks.feed = None
 
 
+def sink_prefix(tokenizer: Any) -> tuple[int, ...]:
+    """The token chunk KV is computed after under the ``bos`` chunk prefix (the attention
+    sink): the tokenizer's BOS token, else the first token of its chat template (Qwen2.5:
+    ``<|im_start|>``), else none. It is the model's, not the request's, so that chat and
+    plain-completion requests, ``kvblend ingest`` and ``/v1/documents`` key a chunk alike."""
+    if tokenizer.bos_token_id is not None:
+        return (int(tokenizer.bos_token_id),)
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    try:
+        return render_layout(tokenizer, (), question="?").prefix[:1]
+    except InvalidRequestError:  # a template that refuses a lone user turn: no sink
+        return ()
+
+
 class Engine:
     """Serves requests over one model, a chunk store and a prefix cache. Thread-safe:
     per-request state lives in request-scoped objects, shared state in the caches.
 
     ``self_check``: run (or read) the model's self-check at construction; a model that
-    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.guard.selfcheck``).
+    fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
@@ -174,6 +196,7 @@ class Engine:
         self.store = store if store is not None else build_store(StoreConfig())
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.kv_dtype = getattr(self.store, "kv_dtype", "fp32")  # part of every chunk key
+        self.sink_prefix = sink_prefix(self.tokenizer)  # the ``bos`` chunk prefix, one per model
         self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
         self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
@@ -244,7 +267,9 @@ class Engine:
         return PrefixScope(tenant, f"{self.loaded.fingerprint}:{self.loaded.config_digest}", str(self.model.dtype))
 
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
-        return layout.prefix if request.blend.chunk_prefix == "prompt" else layout.prefix[:1]
+        """What a document's chunk KV is computed after: the request's whole prefix
+        (``prompt``) or the model's one sink token (``bos``, see ``sink_prefix``)."""
+        return layout.prefix if request.blend.chunk_prefix == "prompt" else self.sink_prefix
 
     def warm(self, documents: list[str | tuple[int, ...]], chunk_prefix: tuple[int, ...], tenant: str = "default") -> list[ChunkKey]:
         """Precompute and store the chunk KV of documents, now, on this thread (skipping those
@@ -447,7 +472,7 @@ class Engine:
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, fused), loading, choice)
+                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work): its pre-rendered ``layout``

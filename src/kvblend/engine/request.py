@@ -29,9 +29,12 @@ class Request:
     ``DocPlace`` says (it replaces those characters of a message: a passage found in the
     message's text; ``blend.layout``). ``method`` is one of full, prefix, reuse, blend,
     or auto (a ``QualityGuard`` picks; without one it is blend); ``blend`` holds the
-    selective-recompute knobs. ``layout``: this request's prompt already rendered
-    (``engine.shaping.shape`` renders it once), so the engine does not render it again;
-    its documents must be the request's (checked for documents given as ids).
+    selective-recompute knobs. ``explain``: the stats' check layers also list, per
+    document, the tokens chosen for recompute with their scores (``CheckStat.tokens``);
+    off by default, since only a caller that shows them needs them. ``layout``: this
+    request's prompt already rendered (``engine.shaping.shape`` renders it once), so the
+    engine does not render it again; its documents must be the request's (checked for
+    documents given as ids).
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -42,6 +45,7 @@ class Request:
     blend: BlendConfig = field(default_factory=BlendConfig)
     tenant: str = "default"
     use_chat_template: bool = True
+    explain: bool = False
     placement: Sequence[DocPlace] | None = None
     layout: PromptLayout | None = field(default=None, compare=False, repr=False)
 
@@ -104,6 +108,18 @@ class DocStat(NamedTuple):
     # computed, see the controller), "request" (a repeat within this request) or "empty"
 
 
+class DocSelection(NamedTuple):
+    """One document's tokens at one check, as offsets within the document (``Request.explain``)."""
+
+    kept: list[int]  # chosen for recompute, ascending
+    kept_scores: list[float]  # the score that ranked each
+    reused: list[int]  # candidates left as cached
+    reused_scores: list[float]
+    measured: list[int]  # tokens whose deviation was measured at the check's layer
+    deviation: list[float]
+    forced: list[int]  # kept tokens chosen before any score (the shift's sample)
+
+
 class CheckStat(NamedTuple):
     """One check layer of a blend: deviation (selection score) over its candidates, how
     many it kept for recompute, and how the kept tokens fall on the request's documents."""
@@ -114,6 +130,7 @@ class CheckStat(NamedTuple):
     mean_score: float
     max_score: float
     doc_selected: list[int]  # kept tokens per request document (indexed like ``docs``)
+    tokens: tuple[DocSelection | None, ...] | None = None  # per document (None: not reused); explain only
 
     @property
     def doc_share(self) -> list[float]:
@@ -122,7 +139,12 @@ class CheckStat(NamedTuple):
         return [n / total if total else 0.0 for n in self.doc_selected]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self._asdict(), "doc_share": self.doc_share}
+        out = {**self._asdict(), "doc_share": self.doc_share}
+        if self.tokens is None:
+            del out["tokens"]
+        else:
+            out["tokens"] = [None if t is None else t._asdict() for t in self.tokens]
+        return out
 
 
 class RequestStats(NamedTuple):

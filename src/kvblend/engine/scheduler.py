@@ -867,28 +867,27 @@ class Scheduler:
         self._notify("on_finish", handle, Outcome(status, reason, prompt, handle.completion_tokens, handle.queue_s,
                                                   e2e, handle.stats, error, stage))
 
-    def _end_in_flight(self, error: Exception, stage: str) -> None:
-        """End the requests running or being prefilled (the worker loop failed under them)."""
+    def _take_in_flight(self) -> list[RequestHandle]:
+        """Remove and return the requests running or being prefilled (their generator closed)."""
         with self._cond:
-            running = [r.handle for r in self._running]
+            handles = [r.handle for r in self._running]
             prefill, self._prefill, self._running = self._prefill, None, []
         if prefill is not None:
             prefill.close()
-            running.append(prefill.handle)
-        for h in running:
+            handles.append(prefill.handle)
+        return handles
+
+    def _end_in_flight(self, error: Exception, stage: str) -> None:
+        """End the requests running or being prefilled (the worker loop failed under them)."""
+        for h in self._take_in_flight():
             self._end(h, "error", None, error, stage=stage)
 
     def _end_all(self, error: KvblendError, status: str) -> None:
         with self._cond:
             waiting = self._queue.drain_all()
-            running = [r.handle for r in self._running]
-            prefill, self._prefill, self._running = self._prefill, None, []
-        if prefill is not None:
-            prefill.close()
-            running.append(prefill.handle)
         for h in waiting:
             self._end(h, status, None, error, started=False)
-        for h in running:
+        for h in self._take_in_flight():
             self._end(h, status, None, error)
 
     def _notify(self, hook: str, *args) -> None:

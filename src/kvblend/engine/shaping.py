@@ -97,11 +97,13 @@ class Draft:
     tenant: str = "default"
     use_chat_template: bool = True
     match: bool = True
+    explain: bool = False
 
     def base(self) -> Request:
         """The request without documents (validates every other field)."""
         return Request(question=self.question, messages=self.messages, system=self.system, method=self.method,
-                       blend=self.blend, tenant=self.tenant, use_chat_template=self.use_chat_template)
+                       blend=self.blend, tenant=self.tenant, use_chat_template=self.use_chat_template,
+                       explain=self.explain)
 
 
 class SpanMatch(NamedTuple):
@@ -123,11 +125,13 @@ class SpanMatch(NamedTuple):
 
 class ShapedRequest(NamedTuple):
     """The engine's request (documents as token ids, placement, the layout carried),
-    its layout, and the spans that became documents."""
+    its layout, the spans that became documents, and how many prompt documents each
+    document given became (its stored chunks, its cut pieces; empty when none was given)."""
 
     request: Request
     layout: PromptLayout
     matches: tuple[SpanMatch, ...] = ()
+    pieces: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -141,8 +145,9 @@ def shape(engine: Any, draft: Draft, config: ShapeConfig = ShapeConfig(), *, ind
     placement or template) or ``ContextLengthError``; no model work."""
     base = draft.base()
     matches: tuple[SpanMatch, ...] = ()
+    pieces: tuple[int, ...] = ()
     if draft.documents:
-        docs, seen = expand_documents(engine, draft.documents, config, lookup)
+        docs, seen, pieces = expand_documents(engine, draft.documents, config, lookup)
         if index is not None and seen:
             index.add(draft.tenant, seen)
         request = dataclasses.replace(base, documents=docs)
@@ -151,7 +156,7 @@ def shape(engine: Any, draft: Draft, config: ShapeConfig = ShapeConfig(), *, ind
                                           draft.match and config.discover)
     layout = engine.layout(request)
     check_context(engine, len(layout))
-    return ShapedRequest(dataclasses.replace(request, layout=layout), layout, matches)
+    return ShapedRequest(dataclasses.replace(request, layout=layout), layout, matches, pieces)
 
 
 def check_context(engine: Any, n: int) -> None:
@@ -190,12 +195,12 @@ def chunk_texts(text: str, chunks: Sequence[Chunk], document: str | None = None)
 
 
 def expand_documents(engine: Any, documents: Sequence[str | Sequence[int] | DocRef], config: ShapeConfig,
-                     lookup: Lookup | None) -> tuple[list[tuple[int, ...]], list[IndexedText]]:
+                     lookup: Lookup | None) -> tuple[list[tuple[int, ...]], list[IndexedText], tuple[int, ...]]:
     """Every document as the token ids of its chunks, in order (a stored one's, a text
-    cut into ``chunk_tokens`` windows), each document's tokens bounded; and the inline
-    texts' chunks to index. The prompt's tokens do not depend on the cutting: the windows
+    cut into ``chunk_tokens`` windows), each document's tokens bounded; the inline texts'
+    chunks to index; and how many prompt documents each document became. The prompt's tokens do not depend on the cutting: the windows
     partition a text's ids and documents are concatenated without separators."""
-    out, seen = [], []
+    out, seen, counts = [], [], []
     for i, doc in enumerate(documents):
         pieces = [doc] if not isinstance(doc, DocRef) else _stored(doc, i, lookup)
         ids: list[tuple[int, ...]] = []
@@ -207,8 +212,10 @@ def expand_documents(engine: Any, documents: Sequence[str | Sequence[int] | DocR
         n = sum(map(len, ids))
         if config.max_document_tokens is not None and n > config.max_document_tokens:
             raise DocumentTooLargeError(i, n, config.max_document_tokens)
-        out += [p for p in ids if p] or [()]
-    return out, seen
+        kept = [p for p in ids if p] or [()]
+        out += kept
+        counts.append(len(kept))
+    return out, seen, tuple(counts)
 
 
 def _stored(ref: DocRef, i: int, lookup: Lookup | None) -> Sequence[str | Sequence[int]]:

@@ -22,8 +22,7 @@ from kvblend.engine import Engine, Prepared, Request
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.shaping import Draft, ShapeConfig, ShapedRequest, shape
 from kvblend.eval.datasets import Example, inline_context, musique_prompt
-from kvblend.rag.chunking import MAX_CHUNK_TOKENS
-from kvblend.eval.metrics import (
+from kvblend.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
 from kvblend.generation import SamplingParams, collect, stream_from

@@ -1,7 +1,5 @@
 """Trust around blending, independent of HTTP.
 
-* ``selfcheck``: per model and dtype, once, the exact invariants of re-rotation and
-  fusion on a built-in input; a model that fails is refused for KV reuse.
 * ``shadow``: ``shadow_check`` judges a served blended answer against full prefill
   (answer F1, first-token agreement, next-token KL along the answer).
 * ``quality``: ``QualityGuard`` keeps a rolling window of shadow results per (model,
@@ -9,6 +7,7 @@
   recovers when it returns; it resolves ``method="auto"``. ``serve`` and
   ``ShadowRunner`` show how a server composes them.
 
-Submodules are imported by name; this package imports none of them, so the engine can
-use the self-check without an import circle.
+The guard sits above the engine (it drives it); the model self-check that the engine
+itself runs lives below, in ``kvblend.engine.selfcheck``, and the answer metrics shared
+with the evaluation in ``kvblend.metrics``. Submodules are imported by name.
 """

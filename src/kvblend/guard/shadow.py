@@ -40,7 +40,7 @@ import torch
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.errors import ContextLengthError, InvalidRequestError
-from kvblend.eval.metrics import kl_divergence, token_f1
+from kvblend.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams, collect, stream_from
 from kvblend.generation.chunked import forward_chunks, run_steps
 from kvblend.models.kv_cache import KVCache

@@ -42,9 +42,9 @@ class _KeysAdmission:
 
 
 def chunk_prefix(engine: Engine) -> tuple[int, ...]:
-    """The prefix chunk KV is computed after (the default ``bos`` chunk prefix)."""
-    probe = Request(documents=[], question="?")
-    return engine.chunk_prefix(probe, engine.layout(probe))
+    """The prefix chunk KV is computed after (the default ``bos`` chunk prefix: the
+    model's sink token, the same for chat and plain-completion requests)."""
+    return engine.sink_prefix
 
 
 def _lazy_admission(engine: Engine, retriever: Retriever, hits: list[Hit], tenant: str) -> list[str]:

@@ -134,6 +134,12 @@ class Catalog:
                 rows[r[0]] = ChunkRow(r[0], r[1], r[2], r[3], _blob_ids(r[4]), r[5], bool(r[6]))
         return [rows[c] for c in chunk_ids if c in rows]
 
+    def first_ids(self, tenant: str, limit: int) -> list[str]:
+        """Up to ``limit`` committed chunk ids of ``tenant`` (whichever SQLite finds first)."""
+        rows = self._db.execute("SELECT chunk_id FROM chunks WHERE tenant = ? LIMIT ?",
+                                (validate_tenant(tenant), limit)).fetchall()
+        return [r[0] for r in rows]
+
     def all_texts(self, tenant: str) -> tuple[list[str], list[str]]:
         """Every committed chunk's id and text (for the BM25 index)."""
         rows = self._db.execute("SELECT chunk_id, text FROM chunks WHERE tenant = ? ORDER BY chunk_id",

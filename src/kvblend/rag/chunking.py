@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvblend.store.keys import token_bytes
@@ -191,3 +191,17 @@ def chunk_text(tokenizer: Any, text: str, config: ChunkerConfig, tokenizer_id: s
         chunks.append(Chunk(chunk_id(piece, tokenizer_id, config), i, s, e, piece,
                             tokenizer.decode(list(piece), skip_special_tokens=False)))
     return chunks
+
+
+def chunk_pieces(tokenizer: Any, pieces: Iterable[str], config: ChunkerConfig, tokenizer_id: str) -> Iterator[Chunk]:
+    """``chunk_text`` over a document given in pieces (``readers.split_pieces``), one piece
+    tokenized at a time so that memory does not grow with the document: a chunk never
+    straddles two pieces (the last chunk of a piece may be short), ordinals and token
+    offsets run on across pieces. A document of one piece gives ``chunk_text``'s chunks."""
+    ordinal = base = 0
+    for piece in pieces:
+        chunks = chunk_text(tokenizer, piece, config, tokenizer_id)
+        for c in chunks:
+            yield replace(c, ordinal=ordinal, start=base + c.start, end=base + c.end)
+            ordinal += 1
+        base += chunks[-1].end if chunks else 0

@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS versions (tenant TEXT PRIMARY KEY, version INTEGER NO
 """
 
 
-class _Tenant:
+class _TenantIndex:
     """One tenant's in-memory index and its row-id -> chunk-id map."""
 
     def __init__(self, index: faiss.Index, names: dict[int, str], trained_at: int) -> None:
@@ -81,7 +81,7 @@ class FaissIndex:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
-        self._tenants: dict[str, _Tenant] = {}
+        self._tenants: dict[str, _TenantIndex] = {}
         self._dirty: set[str] = set()
 
     # ----- durable log ----------------------------------------------------------------
@@ -107,7 +107,7 @@ class FaissIndex:
     def _snapshot_paths(self, tenant: str) -> tuple[Path, Path]:
         return self.folder / f"{tenant}.faiss", self.folder / f"{tenant}.json"
 
-    def _load_snapshot(self, tenant: str) -> _Tenant | None:
+    def _load_snapshot(self, tenant: str) -> _TenantIndex | None:
         index_path, meta_path = self._snapshot_paths(tenant)
         try:
             meta = json.loads(meta_path.read_text())
@@ -119,9 +119,9 @@ class FaissIndex:
         names = dict(self._db.execute("SELECT id, chunk_id FROM vectors WHERE tenant = ?", (tenant,)).fetchall())
         if index.ntotal != len(names):
             return None
-        return _Tenant(index, names, meta["trained_at"])
+        return _TenantIndex(index, names, meta["trained_at"])
 
-    def _rebuild(self, tenant: str) -> _Tenant:
+    def _rebuild(self, tenant: str) -> _TenantIndex:
         ids, mat, names = self._rows(tenant)
         if len(ids) >= self.ivf_min:
             index, trained = _ivf(self.dim, mat), len(ids)
@@ -129,9 +129,9 @@ class FaissIndex:
             index, trained = _exact(self.dim), 0
         if len(ids):
             index.add_with_ids(mat, ids)
-        return _Tenant(index, dict(zip(ids.tolist(), names)), trained)
+        return _TenantIndex(index, dict(zip(ids.tolist(), names)), trained)
 
-    def _tenant(self, tenant: str) -> _Tenant:
+    def _tenant(self, tenant: str) -> _TenantIndex:
         validate_tenant(tenant)
         t = self._tenants.get(tenant)
         if t is None:
@@ -139,7 +139,7 @@ class FaissIndex:
             self._tenants[tenant] = t
         return t
 
-    def _maybe_retrain(self, tenant: str, t: _Tenant) -> None:
+    def _maybe_retrain(self, tenant: str, t: _TenantIndex) -> None:
         n = t.index.ntotal
         if (t.trained_at == 0 and n >= self.ivf_min) or (t.trained_at and n >= 4 * t.trained_at):
             self._tenants[tenant] = self._rebuild(tenant)

@@ -1,6 +1,10 @@
 """Ingest: files -> documents -> chunks -> vectors + chunk KV + catalog rows, batch by batch.
 
-Each batch is made durable in this order, and the catalog commit comes last:
+Files stream through read -> chunk -> embed -> store: a document is read in pieces
+(``readers.TextFile``), each piece tokenized and chunked alone (``chunking.chunk_pieces``),
+and chunks are stored as soon as a batch is full, so memory holds one piece and one batch
+whatever the size of the file. Each batch is made durable in this order, and the catalog
+commit comes last:
 
     1. chunk KV into the store (content-keyed, atomic files)  -- skipped if already stored
     2. vectors into the vector index (durable on return)
@@ -9,22 +13,23 @@ Each batch is made durable in this order, and the catalog commit comes last:
 
 A crash before 3 leaves only KV entries and vectors nobody refers to: a search ignores
 them, a rerun re-uses the KV (its key is found) and overwrites the vectors. Documents
-whose text, chunker and tokenizer are unchanged are skipped; chunks already committed
-(from any document) are re-used, not recomputed.
+whose text, chunker and tokenizer are unchanged are skipped (their hash is computed in a
+streamed pass before any chunking); chunks already committed (from any document) are
+re-used, not recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvblend.rag.catalog import DocumentRow, NewChunk
-from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
-from kvblend.rag.readers import Document, SkipFile, discover, read_documents
+from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_pieces, chunk_text
+from kvblend.rag.readers import Document, SkipFile, TextFile, discover, read_documents
 from kvblend.rag.retriever import Retriever
 from kvblend.store.keys import validate_tenant
 
@@ -77,25 +82,70 @@ class IngestSummary:
 
 @dataclass
 class _Doc:
-    """A document to commit once its new chunks are stored."""
+    """A document being ingested: committed once ``sealed`` (all its chunks seen) and none
+    of its new chunks is still ``waiting`` to be stored."""
 
-    row: DocumentRow
-    waiting: set[str]
-    orphans: list[str]
+    source: str
+    sha256: str
+    old: DocumentRow | None
+    chunk_ids: list[str] = field(default_factory=list)
+    n_tokens: int = 0
+    waiting: set[str] = field(default_factory=set)
+    sealed: bool = False
+
+    def row(self) -> DocumentRow:
+        return DocumentRow(self.source, self.sha256, tuple(self.chunk_ids), self.n_tokens)
+
+    def dropped(self) -> list[str]:
+        """Chunks of the document's previous version it no longer uses."""
+        if self.old is None:
+            return []
+        now = set(self.chunk_ids)
+        return [c for c in self.old.chunk_ids if c not in now]
+
+
+@dataclass
+class _Run:
+    """One ingest's pending work: new chunks not stored yet (less than a batch), their ids,
+    and the documents not committed yet."""
+
+    summary: IngestSummary
+    bar: Any
+    todo: list[tuple[Chunk, str]] = field(default_factory=list)
+    queued: set[str] = field(default_factory=set)
+    waiting: list[_Doc] = field(default_factory=list)
+
+
+def _hash_parts(tokenizer_id: str, chunker: ChunkerConfig) -> Any:
+    h = hashlib.sha256()
+    for part in (tokenizer_id, chunker.to_json()):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h
+
+
+def streamed_hash(doc: Document | TextFile, chunker: ChunkerConfig, tokenizer_id: str) -> str:
+    """``document_hash`` of a document read block by block (never whole); SkipFile if the
+    file's size changed since it was opened."""
+    h, seen = _hash_parts(tokenizer_id, chunker), 0
+    h.update(doc.nbytes.to_bytes(8, "little"))
+    for block in doc.blocks():
+        data = block.encode("utf-8", "surrogatepass")
+        seen += len(data)
+        h.update(data)
+    if seen != doc.nbytes:
+        raise SkipFile("changed while being read")
+    return h.hexdigest()
 
 
 def document_hash(text: str, chunker: ChunkerConfig, tokenizer_id: str) -> str:
     """Identity of a document's chunking: its text, the chunker's parameters, the tokenizer."""
-    h = hashlib.sha256()
-    for part in (tokenizer_id, chunker.to_json(), text):
-        data = part.encode("utf-8", "surrogatepass")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
+    return streamed_hash(Document("", text), chunker, tokenizer_id)
 
 
 class KvWarmer:
-    """Computes and stores chunk KV through an ``Engine`` (after the model's chat prefix)."""
+    """Computes and stores chunk KV through an ``Engine`` (after the model's sink token)."""
 
     def __init__(self, engine: Any) -> None:
         from kvblend.rag.ask import chunk_prefix
@@ -114,15 +164,16 @@ class KvWarmer:
         return True
 
 
-def _read_all(files: list[Path], text_field: str, summary: IngestSummary, bar) -> list[Document]:
-    docs = []
-    for path in bar(files, desc="reading", unit="file"):
+def _read(files: list[Path], text_field: str, summary: IngestSummary) -> Iterator[Document | TextFile]:
+    """The documents of ``files``, one file at a time (a text file is checked, not loaded)."""
+    for path in files:
         try:
-            docs.extend(read_documents(path, text_field))
-            summary.files += 1
+            docs = read_documents(path, text_field)
         except SkipFile as exc:
             summary.skipped.append((str(path), str(exc)))
-    return docs
+            continue
+        summary.files += 1
+        yield from docs
 
 
 class Ingestor:
@@ -151,44 +202,62 @@ class Ingestor:
         """The chunks of one text (the entry point ``POST /v1/documents`` shares)."""
         return chunk_text(self.tokenizer, text, self.config.chunker, self.tokenizer_id)
 
-    def _plan(self, docs: list[Document], summary: IngestSummary) -> tuple[list[tuple[Chunk, str]], list[_Doc]]:
-        """New chunks to store (deduplicated) and the documents waiting on them."""
-        tenant, queued, todo, waiting = self.config.tenant, set(), [], []
-        for doc in docs:
-            sha = document_hash(doc.text, self.config.chunker, self.tokenizer_id)
-            old = self.catalog.document(tenant, doc.source)
-            summary.documents += 1
-            if old is not None and old.sha256 == sha:
-                summary.unchanged += 1
-                self._restore_kv(old.chunk_ids, summary)
-                continue
-            chunks = self.chunk(doc.text)
-            ids = [c.chunk_id for c in chunks]
-            new = [c for c in chunks if c.chunk_id not in queued]
-            new_ids = {c.chunk_id for c in new} - self.catalog.existing(tenant, [c.chunk_id for c in new])
-            for c in new:
-                if c.chunk_id in new_ids and c.chunk_id not in queued:
-                    queued.add(c.chunk_id)
-                    todo.append((c, doc.source))
-            waiting_on = {c for c in ids if c in queued}
-            orphans = [] if old is None else [c for c in old.chunk_ids if c not in set(ids)]
-            row = DocumentRow(doc.source, sha, tuple(ids), sum(c.n_tokens for c in chunks))
-            waiting.append(_Doc(row, waiting_on, orphans))
-            summary.chunks += len(chunks)
-        return todo, waiting
+    # ----- one document ---------------------------------------------------------------
+    def _document(self, doc: Document | TextFile, run: _Run) -> None:
+        """Hash the document, skip it if unchanged, else queue its new chunks (storing a
+        batch whenever one is full) and seal it once all its chunks are seen."""
+        tenant, summary = self.config.tenant, run.summary
+        try:
+            sha = streamed_hash(doc, self.config.chunker, self.tokenizer_id)
+        except SkipFile as exc:
+            summary.skipped.append((doc.source, str(exc)))
+            return
+        summary.documents += 1
+        old = self.catalog.document(tenant, doc.source)
+        if old is not None and old.sha256 == sha:
+            summary.unchanged += 1
+            self._restore_kv(old.chunk_ids, summary)
+            return
+        entry = _Doc(doc.source, sha, old)
+        run.waiting.append(entry)
+        try:
+            for chunk in chunk_pieces(self.tokenizer, doc.pieces(), self.config.chunker, self.tokenizer_id):
+                self._add(chunk, entry, run)
+        except SkipFile as exc:  # the file changed or vanished mid-way: like a kill, for this document
+            run.waiting.remove(entry)
+            summary.skipped.append((doc.source, str(exc)))
+            return
+        entry.sealed = True
+        summary.chunks += len(entry.chunk_ids)
+
+    def _add(self, chunk: Chunk, doc: _Doc, run: _Run) -> None:
+        """Count ``chunk`` in ``doc``; queue it unless queued or committed already."""
+        doc.chunk_ids.append(chunk.chunk_id)
+        doc.n_tokens += chunk.n_tokens
+        if chunk.chunk_id not in run.queued:
+            if self.catalog.existing(self.config.tenant, [chunk.chunk_id]):
+                return
+            run.queued.add(chunk.chunk_id)
+            run.todo.append((chunk, doc.source))
+        doc.waiting.add(chunk.chunk_id)
+        if len(run.todo) >= self.config.batch_size:
+            self._flush(run)
 
     def _restore_kv(self, chunk_ids: tuple[str, ...], summary: IngestSummary) -> None:
         """An unchanged document's chunk KV may have left the store since (evicted, cleared,
         or keyed anew by another model, dtype or key version): compute what is missing."""
         if self.warmer is None or self.config.precompute == "lazy":
             return
-        for row in self.catalog.chunks(self.config.tenant, list(chunk_ids)):
-            t = time.perf_counter()
-            if self.warmer.warm(row.token_ids, self.config.tenant):
-                summary.kv_s += time.perf_counter() - t
-                summary.kv_chunks += 1
-                summary.kv_tokens += len(row.token_ids)
+        size = self.config.batch_size
+        for i in range(0, len(chunk_ids), size):
+            for row in self.catalog.chunks(self.config.tenant, list(chunk_ids[i : i + size])):
+                t = time.perf_counter()
+                if self.warmer.warm(row.token_ids, self.config.tenant):
+                    summary.kv_s += time.perf_counter() - t
+                    summary.kv_chunks += 1
+                    summary.kv_tokens += len(row.token_ids)
 
+    # ----- one batch ------------------------------------------------------------------
     def _store_batch(self, batch: list[tuple[Chunk, str]], summary: IngestSummary) -> list[NewChunk]:
         tenant, lazy = self.config.tenant, self.config.precompute == "lazy"
         ready = []
@@ -209,47 +278,66 @@ class Ingestor:
             self.retriever.index.upsert(tenant, [c.chunk_id for c, _ in batch], vectors)
         return [NewChunk(c.chunk_id, src, c.ordinal, c.text, c.token_ids, r) for (c, src), r in zip(batch, ready)]
 
-    def _commit(self, new: list[NewChunk], waiting: list[_Doc], summary: IngestSummary) -> list[_Doc]:
-        """Commit ``new`` chunks and every document no longer waiting; returns those still waiting."""
+    def _flush(self, run: _Run) -> None:
+        """Store the queued chunks (KV, vectors) and commit them with every document now complete."""
+        batch, run.todo = run.todo, []
+        new = self._store_batch(batch, run.summary) if batch else []
+        self._commit(new, run)
+        run.queued.difference_update(c.chunk_id for c in new)
+        run.bar.update(len(batch))
+
+    def _commit(self, new: list[NewChunk], run: _Run) -> None:
+        """Commit ``new`` chunks and every sealed document no longer waiting on a chunk."""
         done_ids = {c.chunk_id for c in new}
         complete, still = [], []
-        for doc in waiting:
+        for doc in run.waiting:
             doc.waiting -= done_ids
-            (still if doc.waiting else complete).append(doc)
-        orphans = []
-        for doc in complete:
-            orphans += self.catalog.orphans(self.config.tenant, doc.orphans, exclude_source=doc.row.source)
-        self.catalog.commit(self.config.tenant, new, [d.row for d in complete], orphans)
+            (complete if doc.sealed and not doc.waiting else still).append(doc)
+        run.waiting = still
+        orphans = self._orphans(complete, run)
+        self.catalog.commit(self.config.tenant, new, [d.row() for d in complete], orphans)
         if orphans and self.config.dense:
             self.retriever.index.delete(self.config.tenant, orphans)
+        summary = run.summary
         summary.removed_chunks += len(orphans)
         summary.chunks_new += len(new)
         summary.tokens_new += sum(len(c.token_ids) for c in new)
-        return still
 
-    def ingest(self, paths: Sequence[Path], progress: bool = True) -> IngestSummary:
-        """Ingest files and folders; bad files are skipped and listed in the summary."""
+    def _orphans(self, complete: list[_Doc], run: _Run) -> list[str]:
+        """Chunks the ``complete`` documents dropped that no other document uses, committed
+        or still being ingested."""
+        dropped = []
+        for doc in complete:
+            dropped += self.catalog.orphans(self.config.tenant, doc.dropped(), exclude_source=doc.source)
+        if not dropped:
+            return []
+        in_use = {c for doc in complete + run.waiting for c in doc.chunk_ids}
+        return [c for c in dict.fromkeys(dropped) if c not in in_use]
+
+    # ----- entry points ---------------------------------------------------------------
+    def ingest(self, paths: Sequence[Path], progress: bool = True, hidden: bool = False) -> IngestSummary:
+        """Ingest files and folders (paths resolved; hidden files and folders skipped unless
+        ``hidden``); bad files are skipped and listed in the summary."""
         start, summary = time.perf_counter(), IngestSummary()
-        files, summary.skipped = discover([Path(p) for p in paths])
-        docs = _read_all(files, self.config.text_field, summary, _progress(progress))
-        return self.ingest_documents(docs, progress, summary, start)
+        files, summary.skipped = discover([Path(p) for p in paths], hidden)
+        return self._run(_read(files, self.config.text_field, summary), progress, summary, start)
 
-    def ingest_documents(self, docs: Sequence[Document], progress: bool = True, summary: IngestSummary | None = None,
+    def ingest_documents(self, docs: Iterable[Document], progress: bool = True, summary: IngestSummary | None = None,
                          start: float | None = None) -> IngestSummary:
         """Ingest documents given as ``(source, text)`` (re-ingesting a source replaces it)."""
         start = time.perf_counter() if start is None else start
-        summary = summary or IngestSummary()
-        todo, waiting = self._plan(list(docs), summary)
+        return self._run(iter(docs), progress, summary or IngestSummary(), start)
+
+    def _run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
+             start: float) -> IngestSummary:
+        """Every document through chunk -> store -> commit, a batch at a time."""
         if self.config.dense:
             self.retriever.reconcile(self.config.tenant)
-        size = self.config.batch_size
-        with _progress(progress)(total=len(todo), desc="chunks", unit="chunk") as pbar:
-            for i in range(0, len(todo), size):
-                batch = todo[i : i + size]
-                waiting = self._commit(self._store_batch(batch, summary), waiting, summary)
-                pbar.update(len(batch))
-        if waiting or not todo:
-            self._commit([], waiting, summary)
+        with _progress(progress)(desc="chunks", unit="chunk") as bar:
+            run = _Run(summary, bar)
+            for doc in docs:
+                self._document(doc, run)
+            self._flush(run)
         if self.config.dense:
             self.retriever.index.flush()
         summary.total_s = time.perf_counter() - start

@@ -1,45 +1,167 @@
 """Reading files into documents: .txt, .md, .jsonl (one document per record), .html, .pdf.
 
+Plain text and markdown are never held whole: a ``TextFile`` is checked once when it is
+opened (UTF-8, no NUL bytes, not blank) and then read again in blocks, as often as the
+ingest needs (its hash, then its chunks), so that a file of any size is ingested in a
+fixed amount of memory; ``split_pieces`` cuts the text into pieces of at most
+``PIECE_CHARS`` characters at line ends, which the chunker tokenizes one at a time.
+JSONL records, HTML pages and PDFs are read whole (bounded by ``MAX_FILE_BYTES``).
+
 A file that cannot become text raises ``SkipFile`` with a reason a user can act on; the
 ingest pipeline counts it and goes on.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import NamedTuple
 
 SUFFIXES = (".txt", ".md", ".markdown", ".jsonl", ".html", ".htm", ".pdf")
-MAX_FILE_BYTES = 256 * 1024 * 1024
+STREAMED = (".txt", ".md", ".markdown")  # read in blocks, never whole
+MAX_FILE_BYTES = 256 * 1024 * 1024  # for the files read whole
+BLOCK_BYTES = 1 << 20
+PIECE_CHARS = 1 << 20  # characters tokenized at once
+NUL_WINDOW = 8192
 
 
 class SkipFile(Exception):
     """This file is skipped; the message says why."""
 
 
+def split_pieces(blocks: Iterable[str], max_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """The text of ``blocks`` (in order) cut into pieces of at most ``max_chars``
+    characters, each ending at a line end where one lies in its second half, else before
+    a space, else anywhere. The pieces concatenate back to the text."""
+    buf = ""
+    for block in blocks:
+        buf = buf + block if buf else block
+        start = 0
+        while len(buf) - start > max_chars:
+            cut = _piece_end(buf, start, start + max_chars)
+            yield buf[start:cut]
+            start = cut
+        buf = buf[start:]
+    if buf:
+        yield buf
+
+
+def _piece_end(text: str, lo: int, hi: int) -> int:
+    """Where a piece of ``text[lo:hi]`` ends: after its last newline in the second half,
+    else before its last space there (the space starts the next word's token), else ``hi``."""
+    mid = lo + (hi - lo) // 2
+    newline = text.rfind("\n", mid, hi)
+    if newline >= 0:
+        return newline + 1
+    space = text.rfind(" ", mid + 1, hi)
+    return space if space > lo else hi
+
+
 class Document(NamedTuple):
-    """One document: ``source`` names it (a path, or ``path#line`` for a JSONL record)."""
+    """One document held whole: ``source`` names it (a path, or ``path#line`` for a JSONL record)."""
 
     source: str
     text: str
 
+    @property
+    def nbytes(self) -> int:
+        return len(self.text.encode("utf-8", "surrogatepass"))
 
-def discover(paths: list[Path]) -> tuple[list[Path], list[tuple[str, str]]]:
-    """Files to read under ``paths`` (folders walked, sorted) and ``(path, reason)`` of those skipped."""
+    def blocks(self) -> Iterator[str]:
+        yield self.text
+
+    def pieces(self, max_chars: int = PIECE_CHARS) -> Iterator[str]:
+        return split_pieces(self.blocks(), max_chars)
+
+
+class TextFile(NamedTuple):
+    """A plain-text or markdown file read in blocks, never whole (``open_text_file``):
+    ``nbytes`` is the UTF-8 size of its text (a leading BOM excluded)."""
+
+    source: str
+    path: Path
+    nbytes: int
+
+    def blocks(self) -> Iterator[str]:
+        """The decoded text, a block at a time; SkipFile if the file became unreadable."""
+        try:
+            yield from _decoded_blocks(self.path)
+        except OSError as exc:
+            raise SkipFile(f"unreadable: {exc.strerror or exc}") from exc
+
+    def pieces(self, max_chars: int = PIECE_CHARS) -> Iterator[str]:
+        return split_pieces(self.blocks(), max_chars)
+
+
+def _decoded_blocks(path: Path) -> Iterator[str]:
+    """``path`` decoded as UTF-8 (a BOM dropped) in blocks of ``BLOCK_BYTES``; SkipFile on
+    NUL bytes in its first ``NUL_WINDOW`` bytes or on invalid UTF-8 (its byte offset named)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8-sig")(), 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(BLOCK_BYTES)
+            if offset < NUL_WINDOW and b"\x00" in data[: NUL_WINDOW - offset]:
+                raise SkipFile("binary content (NUL bytes)")
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as exc:
+                raise SkipFile(f"not UTF-8 (invalid byte at offset {offset + exc.start})") from exc
+            offset += len(data)
+            if text:
+                yield text
+            if not data:
+                return
+
+
+def open_text_file(path: Path) -> TextFile:
+    """Check a text file in one streamed pass (readable, UTF-8, not blank) without holding it."""
+    nbytes, blank = 0, True
+    try:
+        for text in _decoded_blocks(path):
+            nbytes += len(text.encode("utf-8"))
+            blank = blank and text.isspace()
+    except PermissionError as exc:
+        raise SkipFile("unreadable: permission denied") from exc
+    except OSError as exc:
+        raise SkipFile(f"unreadable: {exc.strerror or exc}") from exc
+    if blank:
+        raise SkipFile("empty (no text)")
+    return TextFile(str(path), path, nbytes)
+
+
+def _visible(path: Path, root: Path, hidden: bool) -> bool:
+    """False for a file under ``root`` whose name or folder starts with "." (unless ``hidden``)."""
+    return hidden or not any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _walk(root: Path, hidden: bool) -> Iterator[Path]:
+    """The files under ``root`` in sorted order, hidden folders pruned unless ``hidden``."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if hidden or not d.startswith("."))
+        for name in sorted(names):
+            path = Path(folder) / name
+            if path.is_file() and _visible(path, root, hidden):
+                yield path
+
+
+def discover(paths: list[Path], hidden: bool = False) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Files to read under ``paths``, resolved (``docs`` and ``/abs/docs`` name the same
+    files; folders walked, sorted; hidden files and folders skipped unless ``hidden``), and
+    ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden."""
     files, skipped = [], []
     for p in paths:
-        if p.is_dir():
-            for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
-                (files.append(f) if f.suffix.lower() in SUFFIXES
-                 else skipped.append((str(f), f"unsupported type {f.suffix or '(none)'}")))
-        elif p.is_file():
-            (files.append(p) if p.suffix.lower() in SUFFIXES
-             else skipped.append((str(p), f"unsupported type {p.suffix or '(none)'}")))
-        else:
+        p = Path(p).expanduser().resolve()
+        candidates = list(_walk(p, hidden)) if p.is_dir() else [p] if p.is_file() else None
+        if candidates is None:
             skipped.append((str(p), "no such file or folder"))
+            continue
+        for f in candidates:
+            (files.append(f) if f.suffix.lower() in SUFFIXES
+             else skipped.append((str(f), f"unsupported type {f.suffix or '(none)'}")))
     return files, skipped
 
 
@@ -134,9 +256,12 @@ def _jsonl(path: Path, text: str, field: str) -> Iterator[Document]:
         yield Document(f"{path}#{n}", value)
 
 
-def read_documents(path: Path, text_field: str = "text") -> list[Document]:
-    """The documents of one file (one, or one per JSONL record); raises SkipFile."""
+def read_documents(path: Path, text_field: str = "text") -> list[Document | TextFile]:
+    """The documents of one file (one, or one per JSONL record); raises SkipFile. Plain
+    text and markdown come back as a ``TextFile`` (checked, not read into memory)."""
     suffix = path.suffix.lower()
+    if suffix in STREAMED:
+        return [open_text_file(path)]
     if suffix == ".pdf":
         _read_bytes(path)
         text = pdf_text(path)

@@ -30,6 +30,14 @@ MAX_TOP_K = 100
 MAX_QUERY_CHARS = 8192
 
 
+def default_index_dir(tokenizer_id: str) -> Path:
+    """``$KVBLEND_HOME/rag/<tokenizer fingerprint>``: one index per tokenizer, where
+    ``kvblend ingest`` writes and ``ask`` and the server read without ``--index``."""
+    from kvblend.models.gguf import cache_home
+
+    return cache_home() / "rag" / tokenizer_id[:16]
+
+
 @dataclass(frozen=True)
 class RetrieverConfig:
     """``folder``: where the catalog and index live; ``mode``: dense, bm25 or hybrid;

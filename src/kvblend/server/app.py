@@ -1,11 +1,12 @@
 """``create_app(engine_or_scheduler, settings)``: the OpenAI-compatible FastAPI app.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``POST|GET /v1/documents``, ``GET|DELETE /v1/documents/{id}``, ``GET /health``,
-``GET /metrics``. The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
+``POST|GET /v1/documents``, ``GET|DELETE /v1/documents/{id}``, ``GET /v1/kvblend/store``
+(the caller's store view), ``GET /health``, ``GET /metrics``, and the playground page at
+``GET /`` (``playground.py``). The app is a factory over an ``Engine`` (wrapped in a ``Scheduler``)
 or a ready ``Scheduler``, so the same app can run under uvicorn or as a replica of a
 Ray Serve deployment. Every request is scoped by the tenant its API key maps to
-(``guard.Guard``); one JSON log line per completion request never holds document text
+(``auth.ApiKeyAuth``); one JSON log line per completion request never holds document text
 or ids. The event loop never waits on the document registry: its calls run on the
 registry's own threads (``ServerState.off_loop``).
 """
@@ -41,13 +42,16 @@ from kvblend.server.documents import (
     DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
-from kvblend.server.guard import Guard, read_json, tenant_of
+from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
+from kvblend.server.explain import explainer
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
+from kvblend.server.playground import add_playground
 from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentCreate, check_doc_id
 from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
-from kvblend.server.responses import Outcome, Shape, SSEResponse, run_to_end, sse_stream
+from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
+from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts, document_chunks
 from kvblend.server.index import open_index
@@ -155,11 +159,12 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvblend = state
-    app.add_middleware(Guard, api_keys=settings.api_keys, admin_key=settings.admin_key,
+    app.add_middleware(ApiKeyAuth, api_keys=settings.api_keys, admin_key=settings.admin_key,
                        max_body_bytes=settings.limits.max_body_bytes,
                        draining=lambda: state.draining or state.scheduler.draining)
     _install_error_handlers(app, state)
     _add_routes(app, state)
+    add_playground(app)
     return app
 
 
@@ -269,6 +274,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         record = await _own_document(state, tenant_of(request), doc_id)
         tiers = await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, record.keys)
         return record.public(tiers, detail=True)
+
+    @app.get("/v1/kvblend/store")
+    @_answers_errors
+    async def store_view(request: HTTPRequest) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        documents = await state.off_loop(documents_summary, state.registry, tenant)
+        return await anyio.to_thread.run_sync(store_summary, state.engine, settings, tenant, documents)
 
     @app.delete("/v1/documents/{doc_id}")
     @_answers_errors
@@ -425,6 +437,10 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     param = "messages" if model is ChatCompletionRequest else "prompt"
     shaped = await state.off_loop(shape_body, state.engine, draft, settings, state.registry, state.index, param)
     request, prompt_tokens = shaped.request, shaped.prompt_tokens
+    explains = None
+    if request.explain:  # shape expanded and cut every document given: one piece each from here
+        explains = explainer(request, state.engine.tokenizer, shaped.pieces, [1] * len(request.documents),
+                             settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
@@ -434,17 +450,18 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     except KvblendError as exc:
         raise from_exception(exc) from None
     matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
-    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches)
+    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
+                  explain=explains.block if explains is not None else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def finish(out: Outcome) -> None:
+    def finish(out: StreamResult) -> None:
         guarded = {}
         if routing is not None:  # the shadow check is queued, never awaited
             guarded = {"guard": routing.fallback, "shadow": state.guard.after(routing, out)}
         _account(state, handle, tenant, shape, out, started, guarded)
 
     if body.stream:
-        out = Outcome()
+        out = StreamResult()
         return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
                            headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
     out = await run_to_end(handle, http)
@@ -456,7 +473,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     return JSONResponse(shape.completion(out, handle.queue_s), headers={"X-Request-Id": shape.object_id})
 
 
-def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: Outcome,
+def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,
              started: float, guarded: dict[str, Any] | None = None) -> None:
     """Metrics for what only the HTTP layer sees, and the request's one log line."""
     if out.disconnected:

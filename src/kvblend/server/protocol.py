@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvblend.settings import RatioOrAuto
+from kvblend.settings import BlendOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DOC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
@@ -43,21 +43,12 @@ class DocumentRef(BaseModel):
         return self
 
 
-class KvblendOptions(BaseModel):
-    """Per-request overrides of the server's blend defaults (``settings.BlendSettings``,
-    which validates the merged result: its errors name the field)."""
+class KvblendOptions(BlendOptions):
+    """Per-request overrides of the server's blend defaults: the knobs of
+    ``settings.BlendOptions`` (defined there once; ``settings.BlendSettings`` validates the
+    merged result and its errors name the field), and ``explain``, which is not a knob."""
 
-    model_config = ConfigDict(extra="forbid")
-    method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None  # auto: the quality guard picks
-    ratio: RatioOrAuto | None = None
-    check_layers: list[int] | None = Field(None, min_length=1, max_length=256)
-    schedule: list[float] | None = Field(None, min_length=1, max_length=256)
-    signal: Literal["v", "k", "kv"] | None = None
-    chunk_prefix: Literal["bos", "prompt"] | None = None
-    selection: str | None = Field(None, max_length=32)
-    budget: bool | None = None
-    sinks: int | None = None
-    shift: bool | None = None
+    explain: bool | None = None  # the response's kvblend block lists the recomputed tokens (server/explain.py)
     match: bool | None = None  # false: do not look for stored documents in the messages' text
 
 

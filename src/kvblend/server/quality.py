@@ -32,7 +32,7 @@ from kvblend.engine.scheduler import Scheduler
 from kvblend.guard.quality import QualityGuard, Routing, ShadowRunner
 from kvblend.guard.shadow import ShadowResult
 from kvblend.server.metrics import FRACTION_BUCKETS, P
-from kvblend.server.responses import Outcome
+from kvblend.server.responses import StreamResult
 from kvblend.settings import GuardSettings
 
 log = logging.getLogger("kvblend.server")
@@ -89,7 +89,7 @@ class ServerGuard:
             self.fallbacks.labels(self.model_name).inc()
         return routing
 
-    def after(self, routing: Routing, out: Outcome) -> bool:
+    def after(self, routing: Routing, out: StreamResult) -> bool:
         """The request ended: feed the guard its stats and, when routed so, queue its shadow
         check (never waits). Returns whether a check was queued."""
         stats = out.stats

@@ -27,8 +27,10 @@ from kvblend.server.usage import kvblend_block, usage
 
 
 @dataclass
-class Outcome:
-    """What the HTTP layer saw of one request, for its response and log line."""
+class StreamResult:
+    """What the HTTP layer collected of one request's stream (text, tokens, stats, error or
+    disconnect), for its response and log line (the scheduler's ``Outcome`` is another thing:
+    how the request ended for the worker)."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -58,16 +60,19 @@ class Shape:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
+    explain: Callable[[RequestStats], dict[str, Any]] | None = None  # when the request asked (server/explain.py)
     matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
 
-    def kvblend(self, stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
+    def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True) -> dict[str, Any]:
         """The response's ``kvblend`` block, with the retrieved sources and the matched
-        spans when there are any."""
+        spans when there are any and, when asked and ``explain``, the recomputed tokens."""
         block = kvblend_block(stats, queue_s)
         if self.sources is not None:
             block["sources"] = list(self.sources)
         if self.matches is not None:
             block["matches"] = list(self.matches)
+        if explain and self.explain is not None and stats is not None:
+            block["explain"] = self.explain(stats)
         return block
 
     @property
@@ -89,7 +94,7 @@ class Shape:
             delta["content"] = text
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def completion(self, out: Outcome, queue_s: float) -> dict[str, Any]:
+    def completion(self, out: StreamResult, queue_s: float) -> dict[str, Any]:
         body = self.base(chunk=False)
         body["choices"] = [self.choice("".join(out.text), out.finish_reason or "stop", chunk=False)]
         body["usage"] = usage(out.stats, out.tokens)
@@ -98,7 +103,7 @@ class Shape:
         return body
 
 
-async def _collect(handle: RequestHandle, out: Outcome) -> None:
+async def _collect(handle: RequestHandle, out: StreamResult) -> None:
     async for item in handle.aevents():
         out.add(item)
 
@@ -110,10 +115,10 @@ async def _wait_disconnect(request: HTTPRequest) -> None:
             return
 
 
-async def run_to_end(handle: RequestHandle, request: HTTPRequest) -> Outcome:
+async def run_to_end(handle: RequestHandle, request: HTTPRequest) -> StreamResult:
     """Collect the request, racing it against the client's disconnect; on a disconnect
     the request is cancelled (its slot freed) and ``disconnected`` is set."""
-    out = Outcome()
+    out = StreamResult()
     work = asyncio.ensure_future(_collect(handle, out))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -136,8 +141,8 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, out: Outcome,
-                     on_end: Callable[[Outcome], None]) -> AsyncIterator[str]:
+async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, out: StreamResult,
+                     on_end: Callable[[StreamResult], None]) -> AsyncIterator[str]:
     """SSE lines of one request; ``on_end`` runs exactly once when the stream ends for any
     reason (finished, failed, or cancelled by the client leaving)."""
     usage_field = {"usage": None} if include_usage else {}
@@ -154,9 +159,9 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
             last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
                     **usage_field, "kvblend": shape.kvblend(out.stats, handle.queue_s)}
             yield sse(last)
-        if include_usage:
+        if include_usage:  # the explanation went with the last choice chunk already
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
-                       "kvblend": shape.kvblend(out.stats, handle.queue_s)})
+                       "kvblend": shape.kvblend(out.stats, handle.queue_s, explain=False)})
         yield sse("[DONE]")
     except asyncio.CancelledError:
         out.disconnected = True
@@ -178,7 +183,7 @@ class SSEResponse(StreamingResponse):
     """A StreamingResponse that cancels its request however the response ends — also when
     the client leaves before the body generator ever started (its ``finally`` never runs)."""
 
-    def __init__(self, handle: RequestHandle, out: Outcome, on_end: Callable[[Outcome], None],
+    def __init__(self, handle: RequestHandle, out: StreamResult, on_end: Callable[[StreamResult], None],
                  body: AsyncIterator[str], headers: dict[str, str]) -> None:
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self.handle, self.out, self.on_end = handle, out, on_end

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvblend.errors import InvalidRequestError
-from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig
+from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig, default_index_dir
 from kvblend.server.errors import APIError, bad_request
 from kvblend.server.protocol import ChatCompletionRequest, _Common
 from kvblend.settings import Settings
@@ -28,8 +28,6 @@ def index_folder(settings: Settings, tokenizer_id: str) -> Path:
     """The configured index folder, or the one ``kvblend ingest`` uses by default."""
     if settings.retrieval.index_dir:
         return Path(settings.retrieval.index_dir)
-    from kvblend.rag.commands import default_index_dir
-
     return default_index_dir(tokenizer_id)
 
 

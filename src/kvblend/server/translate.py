@@ -94,7 +94,7 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     opts = body.kvblend
     if opts is None:
         return base.method, base.blend_config()
-    given = {k: v for k, v in opts.model_dump(exclude={"match"}).items() if v is not None}
+    given = {k: v for k, v in opts.model_dump(exclude={"explain", "match"}).items() if v is not None}
     values = {**base.model_dump(), **given}
     if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
@@ -136,9 +136,10 @@ def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int)
     documents = documents_of(body, settings)
     method, blend = blend_options(body, settings, num_layers)
     match = body.kvblend is None or body.kvblend.match is not False
+    explain = bool(body.kvblend and body.kvblend.explain)
     if isinstance(body, ChatCompletionRequest):
         return Draft(documents=documents, messages=chat_messages(body, settings), method=method, blend=blend,
-                     tenant=tenant, match=match)
+                     tenant=tenant, match=match, explain=explain)
     assert isinstance(body, CompletionRequest)
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -147,7 +148,7 @@ def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int)
         prompt = prompt[0]
     utf8_len(prompt, "prompt")
     return Draft(documents=documents, question=prompt, method=method, blend=blend, tenant=tenant,
-                 use_chat_template=False, match=match)
+                 use_chat_template=False, match=match, explain=explain)
 
 
 def shape_config(settings: Settings) -> ShapeConfig:

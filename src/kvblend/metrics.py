@@ -1,4 +1,5 @@
-"""Answer-quality and fidelity metrics for the evaluation harness.
+"""Answer-quality and fidelity metrics: the evaluation harness scores methods with them,
+the guard's shadow checks and ``kvblend ask --compare`` judge served answers with them.
 
 Text metrics follow the SQuAD evaluation script (Rajpurkar et al., 2016): answers are
 normalised, split on whitespace and compared as bags of tokens (F1) or as sequences

@@ -39,7 +39,7 @@ def tenant_for(token: str | None, api_keys: dict[str, str]) -> str | None:
     return found
 
 
-class Guard:
+class ApiKeyAuth:
     """ASGI middleware; ``draining()`` says whether new /v1 work must be refused (503)."""
 
     def __init__(self, app: ASGIApp, api_keys: dict[str, str], admin_key: str | None, max_body_bytes: int,
@@ -121,4 +121,4 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
-__all__ = ["DEFAULT_TENANT", "Guard", "read_json", "tenant_for", "tenant_of"]
+__all__ = ["ApiKeyAuth", "DEFAULT_TENANT", "read_json", "tenant_for", "tenant_of"]

@@ -12,17 +12,11 @@ from pathlib import Path
 from typing import Any
 
 
-def default_index_dir(tokenizer_id: str) -> Path:
-    """``$KVBLEND_HOME/rag/<tokenizer fingerprint>``: one index per tokenizer."""
-    from kvblend.models.loader import cache_home
-
-    return cache_home() / "rag" / tokenizer_id[:16]
-
-
 def default_store_dir() -> Path:
-    from kvblend.models.loader import cache_home
+    """``$KVBLEND_HOME/kv``: the disk tier ``kvblend ingest`` fills and ``kvblend serve`` reads."""
+    from kvblend.settings import StoreSettings
 
-    return cache_home() / "kv"
+    return Path(StoreSettings().disk_folder)
 
 
 def add_retrieval_args(p: argparse.ArgumentParser) -> None:
@@ -34,15 +28,31 @@ def add_retrieval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant", default="default")
 
 
-def _store(args: argparse.Namespace):
-    from kvblend.store.config import StoreConfig, build_store
+def store_config(args: argparse.Namespace, compute_dtype: str, memory: bool = True):
+    """The store ``kvblend serve`` uses (settings ``store.*``: ``KVBLEND_STORE__*``, the
+    ``KVBLEND_CONFIG`` file, defaults), with ``--store-dir``/``--redis-url`` over it, so
+    that ingest, ask and the server key and find the same chunk KV. ``memory=False`` drops
+    the memory tier (ingest only writes: a memory tier would only hold RAM)."""
+    import dataclasses
 
-    disk = getattr(args, "store_dir", None) or str(default_store_dir())
-    return build_store(StoreConfig(disk_dir=disk, redis_url=getattr(args, "redis_url", None)))
+    from kvblend.settings import Settings
+
+    flags = {"disk_dir": getattr(args, "store_dir", None), "redis_url": getattr(args, "redis_url", None)}
+    settings = Settings.load().store.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    config = settings.store_config(compute_dtype)
+    rest = tuple(t for t in config.enabled_tiers if t != "memory")
+    return config if memory or not rest else dataclasses.replace(config, tiers=rest)
+
+
+def _store(args: argparse.Namespace, loaded, memory: bool = True):
+    from kvblend.store.codec import compute_dtype_name
+    from kvblend.store.config import build_store
+
+    return build_store(store_config(args, compute_dtype_name(loaded.model.dtype), memory))
 
 
 def open_retriever(args: argparse.Namespace, tokenizer_id: str):
-    from kvblend.rag.retriever import Retriever, RetrieverConfig
+    from kvblend.rag.retriever import Retriever, RetrieverConfig, default_index_dir
 
     folder = Path(args.index) if args.index else default_index_dir(tokenizer_id)
     return Retriever(RetrieverConfig(folder, mode=args.retriever))
@@ -63,8 +73,9 @@ def add_ingest_command(sub) -> None:
                    help="all: compute every chunk's KV now; lazy: on its N-th retrieval")
     p.add_argument("--precompute-after", type=int, default=2, help="N for --precompute lazy")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records")
-    p.add_argument("--store-dir", default=None, help="chunk KV disk tier (default: $KVBLEND_HOME/kv)")
+    p.add_argument("--store-dir", default=None, help="chunk KV disk tier (default: store.disk_dir, else $KVBLEND_HOME/kv: the server's)")
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--hidden", action="store_true", help="also read hidden files and folders (names starting with '.')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_retrieval_args(p)
     from kvblend.cliargs import add_model_args as _add_model_args
@@ -78,12 +89,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvblend.engine import Engine
     from kvblend.rag.chunking import ChunkerConfig
     from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
-
     from kvblend.rag.readers import discover
 
     config = IngestConfig(ChunkerConfig(args.chunker, args.chunk_tokens, args.overlap), args.tenant, args.batch,
                           args.precompute, args.precompute_after, args.text_field, dense=args.retriever != "bm25")
-    files, skipped = discover([Path(p) for p in args.paths])
+    files, skipped = discover([Path(p) for p in args.paths], args.hidden)
     if not files:
         print("nothing to ingest: " + ("no files found (the folder is empty)" if not skipped else
                                        f"none of the {len(skipped)} file(s) can be read:"))
@@ -91,13 +101,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             print(f"  {path}: {reason}")
         return 1
     loaded = _load(args)
-    engine = Engine(loaded, store=_store(args))
+    engine = Engine(loaded, store=_store(args, loaded, memory=False))
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
     try:
         ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config, KvWarmer(engine))
         lazy_after = config.precompute_after if config.precompute == "lazy" else 0
         retriever.catalog.set_meta(f"precompute_after:{config.tenant}", str(lazy_after))
-        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet)
+        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet, hidden=args.hidden)
         _print_summary(summary, retriever, config)
         if summary.chunks:
             print(_economics(ingestor, engine, loaded).describe())
@@ -130,8 +140,7 @@ def _economics(ingestor, engine, loaded):
     from kvblend.store.keys import chunk_key
 
     tenant = ingestor.config.tenant
-    ids, texts = ingestor.catalog.all_texts(tenant)
-    row = ingestor.catalog.chunks(tenant, ids[:1])[0]
+    row = ingestor.catalog.chunks(tenant, ingestor.catalog.first_ids(tenant, 1))[0]
     warmer = ingestor.warmer
     t = time.perf_counter()
     chunk = compute_chunk_kv(engine.model, warmer.chunk_prefix, row.token_ids)
@@ -161,7 +170,7 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
 
     loaded = _load(args)
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
-    engine = Engine(loaded, store=_store(args))
+    engine = Engine(loaded, store=_store(args, loaded))
     show = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
         answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.chunks, request_kw=request_kw,
@@ -178,7 +187,7 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
 def _report(args, hits, result, full, print_stats) -> None:
     import json
 
-    from kvblend.eval.metrics import first_line, token_f1
+    from kvblend.metrics import first_line, token_f1
 
     if args.json:
         out = result.to_dict()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvblend.eval.metrics import (
+from kvblend.metrics import (
     best_f1,
     first_line,
     first_token_agree,

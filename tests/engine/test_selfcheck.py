@@ -12,7 +12,7 @@ import torch
 from kvblend import rope
 from kvblend.engine import Engine, Request
 from kvblend.errors import ModelCheckError
-from kvblend.guard import selfcheck
+from kvblend.engine import selfcheck
 from kvblend.models.loader import load_hf_folder
 from tests.conftest import make_hf_model, make_loaded, make_tokenizer
 from tests.engine.test_blend_invariants import DOCS, QUESTION

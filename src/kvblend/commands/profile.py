@@ -19,7 +19,7 @@ def dtype_quality(loaded, documents: Sequence[str], question: str, ratio: float 
     """Next-token KL(fp32 storage ‖ dtype storage) of one blended request at ``ratio``."""
     from kvblend.blend.config import BlendConfig
     from kvblend.engine import Engine, Request
-    from kvblend.eval.metrics import kl_divergence
+    from kvblend.metrics import kl_divergence
     from kvblend.store.config import StoreConfig, build_store
 
     request = Request(documents=list(documents), question=question, blend=BlendConfig(ratio=ratio))

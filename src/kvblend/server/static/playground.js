@@ -1,0 +1,555 @@
+// kvblend playground: asks one question over some documents by blend and by full prefill,
+// side by side, and shows which document tokens the blend recomputed ("kvblend": {"explain": true}).
+// Public API only; the API key lives in this tab's sessionStorage.
+"use strict";
+
+const KEY = "kvblend.apiKey";
+const $ = (sel, root = document) => root.querySelector(sel);
+const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
+const state = { model: null, runs: [], stored: {}, finished: 0 };
+
+// ----- API ---------------------------------------------------------------------------------
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+function headers(json) {
+  const out = json ? { "Content-Type": "application/json" } : {};
+  const key = sessionStorage.getItem(KEY);
+  if (key) out.Authorization = "Bearer " + key;
+  return out;
+}
+
+async function apiError(res) {
+  let message = res.statusText;
+  try { message = (await res.json()).error.message || message; } catch (_) { /* not JSON */ }
+  return new ApiError(res.status, message);
+}
+
+async function api(path, body) {
+  const init = body === undefined ? { headers: headers(false) }
+    : { method: "POST", headers: headers(true), body: JSON.stringify(body) };
+  const res = await fetch(path, init);
+  if (!res.ok) throw await apiError(res);
+  return res.json();
+}
+
+async function* sseData(res) {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const line = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      if (line.startsWith("data: ")) yield line.slice(6);
+    }
+  }
+}
+
+function absorb(out, chunk, started, onText) {
+  if (chunk.error) throw new ApiError(chunk.error.code, chunk.error.message);
+  const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
+  if (delta) {
+    if (out.browserTtft === null) out.browserTtft = (performance.now() - started) / 1000;
+    out.text += delta;
+    onText(out.text);
+  }
+  if (chunk.kvblend) {
+    if (chunk.kvblend.explain) out.explain = chunk.kvblend.explain;
+    out.kvblend = chunk.kvblend;
+  }
+  if (chunk.usage) out.usage = chunk.usage;
+}
+
+async function streamChat(body, onText) {
+  const started = performance.now();
+  const res = await fetch("/v1/chat/completions", {
+    method: "POST", headers: headers(true),
+    body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
+  });
+  if (!res.ok) throw await apiError(res);
+  const out = { text: "", kvblend: null, usage: null, explain: null, browserTtft: null };
+  for await (const data of sseData(res)) {
+    if (data === "[DONE]") break;
+    absorb(out, JSON.parse(data), started, onText);
+  }
+  return out;
+}
+
+// ----- key, banner, status -----------------------------------------------------------------
+function showError(err) {
+  const banner = $("#banner");
+  const hint = err.status === 401 ? " — this server needs an API key: enter it above." : "";
+  banner.textContent = (err.status ? `Error ${err.status}: ` : "Error: ") + err.message + hint;
+  banner.hidden = false;
+}
+
+function clearError() { $("#banner").hidden = true; }
+function status(text) { $("#status").textContent = text; }
+
+function useKey(event) {
+  event.preventDefault();
+  const key = $("#api-key").value.trim();
+  if (key) sessionStorage.setItem(KEY, key); else sessionStorage.removeItem(KEY);
+  connect();
+}
+
+function forgetKey() {
+  sessionStorage.removeItem(KEY);
+  $("#api-key").value = "";
+  connect();
+}
+
+async function connect() {
+  clearError();
+  try {
+    const models = await api("/v1/models");
+    state.model = models.data[0].id;
+    $("#model").textContent = "model: " + state.model;
+    await loadStoredChoices();
+  } catch (err) {
+    state.model = null;
+    showError(err);
+  }
+}
+
+// ----- documents ---------------------------------------------------------------------------
+function removable(row) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.textContent = "×";
+  button.title = "remove";
+  button.addEventListener("click", () => row.remove());
+  return button;
+}
+
+function addTextDoc(text = "") {
+  const row = document.createElement("div");
+  row.className = "doc";
+  const area = document.createElement("textarea");
+  area.rows = 4;
+  area.value = text;
+  area.placeholder = "Paste a document";
+  row.append(area, removable(row));
+  $("#docs").append(row);
+  return area;
+}
+
+function addStoredDoc(id, tokens) {
+  const row = document.createElement("div");
+  row.className = "doc stored";
+  row.dataset.id = id;
+  const name = document.createElement("span");
+  name.className = "name";
+  name.textContent = `stored: ${id} (${tokens} tokens)`;
+  row.append(name, removable(row));
+  $("#docs").append(row);
+}
+
+function documentsField() {
+  return $$("#docs .doc").map((row) => row.dataset.id ? { id: row.dataset.id } : $("textarea", row).value.trim())
+    .filter((doc) => doc && (doc.id || doc.length));
+}
+
+async function loadStoredChoices() {
+  const select = $("#stored");
+  select.length = 1;
+  const list = await api("/v1/documents?limit=100");
+  for (const doc of list.data) select.add(new Option(`${doc.id} (${doc.tokens} tokens)`, doc.id));
+  state.stored = Object.fromEntries(list.data.map((d) => [d.id, d]));
+}
+
+function pickStored() {
+  const id = $("#stored").value;
+  if (id) addStoredDoc(id, state.stored[id].tokens);
+  $("#stored").value = "";
+}
+
+async function saveDocs() {
+  clearError();
+  try {
+    const texts = documentsField().filter((doc) => typeof doc === "string");
+    for (const text of texts) await api("/v1/documents", { text });
+    status(`${texts.length} document(s) stored under your key`);
+    await loadStoredChoices();
+  } catch (err) {
+    showError(err);
+  }
+}
+
+function upload() {
+  for (const file of $("#upload").files) file.text().then((text) => addTextDoc(text));
+  $("#upload").value = "";
+}
+
+// ----- requests ----------------------------------------------------------------------------
+function kvblendOptions(method) {
+  if (method === "full") return { method: "full" };
+  const options = { method: "blend", ratio: Number($("#ratio").value), explain: true };
+  if ($("#strategy").value === "cacheblend") Object.assign(options, CACHEBLEND);
+  return options;
+}
+
+const CACHEBLEND = { selection: "deviation", budget: false, sinks: 0, shift: false };
+
+function baseBody() {
+  const question = $("#question").value.trim();
+  if (!question) throw new Error("ask a question");
+  const body = { model: state.model, messages: [{ role: "user", content: question }], temperature: 0,
+    max_tokens: Number($("#max-tokens").value) || 32 };
+  if ($("#use-retrieval").checked) body.retrieval = { top_k: Number($("#top-k").value) || 3 };
+  else body.documents = documentsField();
+  if (!body.retrieval && !body.documents.length) throw new Error("add at least one document");
+  return body;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function warm(body) {
+  // A document seen for the first time is computed in the prompt and stored in the
+  // background; send it (1 token) until every document is served from the store.
+  for (let attempt = 0; attempt < 8; attempt++) {
+    const reply = await api("/v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } });
+    if (!reply.kvblend.doc_misses) return;
+    status(`storing the documents' KV… (${reply.kvblend.doc_misses} not stored yet)`);
+    await sleep(150 * (attempt + 1));
+  }
+}
+
+async function runOne(method, body) {
+  const panel = $(`#answer-${method}`);
+  for (const dd of $$("[data-field]", panel)) dd.textContent = "";
+  field(panel, "text").textContent = "…";
+  const reply = await streamChat({ ...body, kvblend: kvblendOptions(method) },
+    (text) => { field(panel, "text").textContent = text; });
+  showMetrics(panel, reply);
+  return reply;
+}
+
+async function run() {
+  clearError();
+  $("#run").disabled = true;
+  try {
+    if (!state.model) await connect();
+    if (!state.model) return;
+    const body = baseBody();
+    if ($("#warm").checked && body.documents) await warm(body);
+    status("blend…");
+    const blend = await runOne("blend", body);
+    status("full prefill…");
+    const full = await runOne("full", body);
+    record(blend, full);
+    status("");
+  } catch (err) {
+    status("");
+    showError(err);
+  } finally {
+    $("#run").disabled = false;
+  }
+}
+
+// ----- numbers -----------------------------------------------------------------------------
+const field = (root, name) => $(`[data-field="${name}"]`, root);
+const ms = (s) => (s * 1000).toFixed(s < 0.1 ? 1 : 0) + " ms";
+const pct = (x) => (100 * x).toFixed(1) + " %";
+
+function hitsText(kv) {
+  if (kv.method === "full") return "none: full prefill computes every token";
+  const hits = Object.entries(kv.doc_hits || {}).map(([tier, n]) => `${tier} ×${n}`);
+  const misses = kv.doc_misses ? [`computed ×${kv.doc_misses}`] : [];
+  return [...hits, ...misses].join(", ") || "none (no documents reused)";
+}
+
+function showMetrics(panel, reply) {
+  const kv = reply.kvblend;
+  const browser = reply.browserTtft === null ? "" : ` · ${ms(reply.browserTtft)} in the browser`;
+  field(panel, "label").textContent = kv.strategy ? `${kv.method}: ${kv.strategy}` : kv.method;
+  field(panel, "ttft").textContent = ms(kv.ttft_s) + browser;
+  field(panel, "recompute").textContent = pct(kv.recompute_fraction) + " of the prompt's token-layers";
+  field(panel, "hits").textContent = hitsText(kv);
+  const usage = reply.usage;
+  field(panel, "cached").textContent = usage
+    ? `${usage.prompt_tokens_details.cached_tokens} of ${usage.prompt_tokens}` : "";
+}
+
+function words(text) { return text.toLowerCase().match(/[\p{L}\p{N}]+/gu) || []; }
+
+function tokenF1(a, b) {
+  const x = words(a), y = words(b);
+  if (!x.length || !y.length) return x.length === y.length ? 1 : 0;
+  const counts = new Map();
+  for (const w of y) counts.set(w, (counts.get(w) || 0) + 1);
+  let common = 0;
+  for (const w of x) if (counts.get(w) > 0) { common++; counts.set(w, counts.get(w) - 1); }
+  if (!common) return 0;
+  const p = common / x.length, r = common / y.length;
+  return 2 * p * r / (p + r);
+}
+
+function record(blend, full) {
+  const f1 = tokenF1(blend.text, full.text);
+  const run = { ratio: Number($("#ratio").value), strategy: $("#strategy").value, f1,
+    ttftBlend: blend.kvblend.ttft_s, ttftFull: full.kvblend.ttft_s };
+  const same = (r) => r.ratio === run.ratio && r.strategy === run.strategy;
+  state.runs = [...state.runs.filter((r) => !same(r)), run];  // the latest run per ratio and strategy
+  state.finished += 1;
+  const verdict = blend.text.trim() === full.text.trim() ? "the same answer" : "different answers";
+  $("#agreement").textContent = `Answer agreement with full prefill: token F1 ${f1.toFixed(2)} (${verdict}); `
+    + `TTFT ${ms(run.ttftBlend)} vs ${ms(run.ttftFull)} (×${(run.ttftFull / run.ttftBlend).toFixed(2)}).`;
+  renderExplain(blend.explain);
+  drawChart(state.runs);
+}
+
+// ----- document view -----------------------------------------------------------------------
+function tokenMaps(doc) {
+  const sel = doc.selected || { positions: [], scores: [], by: [] };
+  const kept = new Map(sel.positions.map((p, i) => [p, { score: sel.scores[i], by: sel.by[i] }]));
+  const reused = new Map(((doc.reused || {}).positions || []).map((p, i) => [p, doc.reused.scores[i]]));
+  const dev = doc.deviation || { positions: [], values: [] };
+  const deviation = new Map(dev.positions.map((p, i) => [p, dev.values[i]]));
+  return { kept, reused, deviation };
+}
+
+function maxOf(docs, pick) {
+  let top = 0;
+  for (const doc of docs) for (const v of pick(doc)) if (v !== null && v > top) top = v;
+  return top || 1;
+}
+
+function fmt(x) { return x === null || x === undefined ? "n/a" : Number(x).toPrecision(3); }
+
+function tokenSpan(text, at, maps, scale, names) {
+  const span = document.createElement("span");
+  span.className = "tok";
+  span.textContent = text;
+  const kept = maps.kept.get(at), dev = maps.deviation.get(at);
+  const parts = [`token ${at}`];
+  if (kept) {
+    span.classList.add("kept");
+    if (/sink|sample/.test(kept.by)) span.classList.add("forced");
+    const alpha = 0.18 + 0.82 * Math.max(0, Math.min(1, (kept.score || 0) / scale.score));
+    span.style.backgroundColor = `rgba(217, 72, 15, ${alpha.toFixed(3)})`;
+    parts.push(`recomputed, chosen by ${kept.by}`, `${names.score}: ${fmt(kept.score)}`);
+  } else if (maps.reused.has(at)) {
+    parts.push("reused", `${names.score}: ${fmt(maps.reused.get(at))}`);
+  }
+  if (dev !== undefined) parts.push(`${names.deviation}: ${fmt(dev)}`);
+  if (dev !== undefined && !kept) {
+    span.classList.add("measured");
+    const alpha = 0.15 + 0.85 * Math.max(0, Math.min(1, (dev || 0) / scale.deviation));
+    span.style.textDecorationColor = `rgba(28, 100, 200, ${alpha.toFixed(3)})`;
+  }
+  span.title = parts.join(" · ");
+  return span;
+}
+
+function reasonCounts(chunks) {
+  const counts = {};
+  for (const c of chunks) for (const by of (c.selected || { by: [] }).by) counts[by] = (counts[by] || 0) + 1;
+  return Object.entries(counts).map(([by, n]) => `${by} ${n}`).join(" · ");
+}
+
+function docHeader(origin, chunks, totalKept) {
+  const kept = chunks.reduce((n, c) => n + (c.kept || 0), 0);
+  const tokens = chunks.reduce((n, c) => n + c.n_tokens, 0);
+  const share = totalKept ? kept / totalKept : 0;
+  const head = document.createElement("h3");
+  const bar = document.createElement("span");
+  bar.className = "share";
+  const fill = document.createElement("span");
+  fill.style.width = (100 * share).toFixed(1) + "%";
+  bar.append(fill);
+  const sources = [...new Set(chunks.map((c) => c.source))].join(", ");
+  head.append(`Document ${origin + 1}`, bar,
+    `${pct(share)} of the recomputed tokens · ${kept} of ${tokens} tokens recomputed · KV: ${sources}`);
+  const why = document.createElement("div");
+  why.className = "muted";
+  why.textContent = reasonCounts(chunks) ? "chosen by: " + reasonCounts(chunks) : "";
+  return [head, why];
+}
+
+function docView(origin, chunks, totalKept, scale, names) {
+  const box = document.createElement("div");
+  box.className = "docview";
+  const tokens = document.createElement("div");
+  tokens.className = "tokens";
+  for (const chunk of chunks) {
+    const maps = tokenMaps(chunk);
+    chunk.tokens.forEach((text, i) => tokens.append(tokenSpan(text, i, maps, scale, names)));
+    if (chunk.truncated) tokens.append(Object.assign(document.createElement("span"),
+      { className: "chunk-break", textContent: ` [… ${chunk.n_tokens - chunk.tokens.length} more tokens not shown]` }));
+  }
+  box.append(...docHeader(origin, chunks, totalKept), tokens);
+  return box;
+}
+
+function renderExplain(explain) {
+  const views = $("#doc-views");
+  views.textContent = "";
+  if (!explain) return;
+  const names = { score: explain.score || "score", deviation: explain.deviation || "deviation" };
+  $("#score-name").textContent = names.score;
+  $("#deviation-name").textContent = names.deviation;
+  const docs = explain.documents;
+  const scale = { score: maxOf(docs, (d) => (d.selected || { scores: [] }).scores),
+    deviation: maxOf(docs, (d) => (d.deviation || { values: [] }).values) };
+  const totalKept = docs.reduce((n, d) => n + (d.kept || 0), 0);
+  const groups = new Map();
+  for (const doc of docs) groups.set(doc.origin, [...(groups.get(doc.origin) || []), doc]);
+  for (const [origin, chunks] of groups) views.append(docView(origin, chunks, totalKept, scale, names));
+}
+
+// ----- chart (hand-drawn SVG) --------------------------------------------------------------
+const SVG = "http://www.w3.org/2000/svg";
+const BOX = { left: 56, right: 560, top: 20, bottom: 220 };
+
+function svg(tag, attrs, text) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+function axes(chart, maxMs) {
+  const { left, right, top, bottom } = BOX;
+  chart.append(svg("line", { x1: left, y1: bottom, x2: right, y2: bottom, stroke: "#999" }),
+    svg("line", { x1: left, y1: top, x2: left, y2: bottom, stroke: "#999" }),
+    svg("line", { x1: right, y1: top, x2: right, y2: bottom, stroke: "#999" }));
+  for (let i = 0; i <= 4; i++) {
+    const y = bottom - (bottom - top) * i / 4, x = left + (right - left) * i / 4;
+    chart.append(svg("text", { x: left - 6, y: y + 4, "text-anchor": "end" }, (maxMs * i / 4).toFixed(0)),
+      svg("text", { x: right + 6, y: y + 4 }, (i / 4).toFixed(2)),
+      svg("text", { x, y: bottom + 14, "text-anchor": "middle" }, (i / 4).toFixed(2)));
+  }
+  chart.append(svg("text", { x: (left + right) / 2, y: bottom + 30, "text-anchor": "middle" }, "recompute ratio"),
+    svg("text", { x: 4, y: top - 8 }, "TTFT ms"), svg("text", { x: right - 30, y: top - 8 }, "agreement F1"));
+}
+
+function series(chart, points, color, shape) {
+  const sorted = [...points].sort((a, b) => a[0] - b[0]);
+  if (sorted.length > 1) {
+    chart.append(svg("polyline", { points: sorted.map((p) => p.join(",")).join(" "), fill: "none",
+      stroke: color, "stroke-width": 1.5 }));
+  }
+  for (const [x, y] of sorted) {
+    chart.append(shape === "square" ? svg("rect", { x: x - 4, y: y - 4, width: 8, height: 8, fill: color })
+      : svg("circle", { cx: x, cy: y, r: 4, fill: color }));
+  }
+}
+
+function legend(chart) {
+  const items = [["#1c64c8", "blend TTFT"], ["#999", "full prefill TTFT"], ["#d9480f", "agreement F1"]];
+  items.forEach(([color, label], i) => {
+    const x = BOX.left + i * 130;
+    chart.append(svg("rect", { x, y: 262, width: 10, height: 10, fill: color }),
+      svg("text", { x: x + 14, y: 271 }, label));
+  });
+  chart.append(svg("circle", { cx: BOX.left + 405, cy: 267, r: 4, fill: "#666" }),
+    svg("text", { x: BOX.left + 413, y: 271 }, "blend"),
+    svg("rect", { x: BOX.left + 455, y: 263, width: 8, height: 8, fill: "#666" }),
+    svg("text", { x: BOX.left + 467, y: 271 }, "cacheblend"));
+}
+
+function drawChart(runs) {
+  const chart = $("#chart");
+  chart.textContent = "";
+  chart.dataset.runs = state.finished;
+  const maxMs = 1150 * Math.max(0, ...runs.flatMap((r) => [r.ttftBlend, r.ttftFull])) || 100;
+  axes(chart, maxMs);
+  const x = (ratio) => BOX.left + (BOX.right - BOX.left) * ratio;
+  const yMs = (s) => BOX.bottom - (BOX.bottom - BOX.top) * (1000 * s) / maxMs;
+  const yF1 = (f) => BOX.bottom - (BOX.bottom - BOX.top) * f;
+  for (const strategy of ["blend", "cacheblend"]) {
+    const mine = runs.filter((r) => r.strategy === strategy);
+    const shape = strategy === "blend" ? "circle" : "square";
+    series(chart, mine.map((r) => [x(r.ratio), yMs(r.ttftFull)]), "#999", shape);
+    series(chart, mine.map((r) => [x(r.ratio), yMs(r.ttftBlend)]), "#1c64c8", shape);
+    series(chart, mine.map((r) => [x(r.ratio), yF1(r.f1)]), "#d9480f", shape);
+  }
+  legend(chart);
+}
+
+// ----- store view --------------------------------------------------------------------------
+function cells(tbody, values) {
+  const tr = document.createElement("tr");
+  for (const v of values) tr.append(Object.assign(document.createElement("td"), { textContent: v }));
+  tbody.append(tr);
+}
+
+function bytes(n) {
+  if (n === null || n === undefined) return "no cap";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+const rate = (x) => (x === null ? "n/a" : pct(x));
+
+async function loadStore() {
+  clearError();
+  try {
+    const [docs, store] = await Promise.all([api("/v1/documents?limit=100"), api("/v1/kvblend/store")]);
+    const body = $("#store-docs tbody");
+    body.textContent = "";
+    for (const d of docs.data) {
+      cells(body, [d.id, d.tokens, d.num_chunks, new Date(d.created * 1000).toLocaleString()]);
+    }
+    if (!docs.data.length) cells(body, ["none yet: “store the pasted documents” on the Ask view", "", "", ""]);
+    renderTiers(store);
+  } catch (err) {
+    showError(err);
+  }
+}
+
+function renderTiers(store) {
+  const body = $("#store-tiers tbody");
+  body.textContent = "";
+  for (const t of store.tiers) {
+    const mine = t.tenant;
+    cells(body, [t.name, `${bytes(t.used_bytes)} / ${bytes(t.capacity_bytes)}`, mine.entries, bytes(mine.bytes),
+      `${mine.hits} / ${mine.misses}${mine.layer_hits ? ` (+${mine.layer_hits} layer reads)` : ""}`,
+      rate(mine.hit_rate)]);
+  }
+  const l = store.lookups;
+  $("#store-summary").textContent = `${store.documents.count} stored documents (${store.documents.tokens} tokens); `
+    + `chunk lookups: ${l.hits} hits, ${l.misses} misses (hit rate ${rate(l.hit_rate)})`
+    + (store.tenant_bytes_cap ? `; your cap per tier: ${bytes(store.tenant_bytes_cap)}` : "");
+}
+
+function showView(name) {
+  for (const tab of $$(".tab")) tab.classList.toggle("active", tab.dataset.view === name);
+  $("#view-ask").hidden = name !== "ask";
+  $("#view-store").hidden = name !== "store";
+  if (name === "store") loadStore();
+}
+
+// ----- start -------------------------------------------------------------------------------
+function bind() {
+  $("#key-form").addEventListener("submit", useKey);
+  $("#forget-key").addEventListener("click", forgetKey);
+  $("#add-doc").addEventListener("click", () => addTextDoc().focus());
+  $("#upload").addEventListener("change", upload);
+  $("#save-docs").addEventListener("click", saveDocs);
+  $("#stored").addEventListener("change", pickStored);
+  $("#ratio").addEventListener("input", () => { $("#ratio-value").textContent = Number($("#ratio").value).toFixed(2); });
+  $("#run").addEventListener("click", run);
+  $("#refresh-store").addEventListener("click", loadStore);
+  for (const tab of $$(".tab")) tab.addEventListener("click", () => showView(tab.dataset.view));
+}
+
+function start() {
+  bind();
+  $("#api-key").value = sessionStorage.getItem(KEY) || "";
+  addTextDoc();
+  addTextDoc();
+  drawChart([]);
+  connect();
+}
+
+document.addEventListener("DOMContentLoaded", start);
