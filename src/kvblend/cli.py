@@ -129,7 +129,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
                   method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     engine = Engine(_load(args), store=_store_from_args(args))
     try:
-        result = engine.generate(shape(engine, draft).request, _sampling(args))
+        result = engine.generate(shape(engine, draft, cut=_document_cut(engine)).request, _sampling(args))
     finally:
         engine.close()
     if args.json:
@@ -138,6 +138,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print(result.text.strip())
         _print_stats(result.stats)
     return 0
+
+
+def _document_cut(engine):
+    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (the chunker's default size),
+    so that each chunk's KV is the one the server and ingest store."""
+    from kvblend.rag.chunking import ChunkerConfig, chunk_text
+
+    return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(), engine.loaded.tokenizer_fingerprint)
 
 
 def _store_from_args(args: argparse.Namespace):

@@ -43,8 +43,15 @@ def user(text: str) -> list[dict[str, str]]:
 
 
 # ----- documents given ----------------------------------------------------------------------
+def windows(engine: Engine, size: int):
+    """The documents API's cut: the rag chunker's windows of ``size`` tokens."""
+    from kvblend.rag.chunking import ChunkerConfig, chunk_text
+
+    return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(size=size), engine.loaded.tokenizer_fingerprint)
+
+
 def test_long_texts_are_cut_into_chunks_that_concatenate_to_the_text(engine: Engine) -> None:
-    shaped = shape(engine, Draft(documents=[LONG, DOCS[0]], question="which city ?"), ShapeConfig(chunk_tokens=8))
+    shaped = shape(engine, Draft(documents=[LONG, DOCS[0]], question="which city ?"), cut=windows(engine, 8))
     assert all(len(d) <= 8 for d in shaped.layout.docs) and len(shaped.layout.docs) > 2
     assert sum(shaped.layout.docs, ()) == ids(engine, LONG) + ids(engine, DOCS[0])
     whole = shape(engine, Draft(documents=[LONG, DOCS[0]], question="which city ?"))

@@ -2,10 +2,10 @@
 rendered layout, before any model work.
 
     shape(engine, draft, config, index=, lookup=) -> ShapedRequest
-        documents given:  {"id"} expands to its stored chunks (``lookup``), a long text is
-                          cut into the chunks ``POST /v1/documents`` stores (each hits
-                          them), every document's tokens are bounded; inline texts are
-                          indexed for matching later prompts (``index``)
+        documents given:  {"id"} expands to its stored chunks (``lookup``), a text is cut
+                          by ``cut`` (the server's: the chunks ``POST /v1/documents``
+                          stores, so each hits them), every document's tokens are
+                          bounded; inline texts are indexed for matching later prompts
         none given:       the tenant's stored texts are found in the messages' characters
                           (``engine.matching``), and with ``discover`` long passages too
                           (``engine.discovery``); each becomes a document where it stands
@@ -18,9 +18,10 @@ The server, ``kvblend ask`` and the eval harness all shape their requests here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.layout import DocPlace, PromptLayout, conversation, tokenize_document
@@ -28,7 +29,6 @@ from kvblend.engine.discovery import DISCOVERED, discover
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.request import Request
 from kvblend.errors import ContextLengthError, InvalidRequestError
-from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 
 STORED = "stored"
 DEFAULT_DISCOVER_TOKENS = 64
@@ -61,21 +61,31 @@ class DocumentTooLargeError(InvalidRequestError):
         self.index, self.tokens, self.limit = index, tokens, limit
 
 
+class Piece(Protocol):
+    """One piece of a cut text (``kvblend.rag.chunking.Chunk`` is one): its characters,
+    its token ids and a stable id."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    chunk_id: str
+
+
+# A text -> its pieces in order, whose ids concatenate to the text's (none for blank text).
+Cut = Callable[[str], Sequence[Piece]]
+
+
 @dataclass(frozen=True)
 class ShapeConfig:
-    """How requests are shaped. ``chunk_tokens``: the chunk size long documents are cut
-    to (the documents API's); ``max_document_tokens``: per document (None: unbounded);
+    """How requests are shaped. ``max_document_tokens``: per document (None: unbounded);
     ``match``: find stored texts in a request without documents; ``discover``: also treat
     its passages of at least ``discover_tokens`` tokens as documents."""
 
-    chunk_tokens: int = ChunkerConfig().size
     max_document_tokens: int | None = None
     match: bool = True
     discover: bool = False
     discover_tokens: int = DEFAULT_DISCOVER_TOKENS
 
     def __post_init__(self) -> None:
-        ChunkerConfig(size=self.chunk_tokens)  # validates the size
         if self.max_document_tokens is not None and self.max_document_tokens < 1:
             raise ValueError("max_document_tokens must be >= 1")
         if self.discover_tokens < 1:
@@ -139,15 +149,16 @@ class ShapedRequest(NamedTuple):
 
 
 def shape(engine: Any, draft: Draft, config: ShapeConfig = ShapeConfig(), *, index: DocumentIndex | None = None,
-          lookup: Lookup | None = None) -> ShapedRequest:
-    """Shape ``draft`` for ``engine`` (see the module docstring). Raises
+          lookup: Lookup | None = None, cut: Cut | None = None) -> ShapedRequest:
+    """Shape ``draft`` for ``engine`` (see the module docstring); without ``cut`` a text
+    document stays one document, tokenized alone. Raises
     ``UnknownDocumentError``, ``DocumentTooLargeError``, ``InvalidRequestError`` (a bad
     placement or template) or ``ContextLengthError``; no model work."""
     base = draft.base()
     matches: tuple[SpanMatch, ...] = ()
     pieces: tuple[int, ...] = ()
     if draft.documents:
-        docs, seen, pieces = expand_documents(engine, draft.documents, config, lookup)
+        docs, seen, pieces = expand_documents(engine, draft.documents, config, lookup, cut)
         if index is not None and seen:
             index.add(draft.tenant, seen)
         request = dataclasses.replace(base, documents=docs)
@@ -169,12 +180,6 @@ def check_context(engine: Any, n: int) -> None:
 
 
 # ----- documents given ----------------------------------------------------------------------
-def document_chunks(engine: Any, text: str, chunk_tokens: int) -> list[Chunk]:
-    """``text`` cut as ``POST /v1/documents`` stores it: the ``kvblend.rag`` chunker's token
-    windows of ``chunk_tokens`` on the serving model's tokenizer (none for blank text)."""
-    return chunk_text(engine.tokenizer, text, ChunkerConfig(size=chunk_tokens), engine.loaded.tokenizer_fingerprint)
-
-
 def aligned(text: str, pieces: Sequence[IndexedText]) -> list[IndexedText]:
     """Those of ``pieces`` (the decoded chunks of ``text``, in order) found where they
     belong in ``text`` (after whitespace a decoder may drop); from a chunk that is not,
@@ -189,23 +194,24 @@ def aligned(text: str, pieces: Sequence[IndexedText]) -> list[IndexedText]:
     return out
 
 
-def chunk_texts(text: str, chunks: Sequence[Chunk], document: str | None = None) -> list[IndexedText]:
+def chunk_texts(text: str, chunks: Sequence[Piece], document: str | None = None) -> list[IndexedText]:
     """The chunks of ``text`` to index, each with its characters (see ``aligned``)."""
     return aligned(text, [IndexedText(c.text, c.token_ids, c.chunk_id, document) for c in chunks])
 
 
 def expand_documents(engine: Any, documents: Sequence[str | Sequence[int] | DocRef], config: ShapeConfig,
-                     lookup: Lookup | None) -> tuple[list[tuple[int, ...]], list[IndexedText], tuple[int, ...]]:
-    """Every document as the token ids of its chunks, in order (a stored one's, a text
-    cut into ``chunk_tokens`` windows), each document's tokens bounded; the inline texts'
-    chunks to index; and how many prompt documents each document became. The prompt's tokens do not depend on the cutting: the windows
+                     lookup: Lookup | None, cut: Cut | None = None,
+                     ) -> tuple[list[tuple[int, ...]], list[IndexedText], tuple[int, ...]]:
+    """Every document as the token ids of its chunks, in order (a stored one's, a text's
+    ``cut`` pieces, else the text tokenized alone), each document's tokens bounded; the
+    inline texts' pieces to index; and how many prompt documents each document became. The prompt's tokens do not depend on the cutting: the windows
     partition a text's ids and documents are concatenated without separators."""
     out, seen, counts = [], [], []
     for i, doc in enumerate(documents):
         pieces = [doc] if not isinstance(doc, DocRef) else _stored(doc, i, lookup)
         ids: list[tuple[int, ...]] = []
         for piece in pieces:
-            chunks = document_chunks(engine, piece, config.chunk_tokens) if isinstance(piece, str) else []
+            chunks = _cut(engine, piece, cut) if isinstance(piece, str) else []
             ids += [c.token_ids for c in chunks] or [tokenize_document(engine.tokenizer, piece)]
             if isinstance(piece, str):
                 seen += chunk_texts(piece, chunks, doc.id if isinstance(doc, DocRef) else None)
@@ -216,6 +222,23 @@ def expand_documents(engine: Any, documents: Sequence[str | Sequence[int] | DocR
         out += kept
         counts.append(len(kept))
     return out, seen, tuple(counts)
+
+
+class _Whole(NamedTuple):
+    text: str
+    token_ids: tuple[int, ...]
+    chunk_id: str
+
+
+def _cut(engine: Any, text: str, cut: Cut | None) -> Sequence[Piece]:
+    """``text``'s pieces: ``cut``'s, else the whole text tokenized alone (named by a digest
+    of its ids; none for blank text)."""
+    if cut is not None:
+        return cut(text)
+    if not text.strip():
+        return []
+    ids = tokenize_document(engine.tokenizer, text)
+    return [_Whole(text, ids, "text-" + hashlib.sha256(repr(ids).encode()).hexdigest()[:24])]
 
 
 def _stored(ref: DocRef, i: int, lookup: Lookup | None) -> Sequence[str | Sequence[int]]:

@@ -159,8 +159,8 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
         raise ValueError(f"method {spec!r}: {exc}") from exc
 
 
-# Each MuSiQue passage stays one document (as the paper's prompt has it), however long.
-EVAL_SHAPING = ShapeConfig(chunk_tokens=MAX_CHUNK_TOKENS, match=True)
+# Each MuSiQue passage stays one document (as the paper's prompt has it): shaped without a cut.
+EVAL_SHAPING = ShapeConfig(match=True)
 
 
 def example_request(ex: Example, spec: MethodSpec, layout: str = "after", engine: Engine | None = None) -> Request:

@@ -53,9 +53,11 @@ from kvblend.server.retrieval import check_retrieval, open_retriever, query_text
 from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
 from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.engine.matching import DocumentIndex
-from kvblend.engine.shaping import chunk_texts, document_chunks
+from kvblend.engine.shaping import chunk_texts
 from kvblend.server.index import open_index
-from kvblend.server.translate import build_draft, check_common, parse, sampling_params, shape_body, utf8_len
+from kvblend.server.translate import (
+    build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
+)
 from kvblend.server.usage import cached_tokens
 from kvblend.settings import Settings
 from kvblend.store.keys import ChunkKey

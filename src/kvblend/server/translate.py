@@ -5,6 +5,7 @@ in ``shape``), and ``shape``'s refusals as API errors."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from pydantic import BaseModel, ValidationError
@@ -17,6 +18,7 @@ from kvblend.engine.shaping import (
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
+from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
 from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
@@ -154,8 +156,14 @@ def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int)
 def shape_config(settings: Settings) -> ShapeConfig:
     """How the server shapes requests: its documents and limits settings."""
     docs = settings.documents
-    return ShapeConfig(chunk_tokens=docs.chunk_tokens, max_document_tokens=settings.limits.max_document_tokens,
-                       match=docs.match, discover=docs.discover, discover_tokens=docs.discover_tokens)
+    return ShapeConfig(max_document_tokens=settings.limits.max_document_tokens, match=docs.match,
+                       discover=docs.discover, discover_tokens=docs.discover_tokens)
+
+
+def document_chunks(engine: Engine, text: str, chunk_tokens: int) -> list[Chunk]:
+    """``text`` cut as ``POST /v1/documents`` stores it: the ``kvblend.rag`` chunker's token
+    windows of ``chunk_tokens`` on the serving model's tokenizer (none for blank text)."""
+    return chunk_text(engine.tokenizer, text, ChunkerConfig(size=chunk_tokens), engine.loaded.tokenizer_fingerprint)
 
 
 def registry_lookup(registry: DocumentRegistry, tenant: str) -> Lookup:
@@ -176,8 +184,8 @@ def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: Docum
     """``shape`` for the server, its refusals as API errors (``param`` names the field of
     the messages). Reads the registry and tokenizes: call it off the event loop."""
     try:
-        return shape(engine, draft, shape_config(settings), index=index,
-                     lookup=registry_lookup(registry, draft.tenant))
+        return shape(engine, draft, shape_config(settings), index=index, lookup=registry_lookup(registry, draft.tenant),
+                     cut=functools.partial(document_chunks, engine, chunk_tokens=settings.documents.chunk_tokens))
     except UnknownDocumentError as exc:
         raise APIError(404, str(exc), f"documents.{exc.index}.id", "NotFoundError") from None
     except DocumentTooLargeError as exc:
