@@ -109,7 +109,8 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from kvblend.engine import Engine, Request
+    from kvblend.engine import Engine
+    from kvblend.engine.shaping import Draft, shape
 
     if not args.doc:
         from kvblend.commands.ingest import run_retrieval_ask
@@ -124,11 +125,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             raise KvblendError(f"cannot read document {path}: {exc.strerror}") from exc
         except UnicodeDecodeError as exc:
             raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
-    request = Request(documents=docs, question=_read_text(args.question), system=args.system,
-                      method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
+    draft = Draft(documents=docs, question=_read_text(args.question), system=args.system,
+                  method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     engine = Engine(_load(args), store=_store_from_args(args))
     try:
-        result = engine.generate(request, _sampling(args))
+        result = engine.generate(shape(engine, draft, cut=_document_cut(engine)).request, _sampling(args))
     finally:
         engine.close()
     if args.json:
@@ -137,6 +138,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print(result.text.strip())
         _print_stats(result.stats)
     return 0
+
+
+def _document_cut(engine):
+    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (the chunker's default size),
+    so that each chunk's KV is the one the server and ingest store."""
+    from kvblend.rag.chunking import ChunkerConfig, chunk_text
+
+    return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(), engine.loaded.tokenizer_fingerprint)
 
 
 def _store_from_args(args: argparse.Namespace):

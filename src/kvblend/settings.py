@@ -178,9 +178,22 @@ class LimitSettings(_Section):
 class DocumentSettings(_Section):
     """``POST /v1/documents``: a document is cut by the ``kvblend.rag`` chunker into fixed
     windows of ``chunk_tokens`` tokens of the serving model's tokenizer, each chunk's KV
-    stored on its own (default: the rag chunker's size)."""
+    stored on its own (default: the rag chunker's size).
+
+    ``match``: a request without a ``documents`` field has its messages' text searched
+    for the tenant's stored chunks (registered, or seen in a ``documents`` field), each
+    found one becoming a document where it stands (``kvblend.engine.matching``; a request
+    turns it off with ``kvblend.match: false``). The index holds at most ``index_bytes``
+    of texts and ids, all tenants together (least recently matched go first, from the
+    tenant holding the most), and is rebuilt from the registry at startup. ``discover``:
+    also treat a prompt's passages (split at blank lines and markdown headings) of at
+    least ``discover_tokens`` tokens as documents, stored on their first sighting."""
 
     chunk_tokens: int = Field(ChunkerConfig().size, ge=1, le=MAX_CHUNK_TOKENS)
+    match: bool = True
+    discover: bool = False
+    discover_tokens: int = Field(64, ge=1, le=MAX_CHUNK_TOKENS)
+    index_bytes: Size = 256 * MiB
 
 
 class TenantSettings(_Section):

@@ -129,3 +129,44 @@ def test_check_layer_beyond_the_model_is_rejected() -> None:
     eng = engine()  # two layers
     with pytest.raises(InvalidRequestError, match="below the model's 2 layers"):
         logits(eng, "blend", check_layers=(2,))
+
+
+# ----- documents inside the messages' text, with text between them ---------------------------
+def _inline_request(method: str, **blend) -> Request:
+    """DOCS[0] in the system message, DOCS[1] and DOCS[2] in the user turn with text
+    around and between them: every document placed where it stands."""
+    from kvblend.blend.layout import DocPlace
+
+    system = f"answer the question . {DOCS[0]}"
+    user = f"document one : {DOCS[1]} then document two : {DOCS[2]} so {QUESTION}"
+    places = [DocPlace(0, len(system) - len(DOCS[0]), len(system)),
+              DocPlace(1, user.index(DOCS[1]), user.index(DOCS[1]) + len(DOCS[1])),
+              DocPlace(1, user.index(DOCS[2]), user.index(DOCS[2]) + len(DOCS[2]))]
+    return Request(documents=DOCS, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                   placement=places, method=method, blend=BlendConfig(**blend))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
+def test_documents_between_text_keep_both_invariants(family: str) -> None:
+    eng = engine(**FAMILIES[family])
+    first = eng.prepare(_inline_request("blend", ratio=0.0))
+    assert eng.layout(_inline_request("full")).gaps  # text between the documents
+    assert [d.source for d in first.stats.docs] == ["computed"] * 3
+    eng.flush()
+    full = eng.prepare(_inline_request("full")).logits
+    assert (first.logits - full).abs().max().item() <= 1e-3  # every document missed: computed in full
+    at_one = eng.prepare(_inline_request("blend", ratio=1.0))
+    assert all(d.hit for d in at_one.stats.docs)
+    assert (at_one.logits - full).abs().max().item() <= 1e-3
+    reuse = eng.prepare(_inline_request("reuse")).logits
+    assert (eng.prepare(_inline_request("blend", ratio=0.0)).logits - reuse).abs().max().item() <= 1e-3
+    assert (reuse - full).abs().max().item() > 1e-3
+
+
+def test_documents_between_text_under_question_selection() -> None:
+    eng = engine(num_hidden_layers=3)
+    eng.prepare(_inline_request("blend", ratio=0.0))
+    eng.flush()
+    full = eng.prepare(_inline_request("full")).logits
+    at_one = eng.prepare(_inline_request("blend", ratio=1.0, selection="question")).logits
+    assert (at_one - full).abs().max().item() <= 1e-3

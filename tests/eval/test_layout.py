@@ -136,3 +136,31 @@ def test_eval_cli_takes_the_layout(tmp_path: Path, monkeypatch) -> None:
     assert json.loads((tmp_path / "out" / RUN_FILE).read_text())["layout"] == "before"
     with pytest.raises(SystemExit):
         kvblend.cli.main([*argv[:-1], "middle"])
+
+
+# ----- inline: the passages pasted into the message text and found by matching ---------------
+def test_inline_pastes_the_passages_into_the_user_turn_and_matching_finds_each(engine: Engine) -> None:
+    from kvblend.eval.runner import inline_request
+
+    system, query = musique_prompt(EXAMPLE.question, "inline")
+    shaped = inline_request(engine, EXAMPLE, MethodSpec("b", "blend"), system, query)
+    user = shaped.request.messages[-1]["content"]
+    assert all(p in user for p in EXAMPLE.documents) and user.endswith(query)
+    assert [m.source for m in shaped.matches] == ["stored"] * 3
+    assert [user[m.start : m.end] for m in shaped.matches] == list(EXAMPLE.documents)
+    assert shaped.layout.docs == tuple(tuple(_ids(engine, d)) for d in EXAMPLE.documents)
+    assert _contains(shaped.layout.prefix, _ids(engine, "Context:"))  # the text before them: computed
+    assert _contains(shaped.layout.suffix, _ids(engine, query))
+    assert engine.layout(shaped.request) is shaped.layout  # rendered once, carried
+
+
+def test_eval_inline_layout_runs_every_method_with_every_passage_matched(engine: Engine, tmp_path: Path) -> None:
+    examples = [EXAMPLE, Example("who led the project ?", EXAMPLE.documents[::-1], ("the doctor",), "b")]
+    config = EvalConfig(("full", "blend:1.0", "blend:0.15"), 4, 2, progress=False, layout="inline")
+    result = evaluate_examples(engine, examples, tmp_path, config, {"dataset": "tiny"})
+    assert len(result.records) == 6
+    assert all(r["match_rate"] == 1.0 for r in result.records)
+    assert all(r["kl"] <= 1e-6 for r in result.records if r["method"] in ("full", "blend:1.0"))
+    blended = [r for r in result.records if r["method"] == "blend:0.15"]
+    assert all(r["sources"] == ["memory"] for r in blended)  # the matched passages' KV was reused
+    assert json.loads((tmp_path / RUN_FILE).read_text())["layout"] == "inline"

@@ -1,6 +1,7 @@
 """The engine: one request from documents to streamed tokens, by any method.
 
-    layout  = render_layout(...)             # prefix | doc_1 ... doc_n | suffix ids
+    layout  = render_layout(...)             # prefix | doc_1 | gap | ... doc_n | suffix ids
+                                              # (or the request's, shaped and rendered once)
     prefix  = prefix_cache.lookup(...)        # exact reuse of the longest known prefix
     chunks  = store.locate(key(doc)) per doc  # memory: lent whole; disk/Redis: read per layer
     fused   = fuse(model, plan)               # re-rotate + selective recompute, while a
@@ -474,9 +475,12 @@ class Engine:
                       fallback, _doc_checks(out, layout, fused, request.explain), loading, choice)
 
     def layout(self, request: Request) -> PromptLayout:
-        """The request's token ids and spans (no model work)."""
+        """The request's token ids and spans (no model work): its pre-rendered ``layout``
+        when it carries one (``engine.shaping.shape``), else rendered now."""
+        if request.layout is not None:
+            return request.layout
         return render_layout(self.tokenizer, request.documents, request.question, request.messages,
-                             request.system, request.use_chat_template)
+                             request.system, request.use_chat_template, request.placement)
 
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet.

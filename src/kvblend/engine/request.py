@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
+from kvblend.blend.layout import DocPlace, PromptLayout, check_placement, conversation
 from kvblend.errors import InvalidRequestError
 from kvblend.generation.stream import StreamEvent, collect, validate_messages
 from kvblend.pipeline.controller import RatioChoice
@@ -24,11 +25,16 @@ class Request:
     """``system`` (optional) + ``documents`` + a ``question`` or chat ``messages``.
 
     Documents are texts or token-id lists; each is tokenized alone and placed, in
-    order, at the start of the last user turn. ``method`` is one of full, prefix,
-    reuse, blend, or auto (a ``QualityGuard`` picks; without one it is blend);
-    ``blend`` holds the selective-recompute knobs. ``explain``: the stats' check layers
-    also list, per document, the tokens chosen for recompute with their scores
-    (``CheckStat.tokens``); off by default, since only a caller that shows them needs them.
+    order, at the start of the last user turn, or, with ``placement``, each where its
+    ``DocPlace`` says (it replaces those characters of a message: a passage found in the
+    message's text; ``blend.layout``). ``method`` is one of full, prefix, reuse, blend,
+    or auto (a ``QualityGuard`` picks; without one it is blend); ``blend`` holds the
+    selective-recompute knobs. ``explain``: the stats' check layers also list, per
+    document, the tokens chosen for recompute with their scores (``CheckStat.tokens``);
+    off by default, since only a caller that shows them needs them. ``layout``: this
+    request's prompt already rendered (``engine.shaping.shape`` renders it once), so the
+    engine does not render it again; its documents must be the request's (checked for
+    documents given as ids).
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -40,6 +46,8 @@ class Request:
     tenant: str = "default"
     use_chat_template: bool = True
     explain: bool = False
+    placement: Sequence[DocPlace] | None = None
+    layout: PromptLayout | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in REQUEST_METHODS:
@@ -54,6 +62,20 @@ class Request:
                 raise InvalidRequestError(f"{name} must be text")
         if not isinstance(self.tenant, str) or not self.tenant:
             raise InvalidRequestError("tenant must be a non-empty string")
+        if self.placement is not None:
+            places = tuple(DocPlace(*p) for p in self.placement)
+            object.__setattr__(self, "placement", places)
+            check_placement(conversation(self.system, self.messages, self.question), places, len(self.documents))
+        if self.layout is not None:
+            _check_layout(self.layout, self.documents)
+
+
+def _check_layout(layout: PromptLayout, documents: Sequence[str | tuple[int, ...]]) -> None:
+    """InvalidRequestError when a pre-rendered layout cannot be this request's: another
+    number of documents, or a document given as ids that is not the layout's."""
+    if len(layout.docs) != len(documents) or any(
+            not isinstance(d, str) and d != ids for d, ids in zip(documents, layout.docs)):
+        raise InvalidRequestError("the pre-rendered layout does not match the request's documents")
 
 
 def _documents(documents: object) -> tuple[str | tuple[int, ...], ...]:

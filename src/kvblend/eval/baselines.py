@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend.engine import Engine, Prepared, Request
-from kvblend.eval.datasets import Example, check_layout, musique_prompt
+from kvblend.eval.datasets import Example, check_layout, musique_prompt, question_after
 from kvblend.eval.runner import Reference, decode_answer, score_prepared
 from kvblend.generation import SamplingParams
 from kvblend.generation.decode import slot_steps
@@ -51,7 +51,7 @@ def map_query(question: str) -> str:
 def map_prompt(question: str, layout: str = "after") -> tuple[str, str]:
     """(system prompt, text after the passage) of a map call: the question after the
     passage (`map_query`), or ``before`` it in the system prompt with only the cue after."""
-    if check_layout(layout) == "after":
+    if question_after(layout):
         return MAP_INSTRUCTION, map_query(question)
     return f"{MAP_INSTRUCTION}\n\nQuestion: {question}", MAP_CUE
 
@@ -218,5 +218,6 @@ def score_baseline(engine: Engine, ex: Example, method: str, ref: Reference,
         prompt_tokens=prompt_tokens + sum(m.prompt_tokens for m in run.maps), calls=calls + len(run.maps),
         map_s=sum(m.elapsed_s for m in run.maps), map_outputs=[m.text.strip() for m in run.maps],
         confidences=[m.confidence for m in run.maps], picked=run.picked,
+        match_rate=1.0,  # every call is given its passages as documents, never matched
     )
     return scores

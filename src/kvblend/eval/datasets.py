@@ -9,7 +9,7 @@ used by the CacheBlend evaluation: a JSON list of
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,10 @@ def musique_query(question: str) -> str:
     )
 
 
-LAYOUTS = ("after", "before")  # where the question sits: after the documents (the paper's prompt) or before
+# Where the question sits: after the documents (the paper's prompt) or before them; "inline"
+# is "after" with the passages pasted into the user message's text, as RAG frameworks do
+# (found again there by matching: `runner.inline_request`).
+LAYOUTS = ("after", "before", "inline")
 MUSIQUE_INSTRUCTION_BEFORE = (
     "You will be asked a question and then read several passages. Please directly answer "
     "the question based on the given passages. Do NOT repeat the question. The answer "
@@ -56,6 +59,11 @@ def check_layout(layout: str) -> str:
     return layout
 
 
+def question_after(layout: str) -> bool:
+    """Whether ``layout`` puts the question after the documents (``after`` and ``inline``)."""
+    return check_layout(layout) != "before"
+
+
 def musique_prompt(question: str, layout: str = "after") -> tuple[str, str]:
     """(system prompt, text after the documents) of the MuSiQue prompt for ``question``.
 
@@ -65,9 +73,15 @@ def musique_prompt(question: str, layout: str = "after") -> tuple[str, str]:
     them only the answer cue (`MUSIQUE_ANSWER_CUE`), without repeating the question. The
     documents' own ids are the same either way, so their chunk KV (computed after the
     prompt's first token) and its keys do not depend on the layout."""
-    if check_layout(layout) == "after":
+    if question_after(layout):
         return MUSIQUE_INSTRUCTION, musique_query(question)
     return f"{MUSIQUE_INSTRUCTION_BEFORE}\n\nQuestion: {question}", MUSIQUE_ANSWER_CUE
+
+
+def inline_context(passages: Sequence[str], query: str) -> str:
+    """A user message with the passages pasted into its text the way RAG frameworks
+    stuff a context ("Context:", the passages joined by blank lines, then the query)."""
+    return "Context:\n\n" + "\n\n".join(passages) + "\n\n" + query
 
 
 def format_musique_passage(title: str, text: str) -> str:

@@ -11,7 +11,7 @@ line (a crash mid-write) is dropped. Full prefill is always run: it is the refer
 every other method is scored against (`kvblend.eval.runner`).
 
     kvblend eval --dataset PATH|synthetic:n=..,docs=..,doc_tokens=.. \\
-        --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR [--layout after|before]
+        --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR [--layout after|before|inline]
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class EvalConfig:
     specs (``full`` is added first when missing); ``kl_tokens`` full-prefill answer
     tokens are teacher-forced for KL; ``map_tokens`` caps MapReduce's per-document notes;
     ``layout`` places the question ``after`` the documents (the paper's prompt) or
-    ``before`` them (`datasets.musique_prompt`), for every method and the reference."""
+    ``before`` them (`datasets.musique_prompt`), or ``inline``: after them, with the
+    passages pasted into the user message's text and found there by matching
+    (`runner.inline_request`), for every method and the reference."""
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_tokens: int = 32
@@ -291,7 +293,9 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--map-tokens", type=int, default=32, help="MapReduce note length")
     p.add_argument("--layout", choices=LAYOUTS, default="after",
-                   help="the question after the documents (the paper's prompt) or before them (default: %(default)s)")
+                   help="the question after the documents (the paper's prompt), before them, or after them "
+                        "with the passages pasted into the message text as RAG frameworks do, found there by "
+                        "matching (inline) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_eval)

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 
 from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SIGNALS, BlendConfig
+from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Prepared, Request
-from kvblend.eval.datasets import Example, musique_prompt
+from kvblend.engine.matching import DocumentIndex, IndexedText
+from kvblend.engine.shaping import Draft, ShapeConfig, ShapedRequest, shape
+from kvblend.eval.datasets import Example, inline_context, musique_prompt
 from kvblend.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
@@ -156,11 +159,42 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
         raise ValueError(f"method {spec!r}: {exc}") from exc
 
 
-def example_request(ex: Example, spec: MethodSpec, layout: str = "after") -> Request:
+# Each MuSiQue passage stays one document (as the paper's prompt has it): shaped without a cut.
+EVAL_SHAPING = ShapeConfig(match=True)
+
+
+def example_request(ex: Example, spec: MethodSpec, layout: str = "after", engine: Engine | None = None) -> Request:
     """The MuSiQue prompt of ``ex`` for ``spec``, the question placed by ``layout``
-    (`datasets.musique_prompt`: ``after`` or ``before`` the documents)."""
+    (`datasets.musique_prompt`: ``after`` or ``before`` the documents; ``inline``: after
+    them, the passages pasted into the user message's text). With ``engine`` the request
+    is shaped (`kvblend.engine.shaping.shape`, layout rendered once), which ``inline``
+    needs: its passages are found in the message by matching (`inline_request`)."""
     system, query = musique_prompt(ex.question, layout)
-    return Request(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
+    if layout == "inline":
+        if engine is None:
+            raise ValueError("the inline layout is shaped by an engine: pass engine=")
+        return inline_request(engine, ex, spec, system, query).request
+    if engine is None:
+        return Request(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
+    draft = Draft(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
+    return shape(engine, draft, EVAL_SHAPING).request
+
+
+def example_index(engine: Engine, ex: Example) -> DocumentIndex:
+    """An index holding ``ex``'s passages as registered documents (each one chunk, its
+    text tokenized alone), as a server holds a tenant's stored documents."""
+    index = DocumentIndex()
+    index.add("default", [IndexedText(d, tokenize_document(engine.tokenizer, d), f"{ex.id}:{i}", f"{ex.id}:{i}")
+                          for i, d in enumerate(ex.documents)])
+    return index
+
+
+def inline_request(engine: Engine, ex: Example, spec: MethodSpec, system: str, query: str) -> ShapedRequest:
+    """The prompt with ``ex``'s passages pasted into the user turn (`datasets.inline_context`),
+    shaped with matching over an index of them: each passage found becomes a document."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": inline_context(ex.documents, query)}]
+    draft = Draft(messages=messages, method=spec.method, blend=spec.blend)
+    return shape(engine, draft, EVAL_SHAPING, index=example_index(engine, ex))
 
 
 @dataclass
@@ -205,11 +239,11 @@ def reference(engine: Engine, ex: Example, max_tokens: int, kl_tokens: int,
               layout: str = "after") -> tuple[Reference, dict[str, Any]]:
     spec = MethodSpec("full", "full")
     t = time.perf_counter()
-    prepared = engine.prepare(example_request(ex, spec, layout), max_tokens)
+    prepared = engine.prepare(example_request(ex, spec, layout, engine), max_tokens)
     ttft = time.perf_counter() - t
     text, ids = decode_answer(engine, prepared, max_tokens)
     ref = Reference(first_line(text), ids, teacher_force(engine, prepared, ids[:kl_tokens]) if ids else prepared.logits[None])
-    return ref, score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
+    return ref, {**score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens), **match_rate(prepared, ex)}
 
 
 def score_prepared(engine: Engine, prepared: Prepared, ex: Example, ref: Reference, text: str, ids: list[int],
@@ -229,12 +263,18 @@ def score_prepared(engine: Engine, prepared: Prepared, ex: Example, ref: Referen
     }
 
 
+def match_rate(prepared: Prepared, ex: Example) -> dict[str, float]:
+    """The share of the example's passages placed in the prompt as documents (1 when they
+    are given as documents; under the ``inline`` layout, those matching found)."""
+    return {"match_rate": len(prepared.layout.docs) / max(1, len(ex.documents))}
+
+
 def warm_documents(engine: Engine, ex: Example, specs: Sequence[MethodSpec], layout: str = "after") -> None:
     """Store every document's chunk KV (for each chunk-prefix mode used) before timing."""
     for mode in {s.blend.chunk_prefix for s in specs if s.method in ("reuse", "blend")}:
-        req = example_request(ex, MethodSpec("warm", "blend", BlendConfig(chunk_prefix=mode)), layout)
-        layout = engine.layout(req)
-        engine.warm(list(layout.docs), engine.chunk_prefix(req, layout))
+        req = example_request(ex, MethodSpec("warm", "blend", BlendConfig(chunk_prefix=mode)), layout, engine)
+        rendered = engine.layout(req)
+        engine.warm(list(rendered.docs), engine.chunk_prefix(req, rendered))
 
 
 def score_method(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, max_tokens: int = 32,
@@ -243,10 +283,10 @@ def score_method(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, 
     the same ``layout``; chunk KV should already be stored: `warm_documents`). TTFT = the
     prepare call."""
     t = time.perf_counter()
-    prepared = engine.prepare(example_request(ex, spec, layout), max_tokens)
+    prepared = engine.prepare(example_request(ex, spec, layout, engine), max_tokens)
     ttft = time.perf_counter() - t
     text, ids = decode_answer(engine, prepared, max_tokens)
-    return score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens)
+    return {**score_prepared(engine, prepared, ex, ref, text, ids, ttft, kl_tokens), **match_rate(prepared, ex)}
 
 
 def run_example(engine: Engine, ex: Example, specs: Sequence[MethodSpec], max_tokens: int = 32,

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from kvblend.engine import Engine, Request, Result
 from kvblend.engine.request import result_of
+from kvblend.engine.shaping import Draft, shape
 from kvblend.errors import KvblendError
 from kvblend.generation import SamplingParams
 from kvblend.rag.retriever import Hit, Retriever
@@ -77,7 +78,8 @@ def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "d
     if not hits:
         raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
                            "run `kvblend ingest PATH...` first (with the same --model and --tenant)")
-    request = Request(documents=[h.token_ids for h in hits], question=question, tenant=tenant, **(request_kw or {}))
+    draft = Draft(documents=[h.token_ids for h in hits], question=question, tenant=tenant, **(request_kw or {}))
+    request = shape(engine, draft).request
     store_admission = getattr(engine.store, "admission", None)
     try:
         due = _lazy_admission(engine, retriever, hits, tenant)

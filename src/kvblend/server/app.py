@@ -14,7 +14,6 @@ registry's own threads (``ServerState.off_loop``).
 from __future__ import annotations
 
 import asyncio
-import asyncio
 import dataclasses
 import functools
 import json
@@ -44,7 +43,7 @@ from kvblend.server.documents import (
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
-from kvblend.server.explain import explainer, stored_pieces
+from kvblend.server.explain import explainer
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
 from kvblend.server.observer import MetricsObserver
 from kvblend.server.playground import add_playground
@@ -53,8 +52,11 @@ from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
 from kvblend.server.storeview import documents_summary, store_summary
+from kvblend.engine.matching import DocumentIndex
+from kvblend.engine.shaping import chunk_texts
+from kvblend.server.index import open_index
 from kvblend.server.translate import (
-    build_request, check_common, check_lengths, document_chunks, parse, sampling_params, utf8_len,
+    build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
 from kvblend.server.usage import cached_tokens
 from kvblend.settings import Settings
@@ -79,6 +81,7 @@ class ServerState:
     model_ids: tuple[str, ...]
     retriever: Any = None  # kvblend.rag.retriever.Retriever when settings.retrieval.enabled
     guard: ServerGuard | None = None  # when settings.guard.enabled
+    index: DocumentIndex | None = None  # stored texts found in messages (settings.documents.match), set at startup
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     registry_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
@@ -147,6 +150,7 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> 
     async def lifespan(app: FastAPI):
         if not state.scheduler.started:  # a scheduler may be handed in already running
             state.scheduler.start()
+        state.index = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer)
         yield
         state.draining = True
         if not state.scheduler.draining:
@@ -287,6 +291,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         async with state.document_locks.hold((tenant, doc_id)):
             record = await _own_document(state, tenant, doc_id)
             await state.off_loop(state.registry.delete, tenant, doc_id)
+            if state.index is not None:
+                state.index.remove_document(tenant, doc_id)
             await _delete_unused(state, tenant, record.keys, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
@@ -370,6 +376,8 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
             await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
         keys = [str(k) for k in plan.keys]
         stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
+        if state.index is not None:
+            state.index.add(tenant, chunk_texts(body.text, chunks, doc_id))
         return stored, await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, keys)
 
     async with state.document_locks.hold((tenant, doc_id)):
@@ -423,18 +431,18 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     body = parse(model, await read_json(http, settings.limits.max_body_bytes))
     check_common(body, settings, state.model_ids)
     top_k = check_retrieval(body, settings, state.retriever)
-    request = await state.off_loop(build_request, body, settings, state.registry, tenant, state.num_layers)
-    used = None
+    draft, used = build_draft(body, settings, tenant, state.num_layers), None
     if top_k is not None:  # the caller's own tenant's chunks, as the token ids they were indexed with
         hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
-        request = dataclasses.replace(request, documents=[h.token_ids for h in hits])
+        draft = dataclasses.replace(draft, documents=[h.token_ids for h in hits])
         used = tuple(sources(hits))
-    checked = await anyio.to_thread.run_sync(check_lengths, state.engine, request, settings)
-    prompt_tokens, request = checked.prompt_tokens, checked.request
+    param = "messages" if model is ChatCompletionRequest else "prompt"
+    shaped = await state.off_loop(shape_body, state.engine, draft, settings, state.registry, state.index, param)
+    request, prompt_tokens = shaped.request, shaped.prompt_tokens
     explains = None
-    if request.explain:
-        pieces = await state.off_loop(stored_pieces, body, state.registry, tenant)
-        explains = explainer(request, state.engine.tokenizer, pieces, checked.pieces, settings.limits)
+    if request.explain:  # shape expanded and cut every document given: one piece each from here
+        explains = explainer(request, state.engine.tokenizer, shaped.pieces, [1] * len(request.documents),
+                             settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
@@ -443,7 +451,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         handle = state.scheduler.submit(request, sampling)
     except KvblendError as exc:
         raise from_exception(exc) from None
-    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used,
+    matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
+    shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
                   explain=explains.block if explains is not None else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

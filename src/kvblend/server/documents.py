@@ -182,6 +182,11 @@ class DocumentRegistry:
         with self._lock:
             return _count(self._db, tenant)
 
+    def tenants(self) -> list[str]:
+        """Every tenant holding at least one document (for rebuilding indexes at startup)."""
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT DISTINCT tenant FROM documents ORDER BY tenant")]
+
     def put(self, tenant: str, record: DocumentRecord, limit: int | None = None) -> None:
         """Insert or replace the row and its keys in the index, in one transaction. With
         ``limit``, a new id when the tenant already holds ``limit`` documents raises

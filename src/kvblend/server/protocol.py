@@ -49,6 +49,7 @@ class KvblendOptions(BlendOptions):
     merged result and its errors name the field), and ``explain``, which is not a knob."""
 
     explain: bool | None = None  # the response's kvblend block lists the recomputed tokens (server/explain.py)
+    match: bool | None = None  # false: do not look for stored documents in the messages' text
 
 
 class RetrievalOptions(BaseModel):

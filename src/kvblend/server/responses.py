@@ -61,13 +61,16 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
     explain: Callable[[RequestStats], dict[str, Any]] | None = None  # when the request asked (server/explain.py)
+    matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
 
     def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True) -> dict[str, Any]:
-        """The response's ``kvblend`` block, with the retrieved sources when there are any
-        and, when asked and ``explain``, the recomputed tokens."""
+        """The response's ``kvblend`` block, with the retrieved sources and the matched
+        spans when there are any and, when asked and ``explain``, the recomputed tokens."""
         block = kvblend_block(stats, queue_s)
         if self.sources is not None:
             block["sources"] = list(self.sources)
+        if self.matches is not None:
+            block["matches"] = list(self.matches)
         if explain and self.explain is not None and stats is not None:
             block["explain"] = self.explain(stats)
         return block

@@ -1,19 +1,22 @@
-"""From an OpenAI-style body to an engine ``Request`` and ``SamplingParams``, with every
-bound checked before anything is tokenized or allocated (counts and bytes first, then
-token counts and the context)."""
+"""From an OpenAI-style body to a ``Draft`` for ``kvblend.engine.shaping.shape`` (which
+makes the engine ``Request``) and ``SamplingParams``, with every bound checked before
+anything is tokenized or allocated (counts and bytes here, token counts and the context
+in ``shape``), and ``shape``'s refusals as API errors."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
-from typing import NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.layout import tokenize_document
-from kvblend.engine import Engine, Request
-from kvblend.errors import InvalidRequestError
+from kvblend.engine import Engine
+from kvblend.engine.matching import DocumentIndex
+from kvblend.engine.shaping import (
+    DocRef, DocumentTooLargeError, Draft, Lookup, ShapeConfig, ShapedRequest, UnknownDocumentError, shape,
+)
+from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
@@ -59,34 +62,25 @@ def check_common(body: _Common, settings: Settings, model_ids: tuple[str, ...]) 
             raise bad_request(f"stop strings must have 1-{MAX_STOP_CHARS} characters", f"stop.{i}")
 
 
-def resolve_documents(body: _Common, settings: Settings, registry: DocumentRegistry,
-                      tenant: str) -> list[str | tuple[int, ...]]:
-    """The request's documents, with count and byte limits applied before any tokenization:
-    a text as given; a stored one (looked up in the caller's registry) expands to its
-    chunks' token ids, in order, one prompt document per chunk, so each chunk's stored KV
-    is hit (a row stored before chunking gives its text)."""
+def documents_of(body: _Common, settings: Settings) -> list[str | DocRef]:
+    """The request's documents with count and byte limits applied before any tokenization:
+    texts as given, stored ones as ``DocRef`` (``shape`` expands them to their chunks)."""
     docs = body.documents or []
     limits = settings.limits
     if len(docs) > limits.max_documents:
         raise bad_request(f"at most {limits.max_documents} documents per request; got {len(docs)}", "documents")
-    texts: list[str | tuple[int, ...]] = []
+    out: list[str | DocRef] = []
     for i, doc in enumerate(docs):
         if isinstance(doc, DocumentRef) and doc.text is None:
-            record = registry.get(tenant, doc.id)
-            if record is None:
-                raise APIError(404, f"no stored document with id {doc.id!r}", f"documents.{i}.id", "NotFoundError")
-            if record.chunks:
-                texts.extend(c.token_ids for c in record.chunks)
-            else:
-                texts.append(record.text)
+            out.append(DocRef(doc.id))
             continue
         text = doc.text if isinstance(doc, DocumentRef) else doc
         size = utf8_len(text, f"documents.{i}")
         if size > limits.max_document_bytes:
             raise APIError(413, f"document {i} has {size} bytes; the limit is {limits.max_document_bytes}",
                            f"documents.{i}")
-        texts.append(text)
-    return texts
+        out.append(text)
+    return out
 
 
 DEVIATION_KNOBS = ("check_layers", "schedule", "signal")
@@ -102,7 +96,7 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     opts = body.kvblend
     if opts is None:
         return base.method, base.blend_config()
-    given = {k: v for k, v in opts.model_dump(exclude={"explain"}).items() if v is not None}
+    given = {k: v for k, v in opts.model_dump(exclude={"explain", "match"}).items() if v is not None}
     values = {**base.model_dump(), **given}
     if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
@@ -138,28 +132,32 @@ def chat_messages(body: ChatCompletionRequest, settings: Settings) -> list[dict[
     return out
 
 
-def build_request(body: _Common, settings: Settings, registry: DocumentRegistry, tenant: str,
-                  num_layers: int) -> Request:
-    """The engine ``Request`` of a body (a 400/404/413 ``APIError`` when it is refused). Reads
-    the registry to expand ``{"id": ...}`` documents: call it off the event loop."""
-    documents = resolve_documents(body, settings, registry, tenant)
+def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int) -> Draft:
+    """The ``Draft`` of a body (a 400/413 ``APIError`` when it is refused): what ``shape``
+    turns into the engine's request. No registry, no tokenizer: call it on the loop."""
+    documents = documents_of(body, settings)
     method, blend = blend_options(body, settings, num_layers)
+    match = body.kvblend is None or body.kvblend.match is not False
     explain = bool(body.kvblend and body.kvblend.explain)
-    try:
-        if isinstance(body, ChatCompletionRequest):
-            return Request(documents=documents, messages=chat_messages(body, settings), method=method,
-                           blend=blend, tenant=tenant, explain=explain)
-        assert isinstance(body, CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise bad_request("only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        utf8_len(prompt, "prompt")
-        return Request(documents=documents, question=prompt, method=method, blend=blend, tenant=tenant,
-                       use_chat_template=False, explain=explain)
-    except InvalidRequestError as exc:
-        raise bad_request(str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt") from None
+    if isinstance(body, ChatCompletionRequest):
+        return Draft(documents=documents, messages=chat_messages(body, settings), method=method, blend=blend,
+                     tenant=tenant, match=match, explain=explain)
+    assert isinstance(body, CompletionRequest)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    utf8_len(prompt, "prompt")
+    return Draft(documents=documents, question=prompt, method=method, blend=blend, tenant=tenant,
+                 use_chat_template=False, match=match, explain=explain)
+
+
+def shape_config(settings: Settings) -> ShapeConfig:
+    """How the server shapes requests: its documents and limits settings."""
+    docs = settings.documents
+    return ShapeConfig(max_document_tokens=settings.limits.max_document_tokens, match=docs.match,
+                       discover=docs.discover, discover_tokens=docs.discover_tokens)
 
 
 def document_chunks(engine: Engine, text: str, chunk_tokens: int) -> list[Chunk]:
@@ -168,43 +166,34 @@ def document_chunks(engine: Engine, text: str, chunk_tokens: int) -> list[Chunk]
     return chunk_text(engine.tokenizer, text, ChunkerConfig(size=chunk_tokens), engine.loaded.tokenizer_fingerprint)
 
 
-class Checked(NamedTuple):
-    """A request whose lengths fit: its prompt's token count, the request with token-id
-    documents, and how many prompt documents each document given became (in order)."""
+def registry_lookup(registry: DocumentRegistry, tenant: str) -> Lookup:
+    """The tenant's stored documents for ``shape``: a document's chunks' ids in order (a
+    row stored before chunking: its text), None for an id the tenant does not have."""
 
-    prompt_tokens: int
-    request: Request
-    pieces: tuple[int, ...]
+    def lookup(doc_id: str) -> list[str | tuple[int, ...]] | None:
+        record = registry.get(tenant, doc_id)
+        if record is None:
+            return None
+        return [c.token_ids for c in record.chunks] if record.chunks else [record.text]
+
+    return lookup
 
 
-def check_lengths(engine: Engine, request: Request, settings: Settings) -> Checked:
-    """Tokenize each document once (bounded inputs only) and check its tokens and the
-    context. Returns the prompt's token count and the request with every text document
-    replaced by its token ids, cut into the chunks ``document_chunks`` gives, so that a
-    stored document sent again as text hits each of its chunks. The prompt's tokens do not
-    change: documents are concatenated without separators and the windows partition the
-    document's ids. Runs off the event loop."""
-    limit, docs, pieces_of = settings.limits.max_document_tokens, [], []
-    for i, doc in enumerate(request.documents):
-        chunks = document_chunks(engine, doc, settings.documents.chunk_tokens) if isinstance(doc, str) else []
-        pieces = [c.token_ids for c in chunks] or [tokenize_document(engine.tokenizer, doc)]
-        n = sum(len(p) for p in pieces)
-        if n > limit:
-            raise APIError(413, f"document {i} has {n} tokens; the limit is {limit}", f"documents.{i}")
-        docs.extend(pieces if n else [doc])
-        pieces_of.append(len(pieces) if n else 1)
-    request = dataclasses.replace(request, documents=docs)
+def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: DocumentRegistry,
+               index: DocumentIndex | None, param: str) -> ShapedRequest:
+    """``shape`` for the server, its refusals as API errors (``param`` names the field of
+    the messages). Reads the registry and tokenizes: call it off the event loop."""
     try:
-        layout = engine.layout(request)
+        return shape(engine, draft, shape_config(settings), index=index, lookup=registry_lookup(registry, draft.tenant),
+                     cut=functools.partial(document_chunks, engine, chunk_tokens=settings.documents.chunk_tokens))
+    except UnknownDocumentError as exc:
+        raise APIError(404, str(exc), f"documents.{exc.index}.id", "NotFoundError") from None
+    except DocumentTooLargeError as exc:
+        raise APIError(413, str(exc), f"documents.{exc.index}") from None
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), "input_tokens", "BadRequestError") from None
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), "messages") from None
-    n = len(layout)
-    context = engine.loaded.config.context_length
-    if n + 1 > context:
-        raise APIError(400, f"This model's maximum context length is {context} tokens. However, your request has "
-                            f"{n} input tokens. Please reduce the length of the input messages or documents.",
-                       "input_tokens", "BadRequestError")
-    return Checked(n, request, tuple(pieces_of))
+        raise bad_request(str(exc), param) from None
 
 
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:

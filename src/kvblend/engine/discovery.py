@@ -1,0 +1,73 @@
+"""Passage discovery: a prompt's long paragraphs treated as documents though never stored.
+
+With ``documents.discover`` on, the text of a request's (non-assistant) messages outside
+the spans already matched is cut at blank lines and markdown headings; each passage of at
+least ``min_tokens`` tokens (tokenized alone, the way it becomes a document) is placed in
+the layout as a document where it stands. The first time it misses the store and the
+engine's write-back stores its chunk KV; wherever the same passage appears again it hits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kvblend.blend.layout import tokenize_document
+
+# A passage ends at a blank line, or before a markdown heading line ("# ..." to "###### ...").
+_BREAK = re.compile(r"\n[ \t]*\n\s*|\n(?=[ \t]{0,3}#{1,6}[ \t])")
+DISCOVERED = "discovered"
+
+
+class Passage(NamedTuple):
+    """A passage found at ``[start, end)`` of message ``message``, with its own token ids."""
+
+    message: int
+    start: int
+    end: int
+    token_ids: tuple[int, ...]
+
+    @property
+    def chunk(self) -> str:
+        """A stable name for the passage: a digest of its ids."""
+        return "passage-" + hashlib.sha256(repr(self.token_ids).encode()).hexdigest()[:24]
+
+
+def paragraphs(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each paragraph of ``text``, cut at blank lines and before markdown
+    headings, without the whitespace around it (empty ones left out)."""
+    out, pos = [], 0
+    for cut in [*_BREAK.finditer(text), None]:
+        stop = cut.start() if cut is not None else len(text)
+        piece = text[pos:stop]
+        lead = len(piece) - len(piece.lstrip())
+        body = piece.strip()
+        if body:
+            out.append((pos + lead, pos + lead + len(body)))
+        pos = cut.end() if cut is not None else len(text)
+    return out
+
+
+def _outside(span: tuple[int, int], taken: Sequence[tuple[int, int]]) -> bool:
+    return all(span[1] <= a or span[0] >= b for a, b in taken)
+
+
+def discover(tokenizer: Any, messages: Sequence[dict[str, str]], min_tokens: int,
+             taken: Sequence[tuple[int, int, int]] = ()) -> list[Passage]:
+    """The passages of at least ``min_tokens`` tokens in the non-assistant ``messages``,
+    outside the ``taken`` (message, start, end) spans, in prompt order."""
+    found = []
+    for m, msg in enumerate(messages):
+        if msg.get("role") == "assistant":
+            continue
+        text = msg.get("content") or ""
+        spans = [(a, b) for k, a, b in taken if k == m]
+        for start, end in paragraphs(text):
+            if end - start < min_tokens or not _outside((start, end), spans):
+                continue  # a token holds at least one character: too short to qualify
+            ids = tokenize_document(tokenizer, text[start:end])
+            if len(ids) >= min_tokens:
+                found.append(Passage(m, start, end, ids))
+    return found

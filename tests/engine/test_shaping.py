@@ -1,0 +1,157 @@
+"""Request shaping: documents expanded and cut, stored texts found in messages, passages
+discovered, the layout rendered once and carried to the engine; on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.engine import Engine
+from kvblend.engine import engine as engine_module
+from kvblend.engine.discovery import discover, paragraphs
+from kvblend.engine.matching import DocumentIndex, IndexedText
+from kvblend.engine.shaping import (
+    DocRef, DocumentTooLargeError, Draft, ShapeConfig, UnknownDocumentError, shape,
+)
+from kvblend.errors import ContextLengthError
+from tests.conftest import make_loaded
+
+DOCS = [
+    "the city of paris is blue . the river was red and the project led to rome .",
+    "doctor alpha works in lisbon . the company headquartered in oslo was green .",
+    "the novel published in year one was about madrid and the north river .",
+]
+LONG = " ".join(DOCS * 2)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(make_loaded())
+
+
+def ids(engine: Engine, text: str) -> tuple[int, ...]:
+    return tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stored(engine: Engine, tenant: str = "default", *texts: str) -> DocumentIndex:
+    index = DocumentIndex()
+    index.add(tenant, [IndexedText(t, ids(engine, t), f"c{i}", f"d{i}") for i, t in enumerate(texts or DOCS)])
+    return index
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# ----- documents given ----------------------------------------------------------------------
+def windows(engine: Engine, size: int):
+    """The documents API's cut: the rag chunker's windows of ``size`` tokens."""
+    from kvblend.rag.chunking import ChunkerConfig, chunk_text
+
+    return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(size=size), engine.loaded.tokenizer_fingerprint)
+
+
+def test_long_texts_are_cut_into_chunks_that_concatenate_to_the_text(engine: Engine) -> None:
+    shaped = shape(engine, Draft(documents=[LONG, DOCS[0]], question="which city ?"), cut=windows(engine, 8))
+    assert all(len(d) <= 8 for d in shaped.layout.docs) and len(shaped.layout.docs) > 2
+    assert sum(shaped.layout.docs, ()) == ids(engine, LONG) + ids(engine, DOCS[0])
+    whole = shape(engine, Draft(documents=[LONG, DOCS[0]], question="which city ?"))
+    assert shaped.layout.ids == whole.layout.ids  # cutting never changes the prompt's tokens
+
+
+def test_stored_ids_expand_and_unknown_ids_name_their_index(engine: Engine) -> None:
+    chunks = {"a": [ids(engine, DOCS[0]), ids(engine, DOCS[1])]}
+    shaped = shape(engine, Draft(documents=[DocRef("a"), DOCS[2]], question="q ?"), lookup=chunks.get)
+    assert shaped.layout.docs == (ids(engine, DOCS[0]), ids(engine, DOCS[1]), ids(engine, DOCS[2]))
+    with pytest.raises(UnknownDocumentError) as err:
+        shape(engine, Draft(documents=[DOCS[0], DocRef("b")], question="q ?"), lookup=chunks.get)
+    assert err.value.index == 1 and err.value.doc_id == "b"
+
+
+def test_document_and_context_limits(engine: Engine) -> None:
+    with pytest.raises(DocumentTooLargeError) as err:
+        shape(engine, Draft(documents=[DOCS[0], LONG], question="q ?"), ShapeConfig(max_document_tokens=20))
+    assert err.value.index == 1
+    with pytest.raises(ContextLengthError, match="maximum context length is 256"):
+        shape(engine, Draft(documents=[LONG] * 4, question="q ?"))
+
+
+def test_inline_documents_are_indexed_and_found_later_in_plain_prompts(engine: Engine) -> None:
+    index = DocumentIndex()
+    shape(engine, Draft(documents=DOCS[:2], question="which city ?"), index=index)
+    later = shape(engine, Draft(messages=user(f"context : {DOCS[1]} so which city ?")), index=index)
+    assert [(m.chunk, m.document) for m in later.matches] == [(later.matches[0].chunk, None)]
+    assert later.layout.docs == (ids(engine, DOCS[1]),)
+
+
+# ----- documents found in the text ----------------------------------------------------------
+def test_matched_spans_become_documents_where_they_stand(engine: Engine) -> None:
+    text = f"context : {DOCS[0]} and {DOCS[2]} so which city is blue ?"
+    shaped = shape(engine, Draft(messages=user(text), system="answer ."), index=stored(engine))
+    assert [(m.message, text[m.start : m.end], m.document) for m in shaped.matches] == [
+        (1, DOCS[0], "d0"), (1, DOCS[2], "d2")]
+    assert shaped.request.placement is not None and len(shaped.request.documents) == 2
+    assert shaped.layout.gaps == (ids(engine, " and "),)
+
+
+def test_the_layout_is_rendered_once_and_the_engine_reuses_it(engine: Engine, monkeypatch) -> None:
+    shaped = shape(engine, Draft(messages=user(f"{DOCS[0]} which city ?")), index=stored(engine))
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the engine rendered the layout again")
+
+    monkeypatch.setattr(engine_module, "render_layout", refuse)
+    prepared = engine.prepare(shaped.request)
+    assert prepared.layout is shaped.layout and prepared.stats.prompt_tokens == shaped.prompt_tokens
+
+
+def test_matching_turned_off_by_the_request_or_the_setting(engine: Engine) -> None:
+    index, msgs = stored(engine), user(f"{DOCS[0]} which city ?")
+    assert shape(engine, Draft(messages=msgs), index=index).matches
+    assert not shape(engine, Draft(messages=msgs, match=False), index=index).matches
+    off = shape(engine, Draft(messages=msgs), ShapeConfig(match=False), index=index)
+    assert not off.matches and off.request.placement is None
+
+
+def test_another_tenants_texts_are_never_found(engine: Engine) -> None:
+    index = stored(engine, "alice")
+    assert not shape(engine, Draft(messages=user(DOCS[0]), tenant="bob"), index=index).matches
+    assert shape(engine, Draft(messages=user(DOCS[0]), tenant="alice"), index=index).matches
+
+
+def test_matched_documents_hit_the_store_after_a_first_miss(engine: Engine) -> None:
+    index, msgs = stored(engine), user(f"context : {DOCS[0]} {DOCS[1]} which city ?")
+    first = engine.prepare(shape(engine, Draft(messages=msgs), index=index).request)
+    assert [d.source for d in first.stats.docs] == ["computed", "computed"]
+    engine.flush()
+    again = engine.prepare(shape(engine, Draft(messages=user(f"{DOCS[1]} or {DOCS[0]} ?")), index=index).request)
+    assert [d.source for d in again.stats.docs] == ["memory", "memory"]
+
+
+# ----- discovery ----------------------------------------------------------------------------
+def test_paragraphs_split_at_blank_lines_and_headings() -> None:
+    text = "  intro line\nsame paragraph\n\n\n## heading\nbody one\n# other\n\n  last  "
+    parts = [text[a:b] for a, b in paragraphs(text)]
+    assert parts == ["intro line\nsame paragraph", "## heading\nbody one", "# other", "last"]
+
+
+def test_discovery_finds_long_passages_only_outside_matched_spans(engine: Engine) -> None:
+    msgs = [{"role": "system", "content": "answer ."}, {"role": "user", "content": f"q ?\n\n{DOCS[0]}\n\n{DOCS[1]}"},
+            {"role": "assistant", "content": DOCS[2]}]
+    found = discover(engine.tokenizer, msgs, 10)
+    assert [(p.message, msgs[1]["content"][p.start : p.end]) for p in found] == [(1, DOCS[0]), (1, DOCS[1])]
+    start = msgs[1]["content"].index(DOCS[0])
+    assert [p.message for p in discover(engine.tokenizer, msgs, 10, [(1, start, start + 3)])] == [1]
+    assert discover(engine.tokenizer, msgs, 100) == []
+
+
+def test_a_discovered_passage_misses_once_then_hits_wherever_it_appears(engine: Engine) -> None:
+    config, index = ShapeConfig(discover=True, discover_tokens=10), DocumentIndex()
+    first = shape(engine, Draft(messages=user(f"context :\n\n{DOCS[0]}\n\nwhich city ?")), config, index=index)
+    assert [m.source for m in first.matches] == ["discovered"]
+    assert [d.source for d in engine.prepare(first.request).stats.docs] == ["computed"]
+    engine.flush()
+    later = shape(engine, Draft(messages=user(f"see {DOCS[0]} then which river ?")), config, index=index)
+    assert [m.source for m in later.matches] == ["stored"]  # indexed when discovered: found inside a paragraph
+    assert [d.source for d in engine.prepare(later.request).stats.docs] == ["memory"]
+    off = shape(engine, Draft(messages=user(f"context :\n\n{DOCS[1]}\n\nq ?")), ShapeConfig(discover=False), index=index)
+    assert off.matches == ()
