@@ -207,9 +207,10 @@ class TenantSettings(_Section):
 
 
 class SchedulerSettings(_Section):
-    """The model worker (``kvblend.engine.scheduler``). ``prefill_chunk_tokens``: the prefill
-    slice run between two decode steps (a fusion runs about as many token-layers); null
-    runs each prefill whole. ``max_jobs`` bounds the jobs lane (document precompute,
+    """The model worker (``kvblend.engine.scheduler``). ``prefill_chunk_tokens``: the largest
+    prefill slice run between two decode steps (while streams decode, slices are sized to
+    about three of their decode steps; a fusion runs about as many token-layers); null runs
+    each prefill whole. ``max_jobs`` bounds the jobs lane (document precompute,
     write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
     low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
     tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
@@ -219,7 +220,7 @@ class SchedulerSettings(_Section):
     max_queued: int = 64
     request_deadline_s: float | None = Field(300.0, gt=0)
     max_background: int = Field(16, ge=0, le=4096)
-    prefill_chunk_tokens: int | None = Field(128, ge=1, le=1 << 20)
+    prefill_chunk_tokens: int | None = Field(256, ge=1, le=1 << 20)
     max_jobs: int = Field(32, ge=1, le=4096)
     decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

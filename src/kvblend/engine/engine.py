@@ -34,7 +34,7 @@ from kvblend.engine.prefix_cache import PrefixCache, PrefixHit, PrefixScope
 from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Result, result_of
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
-from kvblend.generation.chunked import Steps, forward_chunks, run_steps
+from kvblend.generation.chunked import SliceSize, Steps, forward_chunks, run_steps
 from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
@@ -210,7 +210,7 @@ class Engine:
         # a step generator and a name and returns the work's value, blocking the caller, or
         # raises ComputeRefused when it cannot take the work.
         self.model_owner: Callable[[Steps, str], Any] | None = None
-        self.slice_tokens: int | None = None  # background work's forward slices (None: whole)
+        self.slice_tokens: SliceSize = None  # background work's forward slices (None: whole; a callable: asked per slice)
 
     # ----- profile, controller, placement -------------------------------------------
     def _profile_path(self) -> Path:
@@ -417,7 +417,7 @@ class Engine:
         return not rope_lib.length_dependent(self.loaded.config.rope, n)
 
     def _prefill_exact(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
-                       timer: _Timer, slice_tokens: int | None) -> Generator[Any, Any, _Built]:
+                       timer: _Timer, slice_tokens: SliceSize) -> Generator[Any, Any, _Built]:
         """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest, in
         forward slices of ``slice_tokens``)."""
         use_prefix, scope = request.method == "prefix", self.prefix_scope(request.tenant)
@@ -492,16 +492,17 @@ class Engine:
         return run_steps(self.prepare_steps(request, extra_capacity), self.model)
 
     def prepare_steps(self, request: Request, extra_capacity: int = 0,
-                      slice_tokens: int | None = None) -> Generator[Any, Any, Prepared]:
+                      slice_tokens: SliceSize = None) -> Generator[Any, Any, Prepared]:
         """``prepare`` as a step generator (``generation.chunked``) for the model's owner to
         interleave with other work: a full prefill as ``Forward`` slices of at most
-        ``slice_tokens`` tokens (None: one), a fusion as one step per layer of each pass.
+        ``slice_tokens`` tokens (None: one; a callable: asked per slice), a fusion as one step
+        per layer of each pass.
         The result equals ``prepare``'s (slices: up to float rounding)."""
         with self._gate.admit():
             return (yield from self._prepare(request, extra_capacity, slice_tokens))
 
     def _prepare(self, request: Request, extra_capacity: int,
-                 slice_tokens: int | None) -> Generator[Any, Any, Prepared]:
+                 slice_tokens: SliceSize) -> Generator[Any, Any, Prepared]:
         timer = _Timer()
         request = replace(request, method="blend") if request.method == "auto" else request
         if self.self_check is not None:

@@ -28,10 +28,11 @@ loop turn:
   Counter, per-tenant caps and optional token rates);
 * runs one *slice* of model work, in this order of priority — the request being
   prefilled, the jobs lane, the background lane (only while no request waits): a full
-  prefill's slice is a ``Forward`` of at most ``prefill_chunk_tokens`` tokens, a fusion's
-  a group of layers holding about as many token-layers (``prefill_chunk_tokens`` x
-  layers); a job's step the same; the jobs lane gets every fourth slice even while
-  requests prefill, so it is never starved;
+  prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
+  while nothing decodes, else as many as take about three of the running streams' decode
+  steps (measured) —, a fusion's a group of layers holding about as many token-layers;
+  a job's step the same; the jobs lane gets every fourth slice even while requests
+  prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
   of every running request and the slice's ``Forward``, if any: chunked prefill
   piggybacking decodes (Sarathi-Serve), so a long prompt delays running streams by one
@@ -337,7 +338,10 @@ class _Lane:
 MAX_RESTARTS = 5  # the supervisor gives up after this many loop failures ...
 RESTART_WINDOW_S = 60.0  # ... within this many seconds
 JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requests prefill
-DEFAULT_CHUNK_TOKENS = 128
+DEFAULT_CHUNK_TOKENS = 256
+MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
+SLICE_OVER_DECODE = 3.0  # while streams decode, a slice takes about this many of their decode steps
+EWMA = 0.3
 
 
 # ----- scheduler ------------------------------------------------------------------------------
@@ -379,8 +383,10 @@ class Scheduler:
         self._slices_since_job = 0
         self._failures: deque[float] = deque()  # when the worker loop failed, for the supervisor
         self.restarts = 0
+        self._decode_s: float | None = None  # moving average of a decode-only step
+        self._token_s: float | None = None  # moving average of a prefill slice's seconds per token
         engine.model_owner = self.run_job  # write-back's chunk KV becomes a job of the worker
-        engine.slice_tokens = prefill_chunk_tokens
+        engine.slice_tokens = self.slice_tokens
 
     # -- state
     @property
@@ -642,7 +648,7 @@ class Scheduler:
             if picked is None:
                 return
             handle = picked[1]
-            steps = self.engine.prepare_steps(handle.request, handle.sampling.max_tokens, self.prefill_chunk_tokens)
+            steps = self.engine.prepare_steps(handle.request, handle.sampling.max_tokens, self.slice_tokens)
             self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
@@ -690,7 +696,7 @@ class Scheduler:
             forward, task.held = task.held, None
             return forward, 0
         layers = len(self.engine.model.layers)
-        budget = (self.prefill_chunk_tokens or 1 << 62) * layers
+        budget = (self.slice_tokens() or 1 << 62) * layers
         done = 0
         while True:
             step = task.steps.send(task.reply)
@@ -769,8 +775,10 @@ class Scheduler:
             return
         t = time.perf_counter()
         outs = self._forward(members)
+        elapsed = time.perf_counter() - t
+        self._measure(elapsed, len(batch), forward)
         if batch:
-            self._notify("on_step", len(batch), time.perf_counter() - t)
+            self._notify("on_step", len(batch), elapsed)
         if forward is not None:
             self._deliver(owner, outs[-1])
         finished = []
@@ -802,6 +810,30 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this member's own failure
                 outs.append(exc)
         return outs
+
+    def slice_tokens(self) -> int | None:
+        """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes;
+        while streams decode, as many as take about SLICE_OVER_DECODE of their decode steps
+        (from the measured step and per-token slice times; at least MIN_SLICE_TOKENS), so a
+        running stream's gaps stay a small multiple of its steady pace whatever the device.
+        None: no slicing."""
+        top = self.prefill_chunk_tokens
+        if top is None or not self._running or self._decode_s is None or self._token_s is None:
+            return top
+        fit = int(SLICE_OVER_DECODE * self._decode_s / max(self._token_s, 1e-9))
+        return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
+
+    def _measure(self, elapsed: float, decoding: int, forward: Forward | None) -> None:
+        """Update the moving averages that size slices: a decode-only step's time, and a
+        slice's time per token (its step less the decode part)."""
+        if forward is None:
+            if decoding:
+                self._decode_s = _ewma(self._decode_s, elapsed)
+            return
+        tokens = int(forward.ids.shape[0])
+        if tokens >= MIN_SLICE_TOKENS:
+            own = elapsed - (self._decode_s or 0.0) if decoding else elapsed
+            self._token_s = _ewma(self._token_s, max(own, 0.0) / tokens)
 
     def _deliver(self, owner: _Task | None, out: torch.Tensor | Exception) -> None:
         """Hand a slice's logits to its task (or fail the task on its forward's error)."""
@@ -913,6 +945,10 @@ def _check_limits(max_running: int, max_queued: int, max_background: int, max_jo
         raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
     if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
         raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
 
 
 def _settle(future: Future, outcome: str, value: Any) -> None:

@@ -22,7 +22,7 @@ sequence length: such a forward runs in one slice.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, NamedTuple, Union
 
 import torch
@@ -70,22 +70,28 @@ def chunk_size(model: Transformer, end: int, chunk_tokens: int | None) -> int:
     return chunk_tokens
 
 
-def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_tokens: int | None,
+SliceSize = Union[int, None, Callable[[], int]]
+
+
+def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_tokens: SliceSize,
                    logits_for: str = "last") -> Generator[Forward, torch.Tensor, torch.Tensor]:
     """Append ``ids`` (T,) to ``cache`` in ``Forward`` steps of at most ``chunk_tokens``
-    (None: one step); returns the logits one ``model(ids, cache, logits_for)`` would.
+    (None: one step; a callable: asked before each slice, so the driver can size slices
+    to what it measures); returns the logits one ``model(ids, cache, logits_for)`` would.
     ``model`` only sizes the slices: the driver runs them."""
     if logits_for not in ("last", "all", "none"):
         raise ValueError(f"logits_for must be 'last', 'all' or 'none', got {logits_for!r}")
     n = ids.shape[0]
     if n == 0:
         raise ValueError("forward_chunks needs at least one token")
-    size = chunk_size(model, cache.length + n, chunk_tokens)
     rows: list[torch.Tensor] = []
-    for start in range(0, n, size):
+    start = 0
+    while start < n:
+        size = chunk_size(model, cache.length + n - start, chunk_tokens() if callable(chunk_tokens) else chunk_tokens)
         last = start + size >= n
         which = logits_for if logits_for == "all" or last else "none"
         out = yield Forward(ids[start : start + size], cache, which)  # (1, V), (t, V) or empty
+        start += size
         if which != "none":
             rows.append(out)
     if not rows:  # logits_for="none": the last slice's empty tensor
