@@ -220,7 +220,7 @@ class SchedulerSettings(_Section):
     max_queued: int = 64
     request_deadline_s: float | None = Field(300.0, gt=0)
     max_background: int = Field(16, ge=0, le=4096)
-    prefill_chunk_tokens: int | None = Field(256, ge=1, le=1 << 20)
+    prefill_chunk_tokens: int | None = Field(1024, ge=1, le=1 << 20)
     max_jobs: int = Field(32, ge=1, le=4096)
     decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

@@ -338,7 +338,8 @@ class _Lane:
 MAX_RESTARTS = 5  # the supervisor gives up after this many loop failures ...
 RESTART_WINDOW_S = 60.0  # ... within this many seconds
 JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requests prefill
-DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_CHUNK_TOKENS = 1024  # nothing decodes: slices only bound how long a cancel or a job waits
+FIRST_SLICE_TOKENS = 64  # streams decode but no step was measured yet
 MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
 SLICE_OVER_DECODE = 3.0  # while streams decode, a slice takes about this many of their decode steps
 EWMA = 0.3
@@ -812,14 +813,17 @@ class Scheduler:
         return outs
 
     def slice_tokens(self) -> int | None:
-        """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes;
+        """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes
+        (large: small slices cost a pass over the weights each, and would only slow it);
         while streams decode, as many as take about SLICE_OVER_DECODE of their decode steps
         (from the measured step and per-token slice times; at least MIN_SLICE_TOKENS), so a
         running stream's gaps stay a small multiple of its steady pace whatever the device.
         None: no slicing."""
         top = self.prefill_chunk_tokens
-        if top is None or not self._running or self._decode_s is None or self._token_s is None:
+        if top is None or not self._running:
             return top
+        if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
+            return min(top, FIRST_SLICE_TOKENS)
         fit = int(SLICE_OVER_DECODE * self._decode_s / max(self._token_s, 1e-9))
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
 
