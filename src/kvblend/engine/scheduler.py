@@ -386,6 +386,7 @@ class Scheduler:
         self.restarts = 0
         self._decode_s: float | None = None  # moving average of a decode-only step
         self._token_s: float | None = None  # moving average of a prefill slice's seconds per token
+        self._last_slice = FIRST_SLICE_TOKENS  # tokens of the last slice run beside decoding streams
         engine.model_owner = self.run_job  # write-back's chunk KV becomes a job of the worker
         engine.slice_tokens = self.slice_tokens
 
@@ -825,6 +826,7 @@ class Scheduler:
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)
         fit = int(SLICE_OVER_DECODE * self._decode_s / max(self._token_s, 1e-9))
+        fit = min(fit, 2 * self._last_slice)  # grow at most 2x a slice: one noisy measure cannot make a long stall
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
 
     def _measure(self, elapsed: float, decoding: int, forward: Forward | None) -> None:
@@ -835,6 +837,8 @@ class Scheduler:
                 self._decode_s = _ewma(self._decode_s, elapsed)
             return
         tokens = int(forward.ids.shape[0])
+        if decoding:
+            self._last_slice = tokens
         if tokens >= MIN_SLICE_TOKENS:
             own = elapsed - (self._decode_s or 0.0) if decoding else elapsed
             self._token_s = _ewma(self._token_s, max(own, 0.0) / tokens)
