@@ -228,10 +228,20 @@ def test_the_jobs_lane_is_bounded_and_write_back_goes_through_it() -> None:
     first = sched.submit_job(idle())
     with pytest.raises(QueueFullError):
         sched.submit_job(idle())
-    assert sched.job_stats().dropped == 1 and eng.model_owner == sched.run_job
+    assert sched.job_stats().dropped == 1 and eng.model_owner is None  # not the owner before it runs
     sched.start()
+    assert eng.model_owner == sched.run_job
     assert first.result(timeout=10) == 1
     docs = ["the city river is in paris .", "the doctor led the project ."]
     sched.submit(Request(documents=docs, question="who ?", method="blend"), SamplingParams(max_tokens=2)).result()
     sched.drain(10)  # waits for the write-back, whose chunks the worker computed
     assert eng.writeback_stats().written == 2 and sched.job_stats().ok == 3
+
+
+def test_a_scheduler_never_started_leaves_write_back_to_the_engine() -> None:
+    """Made but not started, a scheduler must not own the model: the engine's own requests
+    still write their missed chunks back (they used to wait for a worker that never ran)."""
+    eng = Engine(make_loaded())
+    Scheduler(eng)
+    eng.generate(Request(documents=["the doctor led the project ."], question="who ?"), SamplingParams(max_tokens=2))
+    assert eng.writeback.flush(10) and eng.writeback_stats().written == 1

@@ -387,8 +387,6 @@ class Scheduler:
         self._decode_s: float | None = None  # moving average of a decode-only step
         self._token_s: float | None = None  # moving average of a prefill slice's seconds per token
         self._last_slice = FIRST_SLICE_TOKENS  # tokens of the last slice run beside decoding streams
-        engine.model_owner = self.run_job  # write-back's chunk KV becomes a job of the worker
-        engine.slice_tokens = self.slice_tokens
 
     # -- state
     @property
@@ -442,6 +440,10 @@ class Scheduler:
         """Start the worker thread (once)."""
         if self._thread is not None:
             raise RuntimeError("the scheduler was already started")
+        # from now on write-back's chunk KV is a job of the worker (not before: a scheduler that
+        # never starts must not leave the engine's write-back waiting for it)
+        self.engine.model_owner = self.run_job
+        self.engine.slice_tokens = self.slice_tokens
         self._thread = threading.Thread(target=self._work, name="kvblend-worker", daemon=True)
         self._thread.start()
 
