@@ -152,3 +152,19 @@ def test_random_messages_find_every_planted_passage(seed: int) -> None:
         want.append((pos, pos + len(stored[i]), f"c{i}"))
         pos += len(stored[i])
     assert spans(index, "".join(parts)) == want
+
+
+def test_a_repetitive_message_keeps_the_candidates_bounded() -> None:
+    """A tenant that indexes 64 texts of one repeated character and sends a long message of
+    it: every position verified for every text made the candidates grow with the message
+    length times the bucket (1.28M here, minutes and GBs at 8 MiB) under the index's one lock."""
+    from kvblend.engine.matching import candidate_limit
+
+    index = indexed(*("a" * n for n in range(MIN_CHARS, MIN_CHARS + 64)))
+    message = "a" * 20_000
+    tenant_index = index._tenants["t"]
+    found = tenant_index.candidates(message)
+    assert len(found) <= candidate_limit(len(message))
+    chosen = spans(index, message)
+    assert chosen and all(message[a:b] == "a" * (b - a) for a, b, _ in chosen)
+    assert all(b <= c for (_, b, _), (c, _, _) in zip(chosen, chosen[1:]))  # non-overlapping

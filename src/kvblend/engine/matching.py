@@ -244,24 +244,40 @@ class _TenantIndex:
             h = window_hashes(code_points(message))
             positions = np.flatnonzero(anchor_mask(h))
             positions = positions[self._filter.contains(h[positions])]
-            found = self._verify(message, positions.tolist(), h[positions].tolist(), self.anchors)
+            found: list[tuple[int, int, int]] = []
+            ends: dict[int, int] = {}
+            limit = candidate_limit(len(message))
+            self._verify(message, positions.tolist(), h[positions].tolist(), self.anchors, found, ends, limit)
             if self.fixed:
                 fixed = self.fixed_hashes()
                 at = np.searchsorted(fixed, h).clip(max=len(fixed) - 1)
                 hit = np.flatnonzero(fixed[at] == h)
-                found += self._verify(message, hit.tolist(), h[hit].tolist(), self.fixed)
+                self._verify(message, hit.tolist(), h[hit].tolist(), self.fixed, found, ends, limit)
         return found
 
-    def _verify(self, message: str, positions: list[int], hashes: list[int],
-                buckets: dict[int, list[int]]) -> list[tuple[int, int, int]]:
-        found = []
+    def _verify(self, message: str, positions: list[int], hashes: list[int], buckets: dict[int, list[int]],
+                found: list[tuple[int, int, int]], ends: dict[int, int], limit: int) -> None:
+        """Append verified occurrences to ``found``, at most ``limit`` in all. An occurrence
+        of a text that starts inside the last one found of the same text is skipped (the
+        two overlap: at most one could be chosen), so a repetitive message cannot make the
+        candidates grow with its length times the bucket size."""
         for pos, value in zip(positions, hashes):
             for serial in buckets.get(value, ()):
                 entry = self.entries[serial]
                 start = pos - entry.offset
-                if start >= 0 and message.startswith(entry.text, start):
-                    found.append((start, start + len(entry.text), serial))
-        return found
+                if start < 0 or start < ends.get(serial, 0) or not message.startswith(entry.text, start):
+                    continue
+                found.append((start, start + len(entry.text), serial))
+                ends[serial] = start + len(entry.text)
+                if len(found) >= limit:
+                    return
+
+
+def candidate_limit(chars: int) -> int:
+    """Verified occurrences kept per message: twice the most non-overlapping texts it can
+    hold, plus a bucket's worth. Past it later occurrences are not matched (computed, never
+    wrong)."""
+    return 2 * (chars // MIN_CHARS) + MAX_BUCKET
 
 
 class DocumentIndex:
