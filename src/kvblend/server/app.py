@@ -291,8 +291,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         async with state.document_locks.hold((tenant, doc_id)):
             record = await _own_document(state, tenant, doc_id)
             await state.off_loop(state.registry.delete, tenant, doc_id)
-            if state.index is not None:
-                state.index.remove_document(tenant, doc_id)
+            if state.index is not None:  # off the loop: the index's lock may be held by a match
+                await anyio.to_thread.run_sync(state.index.remove_document, tenant, doc_id)
             await _delete_unused(state, tenant, record.keys, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
@@ -367,6 +367,8 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         prefix = _document_chunk_prefix(engine, state.settings)
         return chunks, prefix, engine.plan_warm([c.token_ids for c in chunks], prefix, tenant)
 
+    indexed: list[Any] = []  # the chunks' texts, indexed for matching once the document is registered
+
     async def warm() -> tuple[list[StoredChunk], list[str]]:
         """Cut and key the text (a thread), compute the missing chunks' KV on the model
         worker (its jobs lane: 429 when full), store them (a thread)."""
@@ -376,8 +378,7 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
             await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
         keys = [str(k) for k in plan.keys]
         stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
-        if state.index is not None:
-            state.index.add(tenant, chunk_texts(body.text, chunks, doc_id))
+        indexed.extend(chunk_texts(body.text, chunks, doc_id))
         return stored, await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, keys)
 
     async with state.document_locks.hold((tenant, doc_id)):
@@ -392,6 +393,8 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
             record = record._replace(created=existing.created)
         if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
             await _put_document(state, tenant, record, existing)
+        if state.index is not None:  # after a refused put nothing names a document never registered
+            await anyio.to_thread.run_sync(state.index.add, tenant, indexed)
     return record.public(tiers)
 
 

@@ -21,8 +21,6 @@ from kvblend.blend.config import BlendConfig
 from kvblend.engine import CheckStat, Request, RequestStats
 from kvblend.engine.request import DocSelection
 from kvblend.generation.text import REPLACEMENT
-from kvblend.server.documents import DocumentRegistry
-from kvblend.server.protocol import DocumentRef, _Common
 from kvblend.settings import LimitSettings
 
 
@@ -40,20 +38,10 @@ class Explainer(NamedTuple):
         return explain_block(self, stats)
 
 
-def stored_pieces(body: _Common, registry: DocumentRegistry, tenant: str) -> list[int]:
-    """How many documents each of the body's documents expands to before tokenizing: a
-    stored one (the caller's own) to its chunks, any other to itself."""
-    out = []
-    for doc in body.documents or []:
-        record = registry.get(tenant, doc.id) if isinstance(doc, DocumentRef) and doc.text is None else None
-        out.append(1 if record is None else len(record.chunks) or 1)
-    return out
-
-
 def origins_of(first: Sequence[int], then: Sequence[int],
                documents: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
     """(given document, token offset) of each prompt document, from the two expansions' counts
-    (``stored_pieces``, then ``translate.Checked.pieces``); each its own when they disagree."""
+    (documents given -> pieces, then ``ShapedRequest.pieces``); each its own when they disagree."""
     owner = [i for i, n in enumerate(first) for _ in range(n)]
     if len(owner) != len(then) or sum(then) != len(documents):
         return tuple((i, 0) for i in range(len(documents)))
