@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import redis
 
 from kvblend.store import RedisStore
@@ -219,3 +220,14 @@ def test_per_tenant_usage_matches_what_the_server_holds(make_redis: Callable[...
     client.close()
     assert usage == {t: b for t, b in held.items() if b > 0}
     assert store.stats().bytes == sum(held.values()) <= cap and store.stats().evictions > 0
+
+
+def test_entries_of_the_older_layout_are_reported(make_redis: Callable[..., RedisStore], redis_server: LocalRedis,
+                                                  redis_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The per-tenant usage accounting cannot see entries an older version counted in a global
+    LRU: a tier opened on such a prefix says so instead of refusing puts unexplained."""
+    make_redis()
+    assert not [r for r in caplog.records if "older kvblend" in r.getMessage()]
+    redis.Redis.from_url(redis_server.url).zadd(f"{redis_prefix}:lru", {"old-entry": 1.0})
+    make_redis()
+    assert [r for r in caplog.records if "older kvblend" in r.getMessage() and r.levelname == "WARNING"]

@@ -164,6 +164,18 @@ class RedisStore(Tier):
         self._evict_script = self._client.register_script(_LUA_EVICT)
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._warn_old_layout()
+
+    def _warn_old_layout(self) -> None:
+        """Entries written before per-tenant usage accounting (a global ``prefix:lru``) are
+        invisible to it: say so, once, instead of letting puts be refused unexplained."""
+        try:
+            old = self._client.exists(f"{self.prefix}:lru", f"{self.prefix}:tenants")
+        except Exception:  # noqa: BLE001 - unreachable now: the tier's own timeout-then-miss applies
+            return
+        if old:
+            log.warning("redis prefix %r holds entries from an older kvblend whose capacity this version does not "
+                        "count; clear the prefix (e.g. delete %s:*) before sharing the tier", self.prefix, self.prefix)
 
     @property
     def capacity_bytes(self) -> int:
