@@ -165,10 +165,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {"host": args.host, "port": args.port, "model": args.model, "device": args.device, "dtype": args.dtype,
              "served_model_name": args.served_model_name, "log_level": args.log_level}
-    settings = Settings.load(args.config, **flags)
+    cluster = {k: v for k, v in (("replicas", args.replicas), ("ray_address", args.ray_address),
+                                 ("router", args.router)) if v is not None}
+    settings = Settings.load(args.config, **flags, cluster=cluster or None)
     if args.print_config:
         print(json.dumps(settings.redacted(), indent=2))
         return 0
+    if settings.cluster.replicas is not None:  # Ray Serve (the `cluster` extra); imported only here
+        from kvblend.cluster.app import serve_cluster
+
+        return serve_cluster(settings)
     from kvblend.server.main import serve
 
     return serve(settings)
@@ -184,6 +190,11 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default float32)")
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--replicas", type=int, default=None,
+                   help="run as a Ray Serve application with N model replicas (needs kvblend[cluster])")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join with --replicas (default: start one)")
+    p.add_argument("--router", default=None, choices=("affinity", "default"),
+                   help="how --replicas routes: documents held in memory (default) or Ray's default")
     p.add_argument("--print-config", action="store_true", help="print the merged settings (keys hidden) and exit")
     p.set_defaults(func=cmd_serve)
 

@@ -282,6 +282,28 @@ class GuardSettings(_Section):
                            fallback_ratio=self.fallback_ratio, override_explicit=self.override_explicit)
 
 
+class ClusterSettings(_Section):
+    """``kvblend serve --replicas N``: the service as a Ray Serve application
+    (``kvblend.cluster``, the ``cluster`` extra). ``replicas``: model replicas, each with
+    its own scheduler and memory tier over the shared disk/Redis tiers (None: one process,
+    no Ray); ``ray_address``: a running Ray cluster to join (None: start a local Ray
+    instance); ``router``: ``affinity`` (documents' tokens held in a replica's memory tier)
+    or ``default`` (Ray's power of two choices); ``ingress_replicas``: HTTP front ends;
+    ``replica_cpus``/``ingress_cpus``: Ray CPUs each replica reserves (a model replica runs
+    torch on ``max(1, round(replica_cpus))`` threads); ``routing_stats_period_s``: how often
+    replicas report their resident documents to the router; ``health_check_period_s``: how
+    often Ray checks a replica's model worker (a dead one is restarted)."""
+
+    replicas: int | None = Field(None, ge=1, le=256)
+    ray_address: str | None = None
+    router: Literal["affinity", "default"] = "affinity"
+    ingress_replicas: int = Field(1, ge=1, le=64)
+    replica_cpus: float = Field(1.0, gt=0, le=1024, allow_inf_nan=False)
+    ingress_cpus: float = Field(0.5, ge=0, le=1024, allow_inf_nan=False)
+    routing_stats_period_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
+    health_check_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
+
+
 class ModelSettings(BaseSettings):
     """The model arguments every command shares (``--model``, ``--device``, ``--dtype``)."""
 
@@ -337,6 +359,7 @@ class Settings(ModelSettings):
     scheduler: SchedulerSettings = SchedulerSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     guard: GuardSettings = GuardSettings()
+    cluster: ClusterSettings = ClusterSettings()
     api_keys: dict[str, str] = Field(default_factory=dict)  # key -> tenant; empty: no auth, tenant "default"
     admin_key: str | None = None  # when set, /metrics needs `Authorization: Bearer <admin_key>`
     drain_timeout_s: float = Field(30.0, ge=0)
@@ -405,5 +428,5 @@ def model_defaults() -> ModelSettings:
     return ModelSettings.load()
 
 
-__all__ = ["BlendOptions", "BlendSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
+__all__ = ["BlendOptions", "BlendSettings", "ClusterSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
            "StoreSettings", "model_defaults"]

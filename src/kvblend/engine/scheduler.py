@@ -187,7 +187,11 @@ class RequestHandle:
     worker produces them: StreamEvents, and the request's RequestStats right after the
     first token's event. The stream ends after the event with a ``finish_reason``, or
     raises the request's KvblendError (deadline, cancel, drain, worker death, invalid).
+    ``replica`` names the model replica serving it: None here, in one process (the Ray
+    Serve stand-in's handles set it).
     """
+
+    replica: str | None = None
 
     def __init__(self, request: Request, sampling: SamplingParams, deadline_s: float | None) -> None:
         self.id = f"req-{next(_ids)}"

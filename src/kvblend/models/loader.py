@@ -104,24 +104,34 @@ def load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a Hugging Face folder (config.json + safetensors + tokenizer files)."""
+def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
+                   weights: bool = True) -> LoadedModel:
+    """Load a Hugging Face folder (config.json + safetensors + tokenizer files).
+
+    ``weights=False``: the module is built on torch's ``meta`` device (shapes, no storage,
+    nothing to run): config, tokenizer and fingerprints only, for a process that shapes
+    requests and keys chunks but never runs the model (the Ray Serve ingress)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {folder} does not exist")
     config = read_model_config(folder)
-    state = read_safetensors(safetensors_files(folder), dtype)
-    model = build_model(config, state, device, dtype)
+    if weights:
+        model = build_model(config, read_safetensors(safetensors_files(folder), dtype), device, dtype)
+    else:
+        with torch.device("meta"):
+            model = Transformer(config).to(dtype).eval().requires_grad_(False)
     tokenizer = load_tokenizer(folder)
     meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).exists() else {}
     return LoadedModel(meta.get("name", folder.name), folder, config, model, tokenizer, meta.get("fingerprint"))
 
 
-def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load by packaged short name, Hugging Face folder, or GGUF file path."""
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
+               weights: bool = True) -> LoadedModel:
+    """Load by packaged short name, Hugging Face folder, or GGUF file path
+    (``weights``: see ``load_hf_folder``)."""
     path = Path(spec)
     if path.suffix == ".gguf":
-        return load_hf_folder(convert_gguf(path), device, dtype)
+        return load_hf_folder(convert_gguf(path), device, dtype, weights=weights)
     if path.is_dir():
-        return load_hf_folder(path, device, dtype)
-    return load_hf_folder(resolve_packaged(spec), device, dtype)
+        return load_hf_folder(path, device, dtype, weights=weights)
+    return load_hf_folder(resolve_packaged(spec), device, dtype, weights=weights)

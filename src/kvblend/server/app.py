@@ -84,6 +84,7 @@ class ServerState:
     index: DocumentIndex | None = None  # stored texts found in messages (settings.documents.match), set at startup
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    exposition: Callable[[], bytes] | None = None  # /metrics body; None: this app's registry (Ray Serve: cluster.metrics)
     registry_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         REGISTRY_THREADS, thread_name_prefix="kvblend-registry"))
     document_locks: KeyedLocks = field(default_factory=KeyedLocks)  # one POST/DELETE per (tenant, id) at a time
@@ -118,21 +119,37 @@ def _tier_stats(engine: Engine) -> dict[str, Any]:
         return {}
 
 
-def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
-    if isinstance(target, Scheduler):
-        scheduler, engine = target, target.engine
-    else:
-        engine = target
-        sch = settings.scheduler
-        scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
-                              deadline_s=sch.request_deadline_s, max_background=sch.max_background,
-                              prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
-                              shares=sch.shares(), decode_weight=sch.decode_weight)
-    model_id = settings.model_id
+def build_scheduler(engine: Engine, settings: Settings) -> Scheduler:
+    """The model worker over ``engine`` as ``settings.scheduler`` sizes it (not started)."""
+    sch = settings.scheduler
+    return Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
+                     deadline_s=sch.request_deadline_s, max_background=sch.max_background,
+                     prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
+                     shares=sch.shares(), decode_weight=sch.decode_weight)
+
+
+def server_metrics(model_id: str, engine: Engine, scheduler: Any) -> ServerMetrics:
+    """The app's metrics over ``scheduler``'s gauges and ``engine``'s store; the scheduler's
+    observer is wrapped so that finished requests feed them."""
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
                             lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
                             cache_usage=lambda: kv_cache_usage(engine.store), jobs=lambda: scheduler.num_jobs)
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
+    return metrics
+
+
+def build_state(target: Engine | Scheduler, settings: Settings, scheduler: Any = None) -> ServerState:
+    """``scheduler``: a stand-in for a remote model worker (``kvblend.cluster.remote``); the
+    engine then only shapes requests (tokenizer, layout, keys, the shared store tiers)."""
+    if scheduler is not None:
+        engine = target
+    elif isinstance(target, Scheduler):
+        scheduler, engine = target, target.engine
+    else:
+        engine = target
+        scheduler = build_scheduler(engine, settings)
+    model_id = settings.model_id
+    metrics = server_metrics(model_id, engine, scheduler)
     registry = DocumentRegistry(_registry_path(settings))
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
     retriever = open_retriever(settings, engine.loaded.tokenizer_fingerprint)
@@ -140,11 +157,15 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
     return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard)
 
 
-def create_app(target: Engine | Scheduler, settings: Settings | None = None) -> FastAPI:
+def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, scheduler: Any = None) -> FastAPI:
     """The app over an engine (a scheduler is built from ``settings.scheduler``) or over a
-    scheduler. The scheduler's worker starts with the app; app shutdown drains it."""
+    scheduler. The scheduler's worker starts with the app; app shutdown drains it.
+
+    ``scheduler``: instead, a stand-in for model workers elsewhere (the Ray Serve ingress:
+    ``kvblend.cluster.remote.RemoteScheduler``) with the scheduler's caller side plus
+    ``asubmit`` and ``compute_documents``; ``target`` is then the engine that shapes requests."""
     settings = settings or Settings.load()
-    state = build_state(target, settings)
+    state = build_state(target, settings, scheduler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -234,7 +255,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     @_answers_errors
     async def metrics() -> Response:
-        data = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
+        expose = state.exposition or functools.partial(generate_latest, state.metrics.registry)
+        data = await anyio.to_thread.run_sync(expose)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -374,8 +396,7 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         worker (its jobs lane: 429 when full), store them (a thread)."""
         chunks, prefix, plan = await anyio.to_thread.run_sync(cut)
         if plan.todo:
-            computed = await _run_job(state, state.engine.compute_steps(plan.todo, prefix), f"document ({tenant})")
-            await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
+            await _compute_documents(state, plan.todo, prefix, f"document ({tenant})")
         keys = [str(k) for k in plan.keys]
         stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
         indexed.extend(chunk_texts(body.text, chunks, doc_id))
@@ -396,6 +417,31 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         if state.index is not None:  # after a refused put nothing names a document never registered
             await anyio.to_thread.run_sync(state.index.add, tenant, indexed)
     return record.public(tiers)
+
+
+async def _compute_documents(state: ServerState, todo: list[tuple[ChunkKey, tuple[int, ...]]],
+                             prefix: tuple[int, ...], name: str) -> None:
+    """Compute and store the chunks ``todo`` on the model worker: here on its jobs lane, or
+    on a model replica's (whose store writes the shared tiers) for a remote stand-in."""
+    if not isinstance(state.scheduler, Scheduler):
+        try:
+            await state.scheduler.compute_documents(todo, prefix, name)
+        except KvblendError as exc:
+            raise from_exception(exc) from None
+        return
+    computed = await _run_job(state, state.engine.compute_steps(todo, prefix), name)
+    await anyio.to_thread.run_sync(state.engine.put_chunks, computed)
+
+
+async def _submit(state: ServerState, request: Request, sampling: Any) -> RequestHandle:
+    """Queue the request on the model worker; a remote stand-in answers once a replica
+    accepted it, so that its refusals (429, 503) are still the response's status."""
+    try:
+        if isinstance(state.scheduler, Scheduler):
+            return state.scheduler.submit(request, sampling)
+        return await state.scheduler.asubmit(request, sampling)
+    except KvblendError as exc:
+        raise from_exception(exc) from None
 
 
 async def _run_job(state: ServerState, steps: Any, name: str) -> Any:
@@ -450,13 +496,13 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
         request = routing.request
-    try:
-        handle = state.scheduler.submit(request, sampling)
-    except KvblendError as exc:
-        raise from_exception(exc) from None
+    handle = await _submit(state, request, sampling)
     matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
     shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
-                  explain=explains.block if explains is not None else None)
+                  explain=explains.block if explains is not None else None, replica=handle.replica)
+    headers = {"X-Request-Id": shape.object_id}
+    if handle.replica is not None:
+        headers["X-Kvblend-Replica"] = handle.replica
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def finish(out: StreamResult) -> None:
@@ -468,14 +514,14 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     if body.stream:
         out = StreamResult()
         return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
-                           headers={"Cache-Control": "no-cache", "X-Request-Id": shape.object_id})
+                           headers={"Cache-Control": "no-cache", **headers})
     out = await run_to_end(handle, http)
     finish(out)
     if out.error is not None:
         return _error_response(out.error)
     if out.disconnected:
         return Response(status_code=499)
-    return JSONResponse(shape.completion(out, handle.queue_s), headers={"X-Request-Id": shape.object_id})
+    return JSONResponse(shape.completion(out, handle.queue_s), headers=headers)
 
 
 def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,
@@ -499,7 +545,9 @@ def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shap
         "e2e_s": round(time.perf_counter() - started, 4), "finish_reason": out.finish_reason,
         "error": out.error.type if out.error else None, **(guarded or {}),
     }
+    if handle.replica is not None:
+        line["replica"] = handle.replica
     access.info(json.dumps(line))
 
 
-__all__ = ["ServerState", "create_app"]
+__all__ = ["ServerState", "build_scheduler", "create_app", "server_metrics"]

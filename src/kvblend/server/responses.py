@@ -62,6 +62,7 @@ class Shape:
     sources: tuple[dict[str, Any], ...] | None = None  # retrieved chunks used (retrieval requests)
     explain: Callable[[RequestStats], dict[str, Any]] | None = None  # when the request asked (server/explain.py)
     matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
+    replica: str | None = None  # the model replica that served it (Ray Serve; None in one process)
 
     def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True) -> dict[str, Any]:
         """The response's ``kvblend`` block, with the retrieved sources and the matched
@@ -71,6 +72,8 @@ class Shape:
             block["sources"] = list(self.sources)
         if self.matches is not None:
             block["matches"] = list(self.matches)
+        if self.replica is not None:
+            block["replica"] = self.replica
         if explain and self.explain is not None and stats is not None:
             block["explain"] = self.explain(stats)
         return block

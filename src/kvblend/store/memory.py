@@ -29,6 +29,12 @@ class MemoryStore(IndexedTier):
         with self._lock:
             return key in self._entries
 
+    def resident_keys(self) -> list[ChunkKey]:
+        """Every tenant's keys held now (a key names its tenant): what a Ray Serve replica
+        reports to the document-affinity router."""
+        with self._lock:
+            return list(self._entries)
+
     def _read(self, key: ChunkKey) -> Entry | None:
         with self._lock:
             entry = self._entries.get(key)

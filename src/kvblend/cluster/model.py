@@ -1,0 +1,153 @@
+"""The model deployment's replica: today's engine and scheduler behind Ray Serve methods.
+
+Each replica loads the model, builds its store from ``store.*`` (its own memory tier; the
+disk and Redis tiers are the shared ones every replica names), and runs one
+``engine.scheduler.Scheduler`` with the app's metrics on it. The ingress calls:
+
+* ``generate(call: ModelCall)`` — an async generator (through ``.options(stream=True)``):
+  ``Accepted``, the scheduler's items, ``Ended`` (``cluster.wire``). A cancelled call
+  cancels the request here;
+* ``compute_documents(call: DocumentCall)`` — `/v1/documents` precompute on the jobs
+  lane, stored through this replica's store (so into the shared tiers too);
+returns this replica's id, or a ``WireError``.
+
+Ray Serve calls ``check_health`` (raises once the scheduler's supervisor gave up, so Ray
+replaces the replica) and ``record_routing_stats`` (the resident chunk keys of the memory
+tier as a ``cluster.affinity.ResidentSummary``, and the queue, for the request router).
+Replicas push their Prometheus exposition to the ``cluster.metrics`` board for the
+ingress's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import Any
+
+from kvblend.cluster.affinity import ResidentSummary
+from kvblend.cluster.metrics import MetricsPusher
+from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, WireError, to_wire
+from kvblend.engine.scheduler import DrainingError
+from kvblend.server.app import build_scheduler, server_metrics
+from kvblend.server.main import build_engine, configure_logging
+from kvblend.settings import Settings
+from kvblend.store.keys import ChunkKey
+
+log = logging.getLogger("kvblend.cluster")
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def memory_tier(store: Any) -> Any | None:
+    """The store's memory tier, if it has one."""
+    return next((t for t in getattr(store, "tiers", ()) if t.name == "memory"), None)
+
+
+class ModelReplica:
+    """One model replica; see the module docstring. ``settings`` as ``kvblend serve`` merged them."""
+
+    def __init__(self, settings: Settings) -> None:
+        import torch
+
+        configure_logging(settings.log_level)
+        torch.set_num_threads(replica_threads(settings))
+        self.settings = settings
+        self.replica = _replica_id()
+        self.engine = build_engine(settings)
+        self.scheduler = build_scheduler(self.engine, settings)
+        self.metrics = server_metrics(settings.model_id, self.engine, self.scheduler)
+        self.scheduler.start()
+        self.pusher = MetricsPusher(self.replica, self.metrics.registry, settings.cluster.routing_stats_period_s)
+        self._closed = threading.Event()
+        log.info("model replica %s ready", self.replica)
+
+    # -- requests
+    async def generate(self, call: ModelCall):  # noqa: ANN201 - an async generator of wire items
+        try:
+            handle = self.scheduler.submit(call.request, call.sampling)
+        except Exception as exc:  # noqa: BLE001 - refusals go back as data
+            yield Ended(0.0, to_wire(exc))
+            return
+        yield Accepted(self.replica)
+        try:
+            async for item in handle.aevents():
+                yield item
+        except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
+            yield Ended(handle.queue_s, to_wire(exc))
+            return
+        finally:
+            if not handle.done:  # the call was cancelled (client gone): free the slot
+                handle.cancel()
+        yield Ended(handle.queue_s)
+
+    async def compute_documents(self, call: DocumentCall) -> str | WireError:
+        """Compute the chunks not stored yet (this replica's store decides) on the jobs
+        lane and store them; this replica's id, or the refusal as a ``WireError``."""
+        try:
+            todo = [(ChunkKey.parse(k), tuple(ids)) for k, ids in call.chunks]
+            todo = [(k, ids) for k, ids in todo if not self.engine.store.contains(k)]
+            if todo:
+                future = self.scheduler.submit_job(self.engine.compute_steps(todo, call.prefix), call.name)
+                try:
+                    computed = await asyncio.wrap_future(future)
+                except asyncio.CancelledError:
+                    if future.cancelled():  # dropped by drain or worker death
+                        raise DrainingError("the server stopped before this work ran") from None
+                    raise
+                await asyncio.to_thread(self.engine.put_chunks, computed)
+        except Exception as exc:  # noqa: BLE001 - refusals go back as data
+            return to_wire(exc)
+        return self.replica
+
+    # -- Ray Serve hooks
+    def check_health(self) -> None:
+        """Raises when the model worker is gone (its supervisor gave up): Ray restarts us."""
+        if self.scheduler.started and not self.scheduler.alive and not self.scheduler.draining:
+            raise RuntimeError(f"replica {self.replica}: the model worker has stopped")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int}``: the
+        chunk keys the memory tier holds (every tenant's: a key names its tenant)."""
+        tier = memory_tier(self.engine.store)
+        keys = [str(k) for k in tier.resident_keys()] if tier is not None else []
+        return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": self.scheduler.num_waiting,
+                "running": self.scheduler.num_running}
+
+    # -- for tests and operators
+    def describe(self) -> dict[str, Any]:
+        """This replica's id and the chunk keys its memory tier holds."""
+        tier = memory_tier(self.engine.store)
+        return {"replica": self.replica, "resident": [str(k) for k in tier.resident_keys()] if tier else [],
+                "restarts": self.scheduler.restarts}
+
+    def __del__(self) -> None:
+        """Ray Serve's graceful shutdown: drain the scheduler, flush write-back, close."""
+        closed = getattr(self, "_closed", None)
+        if closed is None or closed.is_set():
+            return
+        closed.set()
+        self.pusher.close()
+        try:
+            self.scheduler.drain(self.settings.drain_timeout_s)
+        finally:
+            self.engine.close()
+
+
+def max_ongoing(settings: Settings) -> int:
+    """Calls one model replica takes at once: its scheduler's running and queued requests
+    and its jobs lane, so that the scheduler (fair queue, 429s) does the queueing."""
+    sch = settings.scheduler
+    return sch.max_running + sch.max_queued + sch.max_jobs
+
+
+def replica_threads(settings: Settings) -> int:
+    return max(1, math.floor(settings.cluster.replica_cpus + 0.5))
+
+
+__all__ = ["ModelReplica", "max_ongoing", "memory_tier"]

@@ -1,0 +1,200 @@
+"""The ingress's stand-in for the scheduler: the app talks to it as to a local one.
+
+``RemoteScheduler`` has the caller side of ``engine.scheduler.Scheduler`` the app uses
+(``asubmit`` instead of ``submit``, ``compute_documents`` instead of ``submit_job``, the
+gauges, ``drain``) over a Ray Serve ``DeploymentHandle`` to the model deployment. A
+request's ``RemoteHandle`` has ``RequestHandle``'s event interface (``aevents``,
+``cancel``, ``done``, ``queue_s``, ``replica``), fed by a streaming handle call
+(``.options(stream=True)``). ``cancel`` cancels the call, which cancels the request on the
+replica (its generator's ``finally``). A replica lost mid-request (killed, node down) is a
+``WorkerDeadError`` for that request (503: retry), never a partial answer passed off as
+whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, RouteKeys, WireError, rebuild
+from kvblend.engine import Engine, Request
+from kvblend.engine.scheduler import DrainingError, SchedulerObserver, WorkerDeadError
+from kvblend.generation.sampling import SamplingParams
+from kvblend.store.keys import ChunkKey, chunk_key
+
+log = logging.getLogger("kvblend.cluster")
+
+
+def route_keys(engine: Engine, request: Request) -> RouteKeys:
+    """One (chunk key string, tokens) per document of ``request``: the keys a replica's
+    store files them under (the request's pre-rendered layout gives their token ids)."""
+    layout = request.layout if request.layout is not None else engine.layout(request)
+    if not layout.docs:
+        return ()
+    ctx = engine.key_context(engine.chunk_prefix(request, layout), request.tenant)
+    return tuple((str(chunk_key(ids, ctx)), len(ids)) for ids in layout.docs)
+
+
+def _lost(exc: BaseException) -> WorkerDeadError:
+    log.warning("model replica call failed: %s", exc)
+    return WorkerDeadError("the model replica serving this request stopped; retry the request")
+
+
+class RemoteHandle:
+    """One request on a model replica; see the module docstring. Read ``aevents`` once."""
+
+    def __init__(self, request: Request, stream: Any, owner: RemoteScheduler) -> None:
+        self.request = request
+        self.replica: str | None = None
+        self.queue_s = 0.0
+        self.stats = None
+        self._stream = stream  # ray.serve.handle.DeploymentResponseGenerator
+        self._owner = owner
+        self._ended = False
+        self._cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self._ended
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Cancel the call: the replica drops the request (queue or batch)."""
+        if not self._ended and not self._cancelled:
+            self._cancelled = True
+            self._stream.cancel()
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._owner._release()
+
+    async def _next(self) -> Any:
+        try:
+            return await self._stream.__anext__()
+        except (StopAsyncIteration, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)
+            raise _lost(exc) from None
+
+    async def open(self) -> None:
+        """Wait for the replica to accept the request; raises its refusal (429, 503, ...)."""
+        try:
+            first = await self._next()
+        except StopAsyncIteration:
+            self._finish()
+            raise _lost(RuntimeError("the stream ended before the replica answered")) from None
+        except BaseException:
+            self._finish()
+            raise
+        if isinstance(first, Ended):
+            self._finish()
+            raise rebuild(first.error or WireError("InternalRequestError", "no answer"))
+        assert isinstance(first, Accepted), first
+        self.replica = first.replica
+
+    async def aevents(self) -> AsyncIterator[Any]:
+        """StreamEvents and the RequestStats, as the replica sends them; raises the
+        request's error as the local scheduler would."""
+        try:
+            while True:
+                try:
+                    item = await self._next()
+                except StopAsyncIteration:
+                    raise _lost(RuntimeError("the stream ended without its end")) from None
+                if isinstance(item, Ended):
+                    self.queue_s = item.queue_s
+                    if item.error is not None:
+                        raise rebuild(item.error)
+                    return
+                if hasattr(item, "ttft_s"):  # RequestStats
+                    self.stats = item
+                yield item
+        finally:
+            self._finish()
+
+
+class RemoteScheduler:
+    """The scheduler's caller side over the model deployment; see the module docstring.
+
+    ``num_running`` counts this ingress's requests in flight (the replicas' own queues are
+    in their metrics, labelled by replica); ``alive`` is True: Ray restarts dead replicas."""
+
+    restarts = 0
+    num_waiting = 0
+    num_background = 0
+    num_jobs = 0
+    alive = True
+    started = True
+
+    def __init__(self, handle: Any, engine: Engine) -> None:
+        self.handle = handle  # DeploymentHandle of the model deployment
+        self.engine = engine
+        self.observer = SchedulerObserver()  # the replicas' own observers feed their metrics
+        self._stream = handle.options(stream=True)
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_running(self) -> int:
+        return self._in_flight
+
+    def start(self) -> None:  # noqa: D401 - the replicas start their own workers
+        """Nothing to start here."""
+
+    def _release(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    async def asubmit(self, request: Request, sampling: SamplingParams) -> RemoteHandle:
+        """Send the request to a replica the router picks; returns once it was accepted.
+        DrainingError while this ingress drains; the replica's refusals as raised there."""
+        if self._draining:
+            raise DrainingError("the server is shutting down and takes no new requests")
+        call = ModelCall(route_keys(self.engine, request), request, sampling)
+        with self._idle:
+            self._in_flight += 1
+        handle = RemoteHandle(request, self._stream.generate.remote(call), self)
+        await handle.open()
+        return handle
+
+    async def compute_documents(self, todo: list[tuple[ChunkKey, tuple[int, ...]]], prefix: tuple[int, ...],
+                                name: str) -> str:
+        """Compute and store ``todo``'s chunks on a replica (routed by their keys); returns
+        the replica's id. Raises the replica's refusal (429 when its jobs lane is full)."""
+        if self._draining:
+            raise DrainingError("the server is shutting down and takes no new requests")
+        call = DocumentCall(tuple((str(k), len(ids)) for k, ids in todo), tuple((str(k), tuple(ids)) for k, ids in todo),
+                            tuple(prefix), name)
+        try:
+            answer = await self.handle.compute_documents.remote(call)
+        except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)
+            raise _lost(exc) from None
+        if isinstance(answer, WireError):
+            raise rebuild(answer)
+        return answer
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new work; wait up to ``timeout_s`` for this ingress's requests in flight."""
+        self._draining = True
+        until = time.monotonic() + max(timeout_s, 0.0)
+        with self._idle:
+            while self._in_flight > 0 and time.monotonic() < until:
+                self._idle.wait(max(0.0, until - time.monotonic()))
+
+
+__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys"]

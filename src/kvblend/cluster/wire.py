@@ -1,0 +1,103 @@
+"""What crosses the hop between the ingress and a model replica (plain picklable data).
+
+The first positional argument of every model-deployment method the ingress calls is a
+``ModelCall`` or a ``DocumentCall``; both carry ``route_keys``: one ``(chunk key string,
+token count)`` per document (the key string is ``store.keys.ChunkKey``'s ``tenant/digest``,
+so the tenant is part of it), which the request router reads
+(``pending_request.args[0].route_keys``).
+
+A streamed request answers ``Accepted`` once the replica's scheduler queued it, then the
+scheduler's items (``StreamEvent``, ``RequestStats``) as they come, then ``Ended``. Errors
+never cross as exceptions: the replica sends a ``WireError`` (the error's class name,
+message and Retry-After) and the ingress raises the same class again (``rebuild``), so
+429/503/504/400/500 keep their status and OpenAI shape across the hop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvblend import errors as kvblend_errors
+from kvblend.engine import scheduler as sched
+from kvblend.engine.request import Request
+from kvblend.generation.sampling import SamplingParams
+
+RouteKeys = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """A shaped chat/completion request for a replica's scheduler."""
+
+    route_keys: RouteKeys
+    request: Request
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class DocumentCall:
+    """Document precompute: the chunks ``(key string, token ids)`` to compute after
+    ``prefix`` on a replica's jobs lane and store (memory and the shared tiers)."""
+
+    route_keys: RouteKeys
+    chunks: tuple[tuple[str, tuple[int, ...]], ...]
+    prefix: tuple[int, ...]
+    name: str
+
+
+@dataclass(frozen=True)
+class WireError:
+    """An exception as data: its class name, message and Retry-After seconds (429s)."""
+
+    kind: str
+    message: str
+    retry_after_s: int | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The replica queued the request; ``replica`` is its Ray Serve replica id."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request's end: the seconds it waited in the replica's queue, and its error."""
+
+    queue_s: float
+    error: WireError | None = None
+
+
+# Errors rebuilt by class name; anything else is an internal error (a bare 500).
+_KNOWN: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (
+        sched.QueueFullError, sched.DrainingError, sched.DeadlineExceededError, sched.RequestCancelledError,
+        sched.WorkerDeadError, sched.InternalRequestError, kvblend_errors.ContextLengthError,
+        kvblend_errors.InvalidRequestError, kvblend_errors.NonFiniteLogitsError, kvblend_errors.EngineClosedError,
+        kvblend_errors.ModelCheckError, kvblend_errors.UnsupportedModelError, kvblend_errors.KvblendError,
+    )
+}
+INTERNAL = "InternalRequestError"
+
+
+def to_wire(exc: BaseException) -> WireError:
+    """``exc`` as data; an unexpected exception's message stays on the replica (the
+    client gets the bare 500, as in one process)."""
+    kind = type(exc).__name__
+    if kind not in _KNOWN:
+        return WireError(INTERNAL, "internal server error (logged on the server)")
+    retry = getattr(exc, "retry_after_s", None)
+    return WireError(kind, str(exc), int(retry) if retry is not None else None)
+
+
+def rebuild(error: WireError) -> Exception:
+    """The exception ``error`` describes, of the same class (``server.errors.from_exception``
+    maps it to the same status as in one process)."""
+    cls = _KNOWN.get(error.kind, sched.InternalRequestError)
+    if cls is sched.QueueFullError:
+        return sched.QueueFullError(error.message, error.retry_after_s or 1)
+    return cls(error.message)
+
+
+__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "WireError", "rebuild", "to_wire"]
