@@ -28,12 +28,11 @@ from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
-from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, WireError, to_wire
+from kvblend.cluster.wire import INTERNAL, Accepted, DocumentCall, Ended, ModelCall, WireError, to_wire
 from kvblend.engine.scheduler import DrainingError
 from kvblend.server.app import build_scheduler, server_metrics
 from kvblend.server.main import build_engine, configure_logging
 from kvblend.settings import Settings
-from kvblend.store.keys import ChunkKey
 
 log = logging.getLogger("kvblend.cluster")
 
@@ -72,7 +71,7 @@ class ModelReplica:
         try:
             handle = self.scheduler.submit(call.request, call.sampling)
         except Exception as exc:  # noqa: BLE001 - refusals go back as data
-            yield Ended(0.0, to_wire(exc))
+            yield Ended(0.0, self._wire(exc))
             return
         yield Accepted(self.replica)
         try:
@@ -90,8 +89,10 @@ class ModelReplica:
         """Compute the chunks not stored yet (this replica's store decides) on the jobs
         lane and store them; this replica's id, or the refusal as a ``WireError``."""
         try:
-            todo = [(ChunkKey.parse(k), tuple(ids)) for k, ids in call.chunks]
-            todo = [(k, ids) for k, ids in todo if not self.engine.store.contains(k)]
+            plan = await asyncio.to_thread(self.engine.plan_warm, list(call.chunks), call.prefix, call.tenant)
+            if [str(k) for k in plan.keys] != [k for k, _ in call.route_keys]:
+                raise RuntimeError("the ingress keyed these chunks otherwise: is every process serving one model?")
+            todo = plan.todo
             if todo:
                 future = self.scheduler.submit_job(self.engine.compute_steps(todo, call.prefix), call.name)
                 try:
@@ -102,8 +103,16 @@ class ModelReplica:
                     raise
                 await asyncio.to_thread(self.engine.put_chunks, computed)
         except Exception as exc:  # noqa: BLE001 - refusals go back as data
-            return to_wire(exc)
+            return self._wire(exc)
         return self.replica
+
+    @staticmethod
+    def _wire(exc: BaseException) -> WireError:
+        """``exc`` as data; an unexpected one is logged here, where its cause is."""
+        error = to_wire(exc)
+        if error.kind == INTERNAL and type(exc).__name__ != INTERNAL:
+            log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+        return error
 
     # -- Ray Serve hooks
     def check_health(self) -> None:

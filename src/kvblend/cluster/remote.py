@@ -178,8 +178,8 @@ class RemoteScheduler:
         the replica's id. Raises the replica's refusal (429 when its jobs lane is full)."""
         if self._draining:
             raise DrainingError("the server is shutting down and takes no new requests")
-        call = DocumentCall(tuple((str(k), len(ids)) for k, ids in todo), tuple((str(k), tuple(ids)) for k, ids in todo),
-                            tuple(prefix), name)
+        call = DocumentCall(tuple((str(k), len(ids)) for k, ids in todo), todo[0][0].tenant if todo else "default",
+                            tuple(tuple(ids) for _, ids in todo), tuple(prefix), name)
         try:
             answer = await self.handle.compute_documents.remote(call)
         except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)

@@ -36,11 +36,13 @@ class ModelCall:
 
 @dataclass(frozen=True)
 class DocumentCall:
-    """Document precompute: the chunks ``(key string, token ids)`` to compute after
-    ``prefix`` on a replica's jobs lane and store (memory and the shared tiers)."""
+    """Document precompute: ``tenant``'s chunks (token ids) to compute after ``prefix`` on a
+    replica's jobs lane and store (memory and the shared tiers). The replica keys them
+    again (a key carries its model identities); ``route_keys`` are the ingress's keys."""
 
     route_keys: RouteKeys
-    chunks: tuple[tuple[str, tuple[int, ...]], ...]
+    tenant: str
+    chunks: tuple[tuple[int, ...], ...]
     prefix: tuple[int, ...]
     name: str
 

@@ -1,0 +1,198 @@
+"""Two model replicas on Ray Serve behind one ingress (``kvblend.cluster``): routing by
+documents, the shared Redis tier, a replica killed under load, metrics per replica,
+cancellation across the hop."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from kvblend.cluster.app import APP_NAME, MODEL_DEPLOYMENT
+
+STATS_S = 1.5  # > the routing-stats period (0.5 s) plus the background write-back of a missed chunk
+
+
+def chat(client, documents, *, question="What does the passage say?", method=None, max_tokens=2, **extra):
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": question}], "documents": documents,
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+    if method is not None:
+        body["kvblend"] = {"method": method}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def passage(topic: str, sentences: int = 2) -> str:
+    return " ".join(f"The {topic} archive records fact number {i} about the {topic} valley." for i in range(sentences))
+
+
+def served(resp) -> tuple[str, list[str]]:
+    """The replica that answered (header and body agree) and each document's source."""
+    assert resp.status_code == 200, resp.text
+    block = resp.json()["kvblend"]
+    assert block["replica"] == resp.headers["x-kvblend-replica"]
+    return block["replica"], [d["source"] for d in block["documents"]]
+
+
+def test_repeated_documents_land_on_one_replica_and_hit_its_memory(cluster):
+    docs = [{"text": passage("amber")}, {"text": passage("basalt")}]
+    with cluster.client() as c:
+        first, sources = served(chat(c, docs))
+        assert sources == ["computed", "computed"]
+        time.sleep(STATS_S)
+        again = [served(chat(c, docs, question=f"Question {i}?")) for i in range(3)]
+    assert {r for r, _ in again} == {first}
+    assert all(s == ["memory", "memory"] for _, s in again)
+
+
+def test_different_document_sets_spread_over_both_replicas(cluster):
+    with cluster.client() as c:
+        replicas = [served(chat(c, [{"text": passage(f"spread-{i}")}], max_tokens=1))[0] for i in range(12)]
+    assert len(set(replicas)) == 2, replicas
+
+
+def test_a_document_computed_on_one_replica_is_a_redis_hit_on_the_other(cluster):
+    x = passage("cobalt", 1)
+    with cluster.client() as c:
+        posted = c.post("/v1/documents", json={"id": "cobalt", "text": x})
+        assert posted.status_code == 200, posted.text
+        assert "redis" in posted.json()["tiers"]  # computed on a replica, visible in the shared tier
+        time.sleep(STATS_S)
+        a, sources = served(chat(c, [{"id": "cobalt"}]))
+        assert sources == ["memory"]  # the replica that computed it is the one the router picks
+        other = None
+        for i in range(10):  # a longer document that lands on the other replica
+            y = {"text": passage(f"other-{i}", 4)}
+            replica, _ = served(chat(c, [y], max_tokens=1))
+            if replica != a:
+                other = (replica, y)
+                break
+        assert other is not None, "no document was placed on the second replica"
+        b, y = other
+        time.sleep(STATS_S)
+        replica, sources = served(chat(c, [{"id": "cobalt"}, y]))  # B holds more of its tokens
+    assert replica == b
+    assert sources == ["redis", "memory"]
+
+
+def _model_replicas() -> dict[str, str]:
+    from ray import serve
+
+    status = serve.status().applications[APP_NAME].deployments[MODEL_DEPLOYMENT]
+    return dict(status.replica_states)
+
+
+def test_killing_a_replica_under_load_leaves_the_other_serving_and_ray_restores_it(cluster):
+    import ray
+
+    doc_sets = [[{"text": passage(f"load-{i}")}] for i in range(6)]
+    with cluster.client() as c:  # references: each set's full-prefill answer, before the kill
+        refs = [c.post("/v1/chat/completions", json=_full(d)) for d in doc_sets]
+    for r in refs:
+        assert r.status_code == 200, r.text
+    answers = [r.json()["choices"][0]["message"]["content"] for r in refs]
+    homes = [r.headers["x-kvblend-replica"] for r in refs]
+    assert len(set(homes)) == 2
+    victim = homes[0]
+
+    results: list[tuple[int, int, str | None, str | None]] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        with cluster.client(timeout=60) as c:
+            i = worker
+            while not stop.is_set():
+                resp = c.post("/v1/chat/completions", json=_full(doc_sets[i % len(doc_sets)]))
+                text = resp.json()["choices"][0]["message"]["content"] if resp.status_code == 200 else None
+                results.append((i % len(doc_sets), resp.status_code, text, resp.headers.get("x-kvblend-replica")))
+                i += 1
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    killed_at = len(results)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{MODEL_DEPLOYMENT}#{victim}", namespace="serve"))
+    time.sleep(6.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=90)
+
+    for index, status, text, _ in results:
+        assert status in (200, 503), status  # a request cut by the kill is a 503 (retry), never a wrong answer
+        if status == 200:
+            assert text == answers[index]
+    after = results[killed_at + 3:]
+    assert any(s == 200 and r != victim for _, s, _, r in after), "the surviving replica stopped serving"
+
+    until = time.monotonic() + 120
+    while time.monotonic() < until and _model_replicas().get("RUNNING", 0) < 2:
+        time.sleep(1.0)
+    assert _model_replicas().get("RUNNING", 0) == 2, _model_replicas()
+    with cluster.client() as c:  # the set the killed replica held is served again, correctly
+        resp = c.post("/v1/chat/completions", json=_full(doc_sets[0]))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == answers[0]
+
+
+def _full(documents) -> dict:
+    return {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Which valley is it about?"}],
+            "documents": documents, "max_tokens": 3, "temperature": 0, "kvblend": {"method": "full"}}
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """replica label -> value of metric ``name``'s samples."""
+    out = {}
+    for m in re.finditer(rf'^{re.escape(name)}{{([^}}]*)}} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels["replica"]] = out.get(labels["replica"], 0.0) + float(m.group(2))
+    return out
+
+
+def test_metrics_carry_a_replica_label_for_each_model_replica_and_the_ingress(cluster):
+    with cluster.client() as c:
+        seen = {served(chat(c, [{"text": passage(f"metrics-{i}")}], max_tokens=1))[0] for i in range(8)}
+        bad = c.post("/v1/chat/completions", json={"model": "no-such-model", "messages": []})
+        assert bad.status_code in (400, 404)
+        time.sleep(STATS_S)
+        text = c.get("/metrics").text
+    running = _samples(text, "kvblend:num_requests_running")
+    assert seen <= set(running), (seen, running)
+    assert all(v >= 1 for r, v in _samples(text, "kvblend:request_success_total").items() if r in seen)
+    errors = _samples(text, "kvblend:request_errors_total")
+    assert any(r.startswith("ingress:") and v >= 1 for r, v in errors.items()), errors
+    assert text.count("# TYPE kvblend:num_requests_running gauge") == 1
+
+
+def test_a_client_leaving_a_stream_cancels_its_request_on_the_replica(cluster):
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "documents": [{"text": passage("leaving")}], "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with cluster.client() as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            replica = resp.headers["x-kvblend-replica"]
+            chunks = 0
+            for line in resp.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 3:
+                    break
+        until = time.monotonic() + 20
+        running = None
+        while time.monotonic() < until:
+            time.sleep(0.5)
+            running = _samples(c.get("/metrics").text, "kvblend:num_requests_running").get(replica)
+            if running == 0:
+                break
+    assert running == 0, "the replica still decodes a request whose client left"
+    # 1500 tokens would take far longer than this: the request was cancelled, not finished
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health"])
+def test_ingress_answers_like_one_process(cluster, path):
+    with cluster.client() as c:
+        resp = c.get(path)
+    assert resp.status_code == 200
+    if path == "/v1/models":
+        assert resp.json()["data"][0]["id"] == "smollm2-135m"
