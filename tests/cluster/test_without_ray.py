@@ -1,0 +1,54 @@
+"""The single-process server never imports ray, and errors keep their HTTP shapes across
+the ingress-replica hop (``cluster.wire``) without a Ray instance."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvblend.cluster.wire import WireError, rebuild, to_wire
+from kvblend.engine.scheduler import DeadlineExceededError, DrainingError, InternalRequestError, QueueFullError
+from kvblend.errors import ContextLengthError
+from kvblend.server.errors import from_exception
+from tests.server.helpers import save_tiny_model
+
+
+def test_single_process_serve_imports_no_ray(tmp_path):
+    model = save_tiny_model(tmp_path / "model")
+    code = textwrap.dedent(f"""
+        import sys
+        from fastapi.testclient import TestClient
+        import kvblend.cli
+        from kvblend.server.app import create_app
+        from kvblend.server.main import build_engine
+        from kvblend.settings import Settings
+
+        s = Settings(model={str(model)!r}, state_dir={str(tmp_path / 'state')!r}, store={{"tiers": ["memory"]}})
+        with TestClient(create_app(build_engine(s), s)) as c:
+            r = c.post("/v1/chat/completions", json={{"model": s.model_id, "max_tokens": 2,
+                       "messages": [{{"role": "user", "content": "hi"}}], "documents": [{{"text": "a b c"}}]}})
+            assert r.status_code == 200, r.text
+            assert "replica" not in r.json()["kvblend"] and "x-kvblend-replica" not in r.headers
+            assert c.get("/metrics").status_code == 200
+        print(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (QueueFullError("busy", 7), 429), (DrainingError("stopping"), 503), (DeadlineExceededError("late"), 504),
+    (ContextLengthError("too long"), 400), (InternalRequestError("boom"), 500), (KeyError("secret detail"), 500),
+])
+def test_errors_cross_the_hop_with_their_status(error, status):
+    wire = to_wire(error)
+    assert isinstance(wire, WireError)
+    local, remote = from_exception(error), from_exception(rebuild(wire))
+    assert (remote.status, remote.type) == (local.status, local.type) == (status, remote.type)
+    assert remote.headers == local.headers  # Retry-After of a 429 included
+    if status == 500:
+        assert "secret" not in remote.message and "boom" not in remote.message
