@@ -52,3 +52,26 @@ def test_errors_cross_the_hop_with_their_status(error, status):
     assert remote.headers == local.headers  # Retry-After of a 429 included
     if status == 500:
         assert "secret" not in remote.message and "boom" not in remote.message
+
+
+def test_replica_flags_merge_into_the_cluster_settings(tmp_path, monkeypatch, capsys):
+    import json
+
+    from kvblend.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster:\n  replicas: 5\n  ingress_replicas: 2\n  router: default\n")
+    monkeypatch.setenv("KVBLEND_CLUSTER__REPLICA_CPUS", "0.5")
+    assert main(["serve", "--config", str(cfg), "--replicas", "3", "--ray-address", "10.0.0.1:6379",
+                 "--print-config"]) == 0
+    data = json.loads(capsys.readouterr().out)["cluster"]
+    assert (data["replicas"], data["ray_address"], data["router"]) == (3, "10.0.0.1:6379", "default")
+    assert (data["ingress_replicas"], data["replica_cpus"]) == (2, 0.5)  # the rest of the section is kept
+
+
+def test_the_guard_is_refused_with_replicas():
+    from kvblend.cluster.app import check_settings
+    from kvblend.settings import Settings, SettingsError
+
+    with pytest.raises(SettingsError, match="guard"):
+        check_settings(Settings(guard={"enabled": True}, cluster={"replicas": 2}))

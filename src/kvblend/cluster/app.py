@@ -86,20 +86,27 @@ class Running:
     started_ray: bool
 
 
+def connect(settings: Settings, num_cpus: int | None = None) -> bool:
+    """Connect this process to Ray unless it is already: ``cluster.ray_address``, else a new
+    local instance (with ``num_cpus``). True when a local instance was started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = settings.cluster.ray_address
+    ray.init(address=address, num_cpus=None if address else num_cpus, log_to_driver=False)
+    return address is None
+
+
 def start_local(settings: Settings, *, replicas: int | None = None, router: str | None = None,
                 num_cpus: int | None = None, **options: Any) -> Running:
     """Run the application and return once every replica is ready. Ray: the instance this
     process is connected to, else ``cluster.ray_address``, else a new local one (with
     ``num_cpus``). HTTP on ``settings.host:settings.port``. ``options`` go to
     ``build_application``."""
-    import ray
     from ray import serve
 
-    started_ray = False
-    if not ray.is_initialized():
-        ray.init(address=settings.cluster.ray_address, num_cpus=None if settings.cluster.ray_address else num_cpus,
-                 log_to_driver=False)
-        started_ray = True
+    started_ray = connect(settings, num_cpus)
     replicas = replicas if replicas is not None else (settings.cluster.replicas or 1)
     app = build_application(settings, replicas=replicas, router=router or settings.cluster.router, **options)
     serve.start(http_options={"host": settings.host, "port": settings.port})
@@ -136,8 +143,10 @@ def serve_cluster(settings: Settings) -> int:
         log.info("draining: up to %.1f s for running requests", settings.drain_timeout_s)
         stop.set()
 
-    running = start_local(settings)
+    started_ray = connect(settings)  # ray.init sets its own SIGTERM handler: ours goes after it
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    running = start_local(settings)
+    running.started_ray = started_ray
     log.info("serving %s on %s with %d model replicas (%s router)", settings.model_id, running.base_url,
              settings.cluster.replicas, settings.cluster.router)
     try:
@@ -167,4 +176,4 @@ def wait_ready(base_url: str, timeout_s: float = 120.0) -> None:
 
 
 __all__ = ["APP_NAME", "INGRESS_DEPLOYMENT", "MODEL_DEPLOYMENT", "Running", "build_application",
-           "check_settings", "serve_cluster", "shutdown", "start_local", "wait_ready"]
+           "check_settings", "connect", "serve_cluster", "shutdown", "start_local", "wait_ready"]
