@@ -290,7 +290,10 @@ class ClusterSettings(_Section):
     instance); ``router``: ``affinity`` (documents' tokens held in a replica's memory tier)
     or ``default`` (Ray's power of two choices); ``ingress_replicas``: HTTP front ends;
     ``replica_cpus``/``ingress_cpus``: Ray CPUs each replica reserves (a model replica runs
-    torch on ``max(1, round(replica_cpus))`` threads); ``routing_stats_period_s``: how often
+    torch on ``max(1, round(replica_cpus))`` threads); ``ingress_resources``: Ray custom
+    resources the ingress needs, to pin it to the node holding ``state_dir`` (the document
+    registry) and the retrieval index (``ray start --resources='{"kvblend_ingress": 1}'``
+    there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
     replicas report their resident documents to the router; ``health_check_period_s``: how
     often Ray checks a replica's model worker (a dead one is restarted)."""
 
@@ -300,6 +303,7 @@ class ClusterSettings(_Section):
     ingress_replicas: int = Field(1, ge=1, le=64)
     replica_cpus: float = Field(1.0, gt=0, le=1024, allow_inf_nan=False)
     ingress_cpus: float = Field(0.5, ge=0, le=1024, allow_inf_nan=False)
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     routing_stats_period_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
     health_check_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
 

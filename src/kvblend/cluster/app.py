@@ -71,7 +71,8 @@ def build_application(settings: Settings, *, replicas: int, router: str = "affin
     ).bind(settings)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=ingress_replicas or c.ingress_replicas,
-        ray_actor_options={"num_cpus": ingress_cpus if ingress_cpus is not None else c.ingress_cpus},
+        ray_actor_options={"num_cpus": ingress_cpus if ingress_cpus is not None else c.ingress_cpus,
+                           **({"resources": dict(c.ingress_resources)} if c.ingress_resources else {})},
         max_ongoing_requests=max(64, replicas * max_ongoing(settings)),
         graceful_shutdown_timeout_s=settings.drain_timeout_s + 5.0,
     ).bind(model, settings)
