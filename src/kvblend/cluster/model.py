@@ -128,13 +128,6 @@ class ModelReplica:
         return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": self.scheduler.num_waiting,
                 "running": self.scheduler.num_running}
 
-    # -- for tests and operators
-    def describe(self) -> dict[str, Any]:
-        """This replica's id and the chunk keys its memory tier holds."""
-        tier = memory_tier(self.engine.store)
-        return {"replica": self.replica, "resident": [str(k) for k in tier.resident_keys()] if tier else [],
-                "restarts": self.scheduler.restarts}
-
     def __del__(self) -> None:
         """Ray Serve's graceful shutdown: drain the scheduler, flush write-back, close."""
         closed = getattr(self, "_closed", None)
