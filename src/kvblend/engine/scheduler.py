@@ -341,7 +341,7 @@ JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requ
 DEFAULT_CHUNK_TOKENS = 1024  # nothing decodes: slices only bound how long a cancel or a job waits
 FIRST_SLICE_TOKENS = 64  # streams decode but no step was measured yet
 MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
-SLICE_OVER_DECODE = 3.0  # while streams decode, a slice takes about this many of their decode steps
+DEFAULT_STALL_STEPS = 3.0  # while streams decode, a step with a slice takes about this many decode steps
 EWMA = 0.3
 
 
@@ -354,14 +354,20 @@ class Scheduler:
     admitted: ``engine.fair``); ``shares``: per-tenant weight, queue cap and token rate;
     ``decode_weight``: what a decoded token counts in the fair queue, prefill tokens 1;
     ``prefill_chunk_tokens``: the size of a prefill slice (None: whole prefills, no
-    interleaving); ``max_jobs``/``max_background``: jobs queued or running at most in the
+    interleaving); ``stall_steps``: while streams decode, a step that carries a slice takes
+    about this many of their decode steps (> 1; larger slices finish a long prefill sooner
+    and stall the streams longer: see ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in the
     jobs lane (more are refused) and the background lane (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
                  prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
-                 shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0) -> None:
+                 shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
+                 stall_steps: float = DEFAULT_STALL_STEPS) -> None:
         _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
+        if not 1.0 < stall_steps < float("inf"):
+            raise ValueError(f"stall_steps must be a number > 1, got {stall_steps}")
+        self.stall_steps = stall_steps
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
@@ -818,16 +824,22 @@ class Scheduler:
     def slice_tokens(self) -> int | None:
         """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes
         (large: small slices cost a pass over the weights each, and would only slow it);
-        while streams decode, as many as take about SLICE_OVER_DECODE of their decode steps
-        (from the measured step and per-token slice times; at least MIN_SLICE_TOKENS), so a
-        running stream's gaps stay a small multiple of its steady pace whatever the device.
-        None: no slicing."""
+        while streams decode, as many as make the step that carries them take about
+        ``stall_steps`` decode steps (from the measured step and per-token slice times; at
+        least MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady
+        pace whatever the device. None: no slicing.
+
+        The trade-off this sets: a step costs about a decode step d (a pass over the
+        weights) plus c per slice token, so a gap of g decode steps allows slices of
+        (g - 1) d / c tokens, and an N-token prefill beside streams pays N / slice extra
+        passes: its TTFT over alone is about 1 + 1 / (g - 1) where d dominates c x slice
+        (``benchmarks/interference.py --stall-steps`` measures both)."""
         top = self.prefill_chunk_tokens
         if top is None or not self._running:
             return top
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)
-        fit = int(SLICE_OVER_DECODE * self._decode_s / max(self._token_s, 1e-9))
+        fit = int((self.stall_steps - 1.0) * self._decode_s / max(self._token_s, 1e-9))
         fit = min(fit, 2 * self._last_slice)  # grow at most 2x a slice: one noisy measure cannot make a long stall
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
 

@@ -127,7 +127,8 @@ def build_state(target: Engine | Scheduler, settings: Settings) -> ServerState:
         scheduler = Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
                               deadline_s=sch.request_deadline_s, max_background=sch.max_background,
                               prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
-                              shares=sch.shares(), decode_weight=sch.decode_weight)
+                              shares=sch.shares(), decode_weight=sch.decode_weight,
+                              stall_steps=sch.max_stall_steps)
     model_id = settings.model_id
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
                             lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
