@@ -25,12 +25,15 @@ loop turn:
 
 * starts at most one request's prefill when fewer than ``max_running`` decode: the head
   of the tenant the fair queue picks (``engine.fair``: per-tenant queues, Virtual Token
-  Counter, per-tenant caps and optional token rates);
+  Counter, per-tenant caps and optional token rates). A prefill in progress is paused
+  (its step generator simply not advanced; nothing is recomputed) when another tenant
+  with less service waits, so a light tenant never waits for a heavy one's long prompt;
+  a paused prefill resumes, in fair order, once no prefill runs;
 * runs one *slice* of model work, in this order of priority — the request being
   prefilled, the jobs lane, the background lane (only while no request waits): a full
   prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
-  while nothing decodes, else as many as take about three of the running streams' decode
-  steps (measured) —, a fusion's a group of layers holding about as many token-layers;
+  while nothing decodes, else as many as make the step take about ``stall_steps`` of the
+  running streams' decode steps (measured) —, a fusion's a group of layers holding about as many token-layers;
   a job's step the same; the jobs lane gets every fourth slice even while requests
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
@@ -377,6 +380,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._queue: FairQueue[RequestHandle] = FairQueue(max_queued, shares, decode_weight)
         self._prefill: _Prefill | None = None
+        self._paused: list[_Prefill] = []  # prefills set aside for a tenant with less service
         self._running: list[_Running] = []
         self._thread: threading.Thread | None = None
         self._draining = False
@@ -411,8 +415,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Requests decoding or being prefilled."""
-        return len(self._running) + (self._prefill is not None)
+        """Requests decoding or being prefilled (paused prefills included)."""
+        return len(self._running) + (self._prefill is not None) + len(self._paused)
 
     @property
     def num_waiting(self) -> int:
@@ -617,7 +621,8 @@ class Scheduler:
         return False
 
     def _has_work(self) -> bool:
-        return bool(self._running or self._prefill or len(self._queue) or self._jobs.jobs or self._background.jobs)
+        return bool(self._running or self._prefill or self._paused or len(self._queue) or self._jobs.jobs
+                    or self._background.jobs)
 
     def _expire(self) -> None:
         """Drop cancelled and expired requests: queued, prefilling or running."""
@@ -628,12 +633,12 @@ class Scheduler:
                 self._queue.remove(h.tenant, h)
             left = [r for r in self._running if r.handle.cancelled or r.handle.expired(now)]
             self._running = [r for r in self._running if r not in left]
-            prefill = self._prefill
-            if prefill is not None and (prefill.handle.cancelled or prefill.handle.expired(now)):
+            prefills = [p for p in (self._prefill, *self._paused)
+                        if p is not None and (p.handle.cancelled or p.handle.expired(now))]
+            if self._prefill in prefills:
                 self._prefill = None
-            else:
-                prefill = None
-        if prefill is not None:
+            self._paused = [p for p in self._paused if p not in prefills]
+        for prefill in prefills:
             prefill.close()
             self._end_dropped(prefill.handle, started=True)
         for h in gone:
@@ -650,10 +655,25 @@ class Scheduler:
                 started=started)
 
     def _admit(self) -> None:
-        """Start the next request's prefill (fair order) when a slot is free."""
+        """Start the next request's prefill (fair order) when a slot is free: pausing the
+        prefill in progress when another tenant with less service waits, resuming a paused
+        one (fair order among them and the queue) when none is in progress."""
         with self._cond:
-            if self._prefill is not None or len(self._running) >= self.max_running:
+            if self.num_running >= self.max_running:
+                if self._prefill is None and self._paused:  # slots all taken: finish what was set aside
+                    self._prefill = self._resumed()
                 return
+            head = self._queue.head()
+            if self._prefill is not None:
+                if head is None or not self._queue.counter(head) < self._queue.counter(self._prefill.handle.tenant):
+                    return
+                self._paused.append(self._prefill)  # another tenant with less service waits
+                self._prefill = None
+            elif self._paused:
+                lowest = min(self._queue.counter(p.handle.tenant) for p in self._paused)
+                if head is None or lowest <= self._queue.counter(head):
+                    self._prefill = self._resumed()
+                    return
             picked = self._queue.pop()
             if picked is None:
                 return
@@ -662,6 +682,12 @@ class Scheduler:
             self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
+
+    def _resumed(self) -> _Prefill:
+        """Take the paused prefill whose tenant has had the least service (the oldest among
+        equals). Call with the lock held and ``_paused`` non-empty."""
+        best = min(range(len(self._paused)), key=lambda i: self._queue.counter(self._paused[i].handle.tenant))
+        return self._paused.pop(best)
 
     # -- slices
     def _slice(self) -> tuple[Forward | None, _Task | None]:
@@ -927,8 +953,9 @@ class Scheduler:
         """Remove and return the requests running or being prefilled (their generator closed)."""
         with self._cond:
             handles = [r.handle for r in self._running]
-            prefill, self._prefill, self._running = self._prefill, None, []
-        if prefill is not None:
+            prefills = [p for p in (self._prefill, *self._paused) if p is not None]
+            self._prefill, self._paused, self._running = None, [], []
+        for prefill in prefills:
             prefill.close()
             handles.append(prefill.handle)
         return handles
