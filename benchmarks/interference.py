@@ -1,6 +1,7 @@
 """Interference between tenants on one `kvblend serve`: stalls, long prefills, fairness.
 
     .venv/bin/python benchmarks/interference.py [--quick] [--model smollm2-135m] [--threads N]
+        [--stall-steps G] [--gap-only]
 
 Starts the real server (`python -m kvblend serve` on 127.0.0.1, memory tier, API keys for
 the tenants a, b, heavy, light and probe) and drives it with httpx over SSE; every phase
@@ -21,7 +22,11 @@ TTFT is request sent -> first text chunk, a gap is the time between two token ch
    the first long request sent to the last one ended, so that the median is the
    stream's own pace whatever the long prefills do to the gaps inside (goal <= 3).
    ``long_ttft_over_unloaded`` is the largest of the long requests' TTFT under that
-   load over the same length's unloaded TTFT (goal <= 1.3).
+   load over the same length's unloaded TTFT (goal <= 1.3). The two pull against each
+   other on a device where a decode step is mostly a pass over the weights:
+   ``--stall-steps G`` sets the server's ``scheduler.max_stall_steps`` (a step carrying a
+   slice takes about G decode steps, so the gap ratio is about G and the TTFT ratio about
+   1 + 1/(G - 1)); ``--gap-only`` runs this phase alone, to trace that frontier.
 2. Fairness. Light's unloaded TTFT: the median of sequential requests of
    ``fair_prompt_tokens`` tokens, ``fair_max_tokens`` answer tokens, alone. The server's
    sustainable rate: tenant probe keeps ``max_running`` requests of that shape in flight
@@ -359,8 +364,10 @@ async def run(url: str, plan: Plan, args: argparse.Namespace, prompts: Prompts) 
     print(f"warm-up: {_line(warm)}; context {bench.context} tokens", flush=True)
     print("phase 1: long prefills against a stream", flush=True)
     gap = await gap_phase(bench)
-    print("phase 2: fairness", flush=True)
-    fair = await fair_phase(bench, args.max_running, args.seed)
+    fair = FairRun()
+    if not args.gap_only:
+        print("phase 2: fairness", flush=True)
+        fair = await fair_phase(bench, args.max_running, args.seed)
     await bench.client.aclose()
     return result(gap, fair, [warm])
 
@@ -399,10 +406,12 @@ def _rounded(x: object) -> object:
     return x
 
 
-def server_settings(max_running: int, max_queued: int) -> dict:
-    """Keys for every tenant, a small queue, answers up to the context (the stream is long)."""
+def server_settings(max_running: int, max_queued: int, stall_steps: float | None = None) -> dict:
+    """Keys for every tenant, a small queue, answers up to the context (the stream is long);
+    ``stall_steps``: the server's ``scheduler.max_stall_steps`` (None: its default)."""
+    stall = {} if stall_steps is None else {"max_stall_steps": stall_steps}
     return {"api_keys": {key: tenant for tenant, key in KEYS.items()},
-            "scheduler": {"max_running": max_running, "max_queued": max_queued, "request_deadline_s": 600},
+            "scheduler": {"max_running": max_running, "max_queued": max_queued, "request_deadline_s": 600, **stall},
             "limits": {"max_tokens": 1 << 20}, "store": {"tiers": ["memory"]}, "log_level": "warning",
             "drain_timeout_s": 5}
 
@@ -418,6 +427,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as hung")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--stall-steps", type=float, default=None,
+                   help="the server's scheduler.max_stall_steps (default: the server's default)")
+    p.add_argument("--gap-only", action="store_true", help="phase 1 only (the stall / long-TTFT trade-off)")
     args = p.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     try:
@@ -433,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = Prompts(load_tokenizer(args.model), args.seed)
     print(f"model {args.model}; {os.cpu_count()} CPUs; long prompts {plan.long_tokens} tokens", flush=True)
     t = time.perf_counter()
-    config = server_settings(args.max_running, args.max_queued)
+    config = server_settings(args.max_running, args.max_queued, args.stall_steps)
     with running_server(args.model, config, timeout_s=600, threads=args.threads) as url:
         out = asyncio.run(run(url, plan, args, prompts))
-    out.update(model=args.model, quick=args.quick, server_threads=args.threads,
+    out.update(model=args.model, quick=args.quick, server_threads=args.threads, stall_steps=args.stall_steps,
                plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
     print(json.dumps(out))
     return 0

@@ -245,3 +245,71 @@ def test_a_scheduler_never_started_leaves_write_back_to_the_engine() -> None:
     Scheduler(eng)
     eng.generate(Request(documents=["the doctor led the project ."], question="who ?"), SamplingParams(max_tokens=2))
     assert eng.writeback.flush(10) and eng.writeback_stats().written == 1
+
+
+# ----- a long prefill steps aside for a tenant with less service -------------------------------
+class _SubmitOnAdmission(Timeline):
+    """Submits ``second`` from the worker the moment ``first`` is admitted (so it surely
+    arrives while ``first`` is still prefilling)."""
+
+    def __init__(self, sched_box: list, second: Request, sampling: SamplingParams) -> None:
+        super().__init__()
+        self.box, self.second, self.sampling, self.handles = sched_box, second, sampling, []
+
+    def on_admitted(self, handle) -> None:
+        super().on_admitted(handle)
+        if not self.handles:
+            self.handles.append(self.box[0].submit(self.second, self.sampling))
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_a_light_request_does_not_wait_for_another_tenants_long_prefill(preempt: bool) -> None:
+    loaded = make_loaded(num_hidden_layers=4, max_position_embeddings=512)
+    eng = Engine(loaded)
+    heavy = Request(documents=(), question=_long_question(300), method="full", tenant="heavy")
+    light = Request(documents=(), question="hello", method="full", tenant="light" if preempt else "heavy")
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    want_heavy, want_light = eng.generate(heavy, sampling).token_ids, eng.generate(light, sampling).token_ids
+    box: list = []
+    timeline = _SubmitOnAdmission(box, light, sampling)
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8)
+    box.append(sched)
+    first = sched.submit(heavy, sampling)
+    sched.start()
+    assert first.result().token_ids == want_heavy  # paused and resumed: the same answer
+    second = timeline.handles[0]
+    assert second.result().token_ids == want_light
+    sched.drain(5)
+    order = [who for kind, who in timeline.events if kind == "first"]
+    if preempt:  # another tenant: the short prompt goes ahead of the ~300-token one
+        assert order == [second.id, first.id]
+    else:  # the same tenant: its own requests keep their order
+        assert order == [first.id, second.id]
+    assert sched.num_running == 0 and not sched._paused
+
+
+def test_a_paused_prefill_can_be_cancelled() -> None:
+    from kvblend.engine.scheduler import RequestCancelledError
+
+    eng = Engine(make_loaded(num_hidden_layers=4, max_position_embeddings=512))
+    heavy = Request(documents=(), question=_long_question(300), method="full", tenant="heavy")
+    light = Request(documents=(), question="hello", method="full", tenant="light")
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    box: list = []
+
+    class CancelPaused(_SubmitOnAdmission):
+        def on_admitted(self, handle) -> None:
+            super().on_admitted(handle)
+            if self.handles and handle is self.handles[0]:  # light admitted: heavy is paused now
+                box[1].cancel()
+
+    timeline = CancelPaused(box, light, sampling)
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8)
+    box.append(sched)
+    box.append(sched.submit(heavy, sampling))
+    sched.start()
+    with pytest.raises(RequestCancelledError):
+        box[1].result()
+    assert timeline.handles[0].result().token_ids
+    sched.drain(5)
+    assert sched.num_running == 0 and not sched._paused

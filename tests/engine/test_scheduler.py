@@ -362,3 +362,18 @@ def test_an_internal_prefill_failure_ends_that_request_as_internal(monkeypatch) 
     sched.drain(5)
     assert rec.outcomes[bad.id].status == "error" and not isinstance(rec.outcomes[bad.id].error, KvblendError)
     assert rec.outcomes[bad.id].stage == "prepare"
+
+
+def test_slices_beside_streams_are_sized_to_the_stall_asked_for() -> None:
+    """A step carrying a slice should take about ``stall_steps`` decode steps: (g - 1) d / c
+    tokens, from the measured decode step d and per-token slice time c, grown at most 2x."""
+    def sized(stall_steps: float, last: int) -> int:
+        sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=1024, stall_steps=stall_steps)
+        sched._running = [object()]  # a stream decodes
+        sched._decode_s, sched._token_s, sched._last_slice = 0.07, 0.0035, last
+        return sched.slice_tokens()
+
+    assert sized(3.0, 10_000) == 40 and sized(5.0, 10_000) == 80 and sized(61.0, 10_000) == 1024
+    assert sized(5.0, 20) == 40  # one step's measure cannot make a long stall at once
+    with pytest.raises(ValueError, match="stall_steps"):
+        Scheduler(Engine(make_loaded()), stall_steps=1.0)

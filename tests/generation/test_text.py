@@ -83,3 +83,54 @@ def test_eos_flushes_the_text_held_back_for_a_stop_string() -> None:
                               (eos,)))
     done = collect(iter(events), 4)
     assert done.finish_reason == "stop" and done.text == "the red city"  # "city" was held back, then EOS came
+
+
+# ----- incremental decoding: the same text as one decode, at a cost linear in the answer --------
+def _smollm2_tokenizer():
+    from kvblend.models.loader import load_tokenizer
+    from kvblend.models.registry import DEFAULT_MODEL, resolve_packaged
+
+    return load_tokenizer(resolve_packaged(DEFAULT_MODEL))
+
+
+class _Counting:
+    """A tokenizer that counts the token ids it was asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kw) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_deltas_add_up_to_one_decode_of_the_answer(seed: int) -> None:
+    import random
+
+    tok = _smollm2_tokenizer()
+    rng = random.Random(seed)
+    text = "Café naïve — 東京 and Zürich: \"don't\" ... 🙂🙂 x² ≥ 3 . , ; newline\n\ttab  double  spaces"
+    natural = tok(text, add_special_tokens=False)["input_ids"]
+    noise = [rng.randrange(len(tok)) for _ in range(300)]  # byte pieces, specials, anything
+    ids_ = natural + noise + natural
+    s = TextStream(tok)
+    shown = "".join(s.push(t) for t in ids_) + s.finish()
+    assert shown == tok.decode(ids_, skip_special_tokens=True)
+
+
+def test_each_token_decodes_a_short_window_not_the_whole_answer() -> None:
+    counting = _Counting(_smollm2_tokenizer())
+    words = counting.tokenizer("the river runs north past an old mill " * 250, add_special_tokens=False)["input_ids"]
+    s = TextStream(counting, stop=("never said",))
+    out = "".join(s.push(t) for t in words) + s.finish()
+    assert out == counting.tokenizer.decode(words, skip_special_tokens=True)
+    assert counting.decoded < 20 * len(words)  # decoding the whole answer each token: ~len(words)**2 / 2
+
+
+def test_a_stop_string_across_tokens_after_a_long_answer_is_found() -> None:
+    tok = _smollm2_tokenizer()
+    ids_ = tok("word " * 400 + "the city of paris", add_special_tokens=False)["input_ids"]
+    s = TextStream(tok, stop=("city of",))
+    out = "".join(s.push(t) for t in ids_)
+    assert s.stopped and out == "word " * 400 + "the "

@@ -117,13 +117,18 @@ class FairQueue(Generic[T]):
             t.counter = max(t.counter, self._lowest_busy(default=self._floor))
         t.waiting.append(item)
 
-    def pop(self) -> tuple[str, T] | None:
-        """The next item to start: the head of the backlogged tenant with the smallest
-        counter (ties: the one first seen). None when nothing waits."""
+    def head(self) -> str | None:
+        """The tenant ``pop`` would serve next (None when nothing waits)."""
         best = None
         for name, t in self._tenants.items():
             if t.waiting and (best is None or t.counter < self._tenants[best].counter):
                 best = name
+        return best
+
+    def pop(self) -> tuple[str, T] | None:
+        """The next item to start: the head of the backlogged tenant with the smallest
+        counter (ties: the one first seen). None when nothing waits."""
+        best = self.head()
         if best is None:
             return None
         t = self._tenants[best]

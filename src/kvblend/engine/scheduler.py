@@ -25,12 +25,15 @@ loop turn:
 
 * starts at most one request's prefill when fewer than ``max_running`` decode: the head
   of the tenant the fair queue picks (``engine.fair``: per-tenant queues, Virtual Token
-  Counter, per-tenant caps and optional token rates);
+  Counter, per-tenant caps and optional token rates). A prefill in progress is paused
+  (its step generator simply not advanced; nothing is recomputed) when another tenant
+  with less service waits, so a light tenant never waits for a heavy one's long prompt;
+  a paused prefill resumes, in fair order, once no prefill runs;
 * runs one *slice* of model work, in this order of priority — the request being
   prefilled, the jobs lane, the background lane (only while no request waits): a full
   prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
-  while nothing decodes, else as many as take about three of the running streams' decode
-  steps (measured) —, a fusion's a group of layers holding about as many token-layers;
+  while nothing decodes, else as many as make the step take about ``stall_steps`` of the
+  running streams' decode steps (measured) —, a fusion's a group of layers holding about as many token-layers;
   a job's step the same; the jobs lane gets every fourth slice even while requests
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
@@ -345,7 +348,7 @@ JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requ
 DEFAULT_CHUNK_TOKENS = 1024  # nothing decodes: slices only bound how long a cancel or a job waits
 FIRST_SLICE_TOKENS = 64  # streams decode but no step was measured yet
 MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
-SLICE_OVER_DECODE = 3.0  # while streams decode, a slice takes about this many of their decode steps
+DEFAULT_STALL_STEPS = 3.0  # while streams decode, a step with a slice takes about this many decode steps
 EWMA = 0.3
 
 
@@ -358,14 +361,20 @@ class Scheduler:
     admitted: ``engine.fair``); ``shares``: per-tenant weight, queue cap and token rate;
     ``decode_weight``: what a decoded token counts in the fair queue, prefill tokens 1;
     ``prefill_chunk_tokens``: the size of a prefill slice (None: whole prefills, no
-    interleaving); ``max_jobs``/``max_background``: jobs queued or running at most in the
+    interleaving); ``stall_steps``: while streams decode, a step that carries a slice takes
+    about this many of their decode steps (> 1; larger slices finish a long prefill sooner
+    and stall the streams longer: see ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in the
     jobs lane (more are refused) and the background lane (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
                  prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
-                 shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0) -> None:
+                 shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
+                 stall_steps: float = DEFAULT_STALL_STEPS) -> None:
         _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
+        if not 1.0 < stall_steps < float("inf"):
+            raise ValueError(f"stall_steps must be a number > 1, got {stall_steps}")
+        self.stall_steps = stall_steps
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
@@ -375,6 +384,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._queue: FairQueue[RequestHandle] = FairQueue(max_queued, shares, decode_weight)
         self._prefill: _Prefill | None = None
+        self._paused: list[_Prefill] = []  # prefills set aside for a tenant with less service
         self._running: list[_Running] = []
         self._thread: threading.Thread | None = None
         self._draining = False
@@ -409,8 +419,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Requests decoding or being prefilled."""
-        return len(self._running) + (self._prefill is not None)
+        """Requests decoding or being prefilled (paused prefills included)."""
+        return len(self._running) + (self._prefill is not None) + len(self._paused)
 
     @property
     def num_waiting(self) -> int:
@@ -615,7 +625,8 @@ class Scheduler:
         return False
 
     def _has_work(self) -> bool:
-        return bool(self._running or self._prefill or len(self._queue) or self._jobs.jobs or self._background.jobs)
+        return bool(self._running or self._prefill or self._paused or len(self._queue) or self._jobs.jobs
+                    or self._background.jobs)
 
     def _expire(self) -> None:
         """Drop cancelled and expired requests: queued, prefilling or running."""
@@ -626,12 +637,12 @@ class Scheduler:
                 self._queue.remove(h.tenant, h)
             left = [r for r in self._running if r.handle.cancelled or r.handle.expired(now)]
             self._running = [r for r in self._running if r not in left]
-            prefill = self._prefill
-            if prefill is not None and (prefill.handle.cancelled or prefill.handle.expired(now)):
+            prefills = [p for p in (self._prefill, *self._paused)
+                        if p is not None and (p.handle.cancelled or p.handle.expired(now))]
+            if self._prefill in prefills:
                 self._prefill = None
-            else:
-                prefill = None
-        if prefill is not None:
+            self._paused = [p for p in self._paused if p not in prefills]
+        for prefill in prefills:
             prefill.close()
             self._end_dropped(prefill.handle, started=True)
         for h in gone:
@@ -648,10 +659,25 @@ class Scheduler:
                 started=started)
 
     def _admit(self) -> None:
-        """Start the next request's prefill (fair order) when a slot is free."""
+        """Start the next request's prefill (fair order) when a slot is free: pausing the
+        prefill in progress when another tenant with less service waits, resuming a paused
+        one (fair order among them and the queue) when none is in progress."""
         with self._cond:
-            if self._prefill is not None or len(self._running) >= self.max_running:
+            if self.num_running >= self.max_running:
+                if self._prefill is None and self._paused:  # slots all taken: finish what was set aside
+                    self._prefill = self._resumed()
                 return
+            head = self._queue.head()
+            if self._prefill is not None:
+                if head is None or not self._queue.counter(head) < self._queue.counter(self._prefill.handle.tenant):
+                    return
+                self._paused.append(self._prefill)  # another tenant with less service waits
+                self._prefill = None
+            elif self._paused:
+                lowest = min(self._queue.counter(p.handle.tenant) for p in self._paused)
+                if head is None or lowest <= self._queue.counter(head):
+                    self._prefill = self._resumed()
+                    return
             picked = self._queue.pop()
             if picked is None:
                 return
@@ -660,6 +686,12 @@ class Scheduler:
             self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
+
+    def _resumed(self) -> _Prefill:
+        """Take the paused prefill whose tenant has had the least service (the oldest among
+        equals). Call with the lock held and ``_paused`` non-empty."""
+        best = min(range(len(self._paused)), key=lambda i: self._queue.counter(self._paused[i].handle.tenant))
+        return self._paused.pop(best)
 
     # -- slices
     def _slice(self) -> tuple[Forward | None, _Task | None]:
@@ -822,16 +854,22 @@ class Scheduler:
     def slice_tokens(self) -> int | None:
         """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes
         (large: small slices cost a pass over the weights each, and would only slow it);
-        while streams decode, as many as take about SLICE_OVER_DECODE of their decode steps
-        (from the measured step and per-token slice times; at least MIN_SLICE_TOKENS), so a
-        running stream's gaps stay a small multiple of its steady pace whatever the device.
-        None: no slicing."""
+        while streams decode, as many as make the step that carries them take about
+        ``stall_steps`` decode steps (from the measured step and per-token slice times; at
+        least MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady
+        pace whatever the device. None: no slicing.
+
+        The trade-off this sets: a step costs about a decode step d (a pass over the
+        weights) plus c per slice token, so a gap of g decode steps allows slices of
+        (g - 1) d / c tokens, and an N-token prefill beside streams pays N / slice extra
+        passes: its TTFT over alone is about 1 + 1 / (g - 1) where d dominates c x slice
+        (``benchmarks/interference.py --stall-steps`` measures both)."""
         top = self.prefill_chunk_tokens
         if top is None or not self._running:
             return top
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)
-        fit = int(SLICE_OVER_DECODE * self._decode_s / max(self._token_s, 1e-9))
+        fit = int((self.stall_steps - 1.0) * self._decode_s / max(self._token_s, 1e-9))
         fit = min(fit, 2 * self._last_slice)  # grow at most 2x a slice: one noisy measure cannot make a long stall
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
 
@@ -919,8 +957,9 @@ class Scheduler:
         """Remove and return the requests running or being prefilled (their generator closed)."""
         with self._cond:
             handles = [r.handle for r in self._running]
-            prefill, self._prefill, self._running = self._prefill, None, []
-        if prefill is not None:
+            prefills = [p for p in (self._prefill, *self._paused) if p is not None]
+            self._prefill, self._paused, self._running = None, [], []
+        for prefill in prefills:
             prefill.close()
             handles.append(prefill.handle)
         return handles

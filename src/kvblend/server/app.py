@@ -125,7 +125,8 @@ def build_scheduler(engine: Engine, settings: Settings) -> Scheduler:
     return Scheduler(engine, max_running=sch.max_running, max_queued=sch.max_queued,
                      deadline_s=sch.request_deadline_s, max_background=sch.max_background,
                      prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
-                     shares=sch.shares(), decode_weight=sch.decode_weight)
+                     shares=sch.shares(), decode_weight=sch.decode_weight,
+                     stall_steps=sch.max_stall_steps)
 
 
 def server_metrics(model_id: str, engine: Engine, scheduler: Any) -> ServerMetrics:
