@@ -1,0 +1,1 @@
+"""kvblend on Ray Serve: replicas of the model worker and the document-affinity router."""

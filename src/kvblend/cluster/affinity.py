@@ -1,0 +1,265 @@
+"""Document affinity: which replica should serve a request, from the documents it needs.
+
+Pure logic (no Ray): the Ray Serve router (``kvblend.cluster.router``) feeds it what it
+knows about each replica and maps the answer back onto Ray's replica objects.
+
+- :class:`ResidentSummary` — a Bloom filter of a replica's resident chunk keys, sized from
+  the key count for a target false-positive rate. A Bloom filter rather than the key set:
+  a key is ``tenant/sha256hex`` (70+ bytes), a filter entry ~10 bits at 1 % false
+  positives, and the summary travels from every replica through the Serve controller to
+  every ingress every few seconds. A false positive costs one misrouted request (a miss
+  on that replica, recomputed, never a wrong answer), so exactness buys nothing.
+- :func:`rendezvous_owner` — highest-random-weight hashing of a key over replica ids:
+  when a replica joins or leaves, only the keys it wins or held move (~1/N of them).
+- :func:`rank_replicas` — the ranking. Each replica scores the document tokens it holds
+  (per its summary) plus the tokens of the documents no replica holds whose rendezvous
+  owner it is, so a document's first computation lands where later requests for it go.
+  When the best replica's load exceeds the least loaded one's by more than
+  ``load_threshold`` requests, or there is nothing to score, the choice is power of two
+  choices (two random replicas, the less loaded first).
+
+Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_threshold``.
+Keys carry the tenant (``store.keys.ChunkKey``: the tenant is hashed into the digest and
+prefixes it), so two tenants' identical documents are different keys and routing one
+tenant's request depends on nothing another tenant stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+DEFAULT_FP_RATE = 0.01
+MIN_BITS = 64
+MAX_BITS = 1 << 23  # 1 MiB of filter: ~870k keys at 1 %; beyond that the false-positive rate rises
+MAX_HASHES = 16
+SUMMARY_VERSION = 1
+# A summary whose measured fill says more than this fraction of random keys would test
+# positive is treated as absent: a saturated filter would claim every document.
+MAX_TRUSTED_FP = 0.25
+
+DEFAULT_LOAD_THRESHOLD = 4
+MAX_ROUTE_KEYS = 256  # documents considered per request (a request's document count is bounded before this)
+MAX_KEY_CHARS = 512
+MAX_DOC_TOKENS = 1 << 24
+
+
+def _digest_pair(key: str) -> tuple[int, int]:
+    """Two independent 64-bit hashes of ``key`` (double hashing gives the k probe positions)."""
+    d = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16, person=b"kvblend-bloom").digest()
+    return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little") | 1
+
+
+def filter_size(n: int, fp_rate: float) -> tuple[int, int]:
+    """``(bits, hashes)`` of a Bloom filter for ``n`` keys at ``fp_rate``: m = -n ln p / ln²2,
+    k = (m/n) ln 2; bits a multiple of 8 within ``[MIN_BITS, MAX_BITS]``."""
+    if not 0.0 < fp_rate < 1.0:
+        raise ValueError(f"fp_rate must be in (0, 1); got {fp_rate!r}")
+    n = max(1, n)
+    bits = math.ceil(-n * math.log(fp_rate) / math.log(2) ** 2)
+    bits = min(MAX_BITS, max(MIN_BITS, -(-bits // 8) * 8))
+    hashes = min(MAX_HASHES, max(1, round(bits / n * math.log(2))))
+    return bits, hashes
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentSummary:
+    """A Bloom filter of chunk keys: ``key in s`` is never False for a key it was built
+    from, and True for another key with probability about ``expected_fp_rate``.
+
+    Immutable once built; ``to_dict`` / ``from_dict`` round-trip it through JSON or
+    pickle (``{"v", "m", "k", "bits"}``, bits base64, at most ``MAX_BITS / 8`` bytes).
+    """
+
+    bits: bytes
+    m: int
+    k: int
+    _ones: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (MIN_BITS <= self.m <= MAX_BITS and self.m % 8 == 0) or len(self.bits) != self.m // 8:
+            raise ValueError(f"a summary needs {MIN_BITS}..{MAX_BITS} bits, a multiple of 8, as m/8 bytes")
+        if not 1 <= self.k <= MAX_HASHES:
+            raise ValueError(f"a summary uses 1..{MAX_HASHES} hashes; got {self.k}")
+        object.__setattr__(self, "_ones", int.from_bytes(self.bits, "little").bit_count())
+
+    @classmethod
+    def from_keys(cls, keys: Iterable[str], *, fp_rate: float = DEFAULT_FP_RATE) -> ResidentSummary:
+        """The summary of ``keys`` (deduplicated), sized for their count at ``fp_rate``."""
+        distinct = set(keys)
+        m, k = filter_size(len(distinct), fp_rate)
+        buf = bytearray(m // 8)
+        for key in distinct:
+            for pos in _positions(key, m, k):
+                buf[pos >> 3] |= 1 << (pos & 7)
+        return cls(bytes(buf), m, k)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        return all(self.bits[pos >> 3] >> (pos & 7) & 1 for pos in _positions(key, self.m, self.k))
+
+    def __len__(self) -> int:
+        """Estimated number of distinct keys, from the fill: n ≈ -(m/k) ln(1 - ones/m)."""
+        if self._ones >= self.m:
+            return self.m
+        return round(-self.m / self.k * math.log1p(-self._ones / self.m))
+
+    @property
+    def expected_fp_rate(self) -> float:
+        """Probability that a key never added tests positive, from the measured fill."""
+        return (self._ones / self.m) ** self.k
+
+    def to_dict(self) -> dict[str, object]:
+        return {"v": SUMMARY_VERSION, "m": self.m, "k": self.k, "bits": base64.b64encode(self.bits).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, d: object) -> ResidentSummary:
+        """Inverse of ``to_dict``; ValueError for anything else (wrong version, sizes, bits)."""
+        if not isinstance(d, Mapping) or set(d) != {"v", "m", "k", "bits"}:
+            raise ValueError("a summary is a mapping with exactly v, m, k, bits")
+        v, m, k, text = d["v"], d["m"], d["k"], d["bits"]
+        if v != SUMMARY_VERSION or type(v) is not int:
+            raise ValueError(f"unknown summary version {v!r}")
+        if type(m) is not int or type(k) is not int:
+            raise ValueError("m and k must be integers")
+        if not isinstance(text, str) or not MIN_BITS <= m <= MAX_BITS or len(text) != 4 * -(-m // 24):
+            raise ValueError("bits must be the base64 of m/8 bytes")
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"bits are not base64: {exc}") from None
+        return cls(raw, m, k)
+
+
+def _positions(key: str, m: int, k: int) -> Iterable[int]:
+    h1, h2 = _digest_pair(key)
+    return ((h1 + i * h2) % m for i in range(k))
+
+
+def rendezvous_weight(key: str, replica: str) -> int:
+    """The 64-bit weight of ``replica`` for ``key``; the owner is the replica of highest weight."""
+    data = key.encode("utf-8", "surrogatepass") + b"\0" + replica.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"kvblend-hrw").digest(), "little")
+
+
+def rendezvous_owner(key: str, replicas: Iterable[str]) -> str | None:
+    """The replica that owns ``key`` among ``replicas`` (None when there are none).
+
+    Deterministic for a given set whatever its order: every router agrees without
+    talking, and removing a replica moves only the keys it owned."""
+    return max(replicas, key=lambda r: (rendezvous_weight(key, r), r), default=None)
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the router knows of one replica: ``summary`` None when its stats are missing or
+    unusable; ``load`` its queued + running requests, None when unknown."""
+
+    id: str
+    summary: ResidentSummary | None = None
+    load: int | None = None
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Replica ids in ranks, most preferred first (the router tries rank 0, then rank 1,
+    ...; within a rank Ray takes the least loaded). ``reason``: ``affinity`` (document
+    tokens decided), ``load`` (imbalance over the threshold), ``no-keys`` (nothing to
+    score), ``empty`` (no replicas). ``scores``: document tokens per replica id."""
+
+    ranks: tuple[tuple[str, ...], ...]
+    reason: str
+    scores: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def first(self) -> str | None:
+        return self.ranks[0][0] if self.ranks and self.ranks[0] else None
+
+
+def normalize_route_keys(route_keys: object) -> tuple[tuple[str, int], ...] | None:
+    """``route_keys`` as ``((key, tokens), ...)`` with repeated keys merged (first kept), or
+    None if it is not a sequence of (non-empty str ≤ MAX_KEY_CHARS, int 0..MAX_DOC_TOKENS)
+    pairs. Only the first ``MAX_ROUTE_KEYS`` distinct documents are kept."""
+    if not isinstance(route_keys, (tuple, list)):
+        return None
+    out: dict[str, int] = {}
+    for item in route_keys:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            return None
+        key, tokens = item
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+            return None
+        if type(tokens) is not int or not 0 <= tokens <= MAX_DOC_TOKENS:
+            return None
+        if key not in out and len(out) < MAX_ROUTE_KEYS:
+            out[key] = tokens
+    return tuple(out.items())
+
+
+def document_scores(route_keys: Sequence[tuple[str, int]], replicas: Sequence[ReplicaState]) -> tuple[dict[str, int], dict[str, int]]:
+    """``(scores, held)`` per replica id: ``held`` the tokens of the documents in its
+    summary; ``scores`` those plus the tokens of documents no summary holds and whose
+    rendezvous owner it is."""
+    ids = [r.id for r in replicas]
+    held = dict.fromkeys(ids, 0)
+    scores = dict.fromkeys(ids, 0)
+    usable = [r for r in replicas if r.summary is not None and r.summary.expected_fp_rate <= MAX_TRUSTED_FP]
+    for key, tokens in route_keys:
+        holders = [r.id for r in usable if key in r.summary]  # type: ignore[operator]
+        for rid in holders:
+            held[rid] += tokens
+            scores[rid] += tokens
+        if not holders:
+            owner = rendezvous_owner(key, ids)
+            scores[owner] += tokens  # type: ignore[index]
+    return scores, held
+
+
+def power_of_two(replicas: Sequence[ReplicaState], rng: random.Random | None = None) -> tuple[str, ...]:
+    """Two distinct random replicas (one if there is one), the less loaded first (unknown
+    load counts as 0: Ray probes it)."""
+    rng = rng or random
+    pair = rng.sample(list(replicas), min(2, len(replicas)))
+    pair.sort(key=lambda r: r.load or 0)
+    return tuple(r.id for r in pair)
+
+
+def rank_replicas(
+    route_keys: object,
+    replicas: Sequence[ReplicaState],
+    *,
+    load_threshold: int = DEFAULT_LOAD_THRESHOLD,
+    rng: random.Random | None = None,
+) -> Ranking:
+    """Rank ``replicas`` for a request needing ``route_keys`` (see the module docstring).
+
+    Affinity: rank 0 is the replica of highest score (ties: more tokens held, then lower
+    load, then id), rank 1 the next two by score. Falls back to power of two choices when
+    ``route_keys`` is absent or malformed, every score is 0, or the best replica's load
+    exceeds the lowest known load by more than ``load_threshold``. Never raises on what
+    the replicas report."""
+    if not replicas:
+        return Ranking((), "empty")
+    keys = normalize_route_keys(route_keys)
+    if not keys:
+        return Ranking((power_of_two(replicas, rng),), "no-keys")
+    scores, held = document_scores(keys, replicas)
+    order = sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], r.load or 0, r.id))
+    best = order[0]
+    if scores[best.id] == 0:
+        return Ranking((power_of_two(replicas, rng),), "no-keys", scores)
+    if _overloaded(best, replicas, load_threshold):
+        return Ranking((power_of_two(replicas, rng),), "load", scores)
+    rest = tuple(r.id for r in order[1:3])
+    return Ranking(((best.id,), rest) if rest else ((best.id,),), "affinity", scores)
+
+
+def _overloaded(best: ReplicaState, replicas: Sequence[ReplicaState], threshold: int) -> bool:
+    known = [r.load for r in replicas if r.load is not None]
+    return best.load is not None and bool(known) and best.load - min(known) > threshold

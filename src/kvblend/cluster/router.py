@@ -1,0 +1,144 @@
+"""``DocumentAffinityRouter``: a Ray Serve request router that sends a request to the
+replica holding most of its document tokens in its memory tier.
+
+Configured on the model deployment::
+
+    RequestRouterConfig(
+        request_router_class=DocumentAffinityRouter,
+        request_router_kwargs={"load_threshold": 4},
+        request_routing_stats_period_s=2.0,
+    )
+
+What it reads:
+
+- the request: ``pending_request.args[0].route_keys`` — ``((chunk key, tokens), ...)``, one
+  pair per document, keys ``tenant/digest`` (absent or malformed: power of two choices);
+- each replica's ``routing_stats``, what the model deployment's ``record_routing_stats``
+  returns: ``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int}``.
+  Missing or malformed stats leave that replica without a summary (it still owns its
+  rendezvous share of unheld documents); its load then comes from Ray's queue-length
+  cache, or is unknown.
+
+The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
+Ray's replica objects to ``ReplicaState`` and back, and never raises from routing: an
+unexpected error is logged and the request goes to power of two choices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kvblend.cluster.affinity import (
+    DEFAULT_LOAD_THRESHOLD,
+    Ranking,
+    ReplicaState,
+    ResidentSummary,
+    power_of_two,
+    rank_replicas,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_REPORTED_LOAD = 1 << 20
+
+
+def request_route_keys(pending_request: Optional[PendingRequest]) -> object:
+    """The request's ``route_keys`` (None when absent or unreadable); validated by the ranking."""
+    try:
+        args = pending_request.args if pending_request is not None else None
+        return getattr(args[0], "route_keys", None) if args else None
+    except Exception:  # an argument whose attribute access fails routes by load
+        return None
+
+
+def stats_load(stats: Any) -> int | None:
+    """``waiting + running`` from a replica's routing stats; None unless both are ints in range."""
+    if not isinstance(stats, dict):
+        return None
+    waiting, running = stats.get("waiting"), stats.get("running")
+    if type(waiting) is not int or type(running) is not int:
+        return None
+    if not (0 <= waiting <= MAX_REPORTED_LOAD and 0 <= running <= MAX_REPORTED_LOAD):
+        return None
+    return waiting + running
+
+
+class DocumentAffinityRouter(RequestRouter):
+    """Ranks replicas by the request's document tokens they hold (see the module docstring).
+
+    ``initialize_state(load_threshold=4)``: how many more queued + running requests than
+    the least loaded replica the preferred one may have before the request goes to power
+    of two choices instead. ``decisions`` counts the ranking reasons (``affinity``,
+    ``load``, ``no-keys``, ``error``) seen by this router instance.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._load_threshold = DEFAULT_LOAD_THRESHOLD
+        self._summaries: dict[str, tuple[object, ResidentSummary | None]] = {}
+        self.decisions: Counter[str] = Counter()
+
+    def initialize_state(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, **kwargs: Any) -> None:
+        if kwargs:
+            raise ValueError(f"DocumentAffinityRouter takes only load_threshold; got {sorted(kwargs)}")
+        if type(load_threshold) is not int or load_threshold < 0:
+            raise ValueError(f"load_threshold must be a non-negative int; got {load_threshold!r}")
+        self._load_threshold = load_threshold
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Retrying rank after rank must back off, or full replicas make a busy loop.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranking = self._rank(pending_request, candidate_replicas)
+        self.decisions[ranking.reason] += 1
+        return [[by_id[rid] for rid in rank if rid in by_id] for rank in ranking.ranks]
+
+    def _rank(self, pending_request: Optional[PendingRequest], replicas: List[RunningReplica]) -> Ranking:
+        try:
+            states = [self._state(r) for r in replicas]
+            return rank_replicas(request_route_keys(pending_request), states, load_threshold=self._load_threshold)
+        except Exception:
+            logger.exception("document-affinity ranking failed; routing by load")
+            fallback = [ReplicaState(r.replica_id.unique_id) for r in replicas]
+            return Ranking((power_of_two(fallback),), "error")
+
+    def _state(self, replica: RunningReplica) -> ReplicaState:
+        rid = replica.replica_id.unique_id
+        try:
+            stats = replica.routing_stats
+        except Exception:
+            stats = None
+        stats = stats if isinstance(stats, dict) else {}
+        load = self._replica_queue_len_cache.get(replica.replica_id)
+        return ReplicaState(rid, self._summary(rid, stats.get("resident")), load if load is not None else stats_load(stats))
+
+    def _summary(self, rid: str, resident: object) -> ResidentSummary | None:
+        """The replica's parsed summary, parsed again only when its stats object changed."""
+        cached = self._summaries.get(rid)
+        if cached is not None and cached[0] is resident:
+            return cached[1]
+        summary = None
+        if resident is not None:
+            try:
+                summary = ResidentSummary.from_dict(resident)
+            except ValueError as exc:
+                logger.warning("replica %s reported an unusable resident summary (%s); routing it by load", rid, exc)
+        self._summaries[rid] = (resident, summary)
+        return summary
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for rid in [rid for rid in self._summaries if rid not in live]:
+            del self._summaries[rid]
