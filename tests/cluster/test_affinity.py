@@ -87,9 +87,10 @@ def test_two_tenants_identical_documents_are_different_keys() -> None:
     assert a != b and a.split("/")[1] != b.split("/")[1]  # the digest differs, not only the prefix
     held_by_acme = ResidentSummary.from_keys([a])
     assert a in held_by_acme and b not in held_by_acme
-    # globex's request for the same text scores nothing on the replica holding acme's copy
-    r = rank_replicas(((b, 500),), [ReplicaState("r0", held_by_acme, 0), ReplicaState("r1", ResidentSummary.from_keys([]), 0)])
-    assert r.scores == {rendezvous_owner(b, ["r0", "r1"]): 500, **{x: 0 for x in ["r0", "r1"] if x != rendezvous_owner(b, ["r0", "r1"])}}
+    # globex's request for the same text: acme's copy counts for nothing, placement alone decides
+    replicas = [ReplicaState("r0", held_by_acme, 0), ReplicaState("r1", ResidentSummary.from_keys([]), 0)]
+    r = rank_replicas(((b, 500),), replicas)
+    assert r.first == rendezvous_owner(b, ["r0", "r1"]) and sorted(r.scores.values()) == [0, 500]
 
 
 # --- rendezvous hashing -------------------------------------------------------------
@@ -152,14 +153,17 @@ def test_unheld_documents_go_to_their_rendezvous_owner_weighted_by_tokens() -> N
 
 def test_load_imbalance_over_the_threshold_falls_back_to_power_of_two() -> None:
     d = keys("acme", 1)[0]
+    holds, empty = ResidentSummary.from_keys([d]), ResidentSummary.from_keys([])
+
     def states(load_a: int) -> list[ReplicaState]:
-        return [ReplicaState("a", ResidentSummary.from_keys([d]), load_a), ReplicaState("b", ResidentSummary.from_keys([]), 1)]
+        return [ReplicaState("a", holds, load_a), ReplicaState("b", empty, 1)]
+
     assert rank_replicas(((d, 100),), states(5), load_threshold=4).first == "a"  # 5 - 1 = 4: within
     r = rank_replicas(((d, 100),), states(6), load_threshold=4, rng=random.Random(0))
     assert r.reason == "load" and r.ranks == (("b", "a"),)  # the less loaded first
     assert rank_replicas(((d, 100),), states(6), load_threshold=5).reason == "affinity"
     # unknown loads never trigger the fallback
-    assert rank_replicas(((d, 100),), [ReplicaState("a", ResidentSummary.from_keys([d])), ReplicaState("b", None, 0)]).first == "a"
+    assert rank_replicas(((d, 100),), [ReplicaState("a", holds), ReplicaState("b", None, 0)]).first == "a"
 
 
 def test_requests_without_usable_keys_go_by_load() -> None:

@@ -202,7 +202,9 @@ def normalize_route_keys(route_keys: object) -> tuple[tuple[str, int], ...] | No
     return tuple(out.items())
 
 
-def document_scores(route_keys: Sequence[tuple[str, int]], replicas: Sequence[ReplicaState]) -> tuple[dict[str, int], dict[str, int]]:
+def document_scores(
+    route_keys: Sequence[tuple[str, int]], replicas: Sequence[ReplicaState]
+) -> tuple[dict[str, int], dict[str, int]]:
     """``(scores, held)`` per replica id: ``held`` the tokens of the documents in its
     summary; ``scores`` those plus the tokens of documents no summary holds and whose
     rendezvous owner it is."""

@@ -121,7 +121,8 @@ class DocumentAffinityRouter(RequestRouter):
             stats = None
         stats = stats if isinstance(stats, dict) else {}
         load = self._replica_queue_len_cache.get(replica.replica_id)
-        return ReplicaState(rid, self._summary(rid, stats.get("resident")), load if load is not None else stats_load(stats))
+        load = load if load is not None else stats_load(stats)
+        return ReplicaState(rid, self._summary(rid, stats.get("resident")), load)
 
     def _summary(self, rid: str, resident: object) -> ResidentSummary | None:
         """The replica's parsed summary, parsed again only when its stats object changed."""
