@@ -151,6 +151,18 @@ def test_unheld_documents_go_to_their_rendezvous_owner_weighted_by_tokens() -> N
     assert all(rank_replicas(((k, 300),), blind).first == rendezvous_owner(k, ids) for k in unheld[:20])
 
 
+def test_ties_are_broken_by_the_documents_not_by_load() -> None:
+    ids = ["a", "b"]
+    ks = keys("acme", 40)
+    x, y = next((x, y) for x, y in zip(ks, ks[1:]) if rendezvous_owner(x, ids) != rendezvous_owner(y, ids))
+    request = ((x, 256), (y, 256))  # 256 tokens placed on each replica: a tie
+    firsts = {
+        rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)]).first
+        for load_a, load_b in ((0, 3), (3, 0), (1, 1), (None, 2))
+    }
+    assert firsts == {rendezvous_owner(max(x, y), ids)}  # the same replica whatever the loads
+
+
 def test_load_imbalance_over_the_threshold_falls_back_to_power_of_two() -> None:
     d = keys("acme", 1)[0]
     holds, empty = ResidentSummary.from_keys([d]), ResidentSummary.from_keys([])

@@ -241,8 +241,9 @@ def rank_replicas(
 ) -> Ranking:
     """Rank ``replicas`` for a request needing ``route_keys`` (see the module docstring).
 
-    Affinity: rank 0 is the replica of highest score (ties: more tokens held, then lower
-    load, then id), rank 1 the next two by score. Falls back to power of two choices when
+    Affinity: rank 0 is the replica of highest score (ties: more tokens held, then the
+    rendezvous weight of the request's largest document: never load, so that the same
+    documents choose the same replica every time), rank 1 the next two. Falls back to power of two choices when
     ``route_keys`` is absent or malformed, every score is 0, or the best replica's load
     exceeds the lowest known load by more than ``load_threshold``. Never raises on what
     the replicas report."""
@@ -252,7 +253,8 @@ def rank_replicas(
     if not keys:
         return Ranking((power_of_two(replicas, rng),), "no-keys")
     scores, held = document_scores(keys, replicas)
-    order = sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], r.load or 0, r.id))
+    anchor = max(keys, key=lambda kt: (kt[1], kt[0]))[0]
+    order = sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], -rendezvous_weight(anchor, r.id), r.id))
     best = order[0]
     if scores[best.id] == 0:
         return Ranking((power_of_two(replicas, rng),), "no-keys", scores)
