@@ -1,6 +1,6 @@
 """Document-affinity routing against Ray Serve's default router: two model replicas, one run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/cluster.py [--quick] [--docs 40] [--requests 120]
+    PYTHONPATH=src .venv/bin/python benchmarks/cluster.py [--quick] [--docs 32] [--requests 160]
         [--seconds 150] [--concurrency 4] [--zipf 0.8] [--memory-fraction 0.6]
 
 Needs the ``cluster`` extra (``pip install kvblend[cluster]``). Starts one local Ray
@@ -26,7 +26,10 @@ Figures per router: the memory-tier hit rate (documents whose KV a replica's mem
 served, over all documents of the measured requests; ``kvblend.documents[].source`` of
 the usage chunk), the same weighted by tokens, TTFT p50/p95 measured by the client
 (request sent -> first token), throughput (ok requests per second of the phase's wall
-time), and how requests ended (ok, rejected 429, error, lost: broken or hung). Ends with
+time), how requests ended (ok, rejected 429, error, lost: broken or hung), and where they
+went: requests per replica and ``replicas_per_passage`` (over passages asked for at least
+twice, how many replicas answered requests carrying them: 1.0 is perfectly sticky, Ray's
+default router tends to 2). Ends with
 one JSON line: ``affinity_hit_rate``, ``default_hit_rate``, ``affinity_p95_ttft_s``,
 ``default_p95_ttft_s``, ``lost_requests`` (both phases), the ratios (``hit_rate_ratio``
 = affinity / default, goal >= 1.5; ``p95_ttft_ratio`` = affinity / default, goal < 1),
@@ -66,10 +69,10 @@ ENTRY_OVERHEAD = 1.02
 class Plan:
     """One run's sizes (``--quick`` shrinks them); see the module docstring."""
 
-    docs: int = 40
+    docs: int = 32
     docs_per_request: int = 2
-    requests: int = 120
-    warmup: int = 12
+    requests: int = 160
+    warmup: int = 16
     seconds: float = 150.0  # per router, after its replicas are ready
     concurrency: int = 4
     max_tokens: int = 16
@@ -281,10 +284,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 passages, 16 requests per router")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--docs", type=int, default=None, help="passages in the pool (default 40)")
+    p.add_argument("--docs", type=int, default=None, help="passages in the pool (default 32)")
     p.add_argument("--docs-per-request", type=int, default=None, help="default 2")
-    p.add_argument("--requests", type=int, default=None, help="requests per router (default 120)")
-    p.add_argument("--warmup", type=int, default=None, help="first requests left out of the figures (default 12)")
+    p.add_argument("--requests", type=int, default=None, help="requests per router (default 160)")
+    p.add_argument("--warmup", type=int, default=None, help="first requests left out of the figures (default 16)")
     p.add_argument("--seconds", type=float, default=None, help="per router, once its replicas are ready (default 150)")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop clients (default 4)")
     p.add_argument("--max-tokens", type=int, default=None, help="answer tokens (default 16)")
