@@ -243,10 +243,10 @@ def rank_replicas(
 
     Affinity: rank 0 is the replica of highest score (ties: more tokens held, then the
     rendezvous weight of the request's largest document: never load, so that the same
-    documents choose the same replica every time), rank 1 the next two. Falls back to power of two choices when
-    ``route_keys`` is absent or malformed, every score is 0, or the best replica's load
-    exceeds the lowest known load by more than ``load_threshold``. Never raises on what
-    the replicas report."""
+    documents choose the same replica every time), rank 1 the next two. Falls back to
+    power of two choices when ``route_keys`` is absent or malformed, every score is 0, or
+    the best replica's load exceeds the lowest known load by more than ``load_threshold``.
+    Never raises on what the replicas report."""
     if not replicas:
         return Ranking((), "empty")
     keys = normalize_route_keys(route_keys)
