@@ -1,0 +1,75 @@
+"""benchmarks/cluster.py: its per-router figures and the final line (no Ray, no model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cluster"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bc = _load()
+
+
+Row = tuple[str, str | None, list[str], tuple[int, ...]]  # status, replica, document sources, passages
+
+
+def _make(router: str, rows: list[Row]):
+    """A phase whose i-th request had TTFT 1 + 2i s and 100 tokens per document."""
+    outcomes = [bc.Outcome(status, 1.0 + 2 * i, [(s, 100) for s in sources], replica=replica)
+                for i, (status, replica, sources, _) in enumerate(rows)]
+    return bc.Phase(router, outcomes, wall_s=10.0, ready_s=1.0, passages=[r[3] for r in rows])
+
+
+def _phase(router: str, rows: list[Row], warmup: int = 1) -> dict:
+    return _make(router, rows).figures(warmup)
+
+
+def test_figures_count_memory_hits_of_measured_requests_and_placement() -> None:
+    f = _phase("affinity", [
+        ("ok", "r1", ["computed", "computed"], (0, 1)),  # warm-up: not in the rates
+        ("ok", "r1", ["memory", "computed"], (0, 2)),
+        ("ok", "r2", ["memory", "empty"], (3, 4)),
+        ("lost", None, [], (0, 1)),
+        ("ok", "r1", ["memory", "memory"], (0, 1)),
+    ])
+    assert f["hit_rate"] == 0.8 and f["sources"] == {"computed": 1, "memory": 4}  # "empty" is no document
+    assert (f["ok"], f["lost"], f["measured"]) == (4, 1, 4)
+    assert f["requests_per_replica"] == [3, 1]
+    assert f["replicas_per_passage"] == 1.0  # passages 0 and 1 were asked again, always on r1
+    assert f["throughput_req_s"] == 0.4
+
+
+def test_the_final_line_carries_both_routers_and_their_ratios() -> None:
+    plan = bc.Plan(requests=4, warmup=0)
+    phases = {
+        "affinity": _make("affinity", [("ok", "r1", ["memory"], (0,)), ("ok", "r1", ["memory"], (0,))]),
+        "default": _make("default", [("ok", "r1", ["memory"], (0,)), ("ok", "r2", ["computed"], (0,))]),
+    }
+    out = bc.result(phases, plan)
+    assert (out["affinity_hit_rate"], out["default_hit_rate"], out["hit_rate_ratio"]) == (1.0, 0.5, 2.0)
+    assert out["lost_requests"] == 0 and out["p95_ttft_ratio"] == 1.0
+    assert out["phases"]["default"]["replicas_per_passage"] == 2.0
+    assert not math.isnan(out["affinity_p95_ttft_s"])
+
+
+def test_plans_must_not_fit_one_replica_but_fit_two() -> None:
+    with pytest.raises(ValueError, match="memory_fraction"):
+        bc.Plan(memory_fraction=1.0)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        bc.Plan(memory_fraction=0.5)
+    with pytest.raises(ValueError):
+        bc.Plan(requests=10, warmup=10)
+    assert bc.Plan.quick().requests < bc.Plan().requests
