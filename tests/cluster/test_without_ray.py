@@ -75,3 +75,43 @@ def test_the_guard_is_refused_with_replicas():
 
     with pytest.raises(SettingsError, match="guard"):
         check_settings(Settings(guard={"enabled": True}, cluster={"replicas": 2}))
+
+
+def test_ingress_health_follows_the_running_model_replicas(tmp_path):
+    """/health answers 503 while no model replica runs (a load balancer then stops sending
+    to this ingress), 200 once one runs again; the count comes from serve.status()."""
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+    from starlette.testclient import TestClient
+
+    from kvblend.cluster.remote import RemoteScheduler, running_replicas
+    from kvblend.engine import Engine
+    from kvblend.server import create_app
+    from kvblend.settings import Settings
+    from tests.conftest import make_loaded
+
+    def status(running: int, starting: int) -> ServeStatus:
+        overview = DeploymentStatusOverview(
+            status=DeploymentStatus.HEALTHY, status_trigger=DeploymentStatusTrigger.UNSPECIFIED,
+            replica_states={ReplicaState.RUNNING: running, ReplicaState.STARTING: starting}, message="")
+        app = ApplicationStatusOverview(status="RUNNING", message="", last_deployed_time_s=0.0,
+                                        deployments={"KvblendModel": overview})
+        return ServeStatus(applications={"kvblend": app})
+
+    assert running_replicas(status(2, 1), "kvblend", "KvblendModel") == 2
+    assert running_replicas(status(0, 2), "kvblend", "KvblendModel") == 0
+    assert running_replicas(status(2, 0), "other", "KvblendModel") is None
+
+    class Handle:  # the model deployment's handle is never called here
+        def options(self, **_):
+            return self
+
+    engine = Engine(make_loaded())
+    remote = RemoteScheduler(Handle(), engine)
+    app = create_app(engine, Settings(state_dir=str(tmp_path / "state")), scheduler=remote)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200  # not known yet: up
+        remote.replicas_running = running_replicas(status(0, 2), "kvblend", "KvblendModel")
+        assert client.get("/health").status_code == 503
+        remote.replicas_running = running_replicas(status(1, 1), "kvblend", "KvblendModel")
+        assert client.get("/health").status_code == 200

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvblend.cluster.ingress import Ingress
+from kvblend.cluster.ingress import MODEL_DEPLOYMENT, Ingress
 from kvblend.cluster.metrics import BOARD_NAME, NAMESPACE, board_actor
 from kvblend.cluster.model import ModelReplica, max_ongoing
 from kvblend.server.main import configure_logging
@@ -28,7 +28,6 @@ from kvblend.settings import Settings, SettingsError
 
 log = logging.getLogger("kvblend.cluster")
 APP_NAME = "kvblend"
-MODEL_DEPLOYMENT = "KvblendModel"
 INGRESS_DEPLOYMENT = "KvblendIngress"
 ROUTERS = ("affinity", "default")
 

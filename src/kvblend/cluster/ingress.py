@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 from kvblend.cluster.metrics import ClusterExposition
-from kvblend.cluster.remote import RemoteScheduler
+from kvblend.cluster.remote import RemoteScheduler, watch_replicas
 from kvblend.engine import Engine, PrefixCache
 from kvblend.server.app import create_app
 from kvblend.server.main import configure_logging
 from kvblend.settings import Settings
 
 log = logging.getLogger("kvblend.cluster")
+MODEL_DEPLOYMENT = "KvblendModel"  # the model deployment's name (cluster.app binds it so)
+REPLICA_WATCH_S = 2.0  # how often /health's view of the running model replicas is refreshed
 COMPUTE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -50,18 +53,23 @@ class Ingress:
         self.model = model  # DeploymentHandle of the model deployment
         self.settings = settings
         self.engine: Engine | None = None
+        self._stop = threading.Event()
 
     def __serve_build_asgi_app__(self) -> Any:
         from ray import serve
 
         self.engine = shaping_engine(self.settings)
-        app = create_app(self.engine, self.settings, scheduler=RemoteScheduler(self.model, self.engine))
+        scheduler = RemoteScheduler(self.model, self.engine)
+        app = create_app(self.engine, self.settings, scheduler=scheduler)
         state = app.state.kvblend
+        context = serve.get_replica_context()
+        watch_replicas(scheduler, context.replica_id.deployment_id.app_name, MODEL_DEPLOYMENT, REPLICA_WATCH_S, self._stop)
         ingress_id = serve.get_replica_context().replica_id.unique_id
         state.exposition = ClusterExposition(ingress_id, state.metrics.registry)
         return app
 
     def __del__(self) -> None:
+        self._stop.set()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
 

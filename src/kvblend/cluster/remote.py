@@ -126,13 +126,15 @@ class RemoteScheduler:
     """The scheduler's caller side over the model deployment; see the module docstring.
 
     ``num_running`` counts this ingress's requests in flight (the replicas' own queues are
-    in their metrics, labelled by replica); ``alive`` is True: Ray restarts dead replicas."""
+    in their metrics, labelled by replica); ``alive`` is False while no model replica is
+    running (``replicas_running``, kept by the ingress's watcher; None: not known yet), so
+    ``/health`` tells a load balancer that this ingress cannot answer; Ray restarts dead
+    replicas."""
 
     restarts = 0
     num_waiting = 0
     num_background = 0
     num_jobs = 0
-    alive = True
     started = True
 
     def __init__(self, handle: Any, engine: Engine) -> None:
@@ -143,6 +145,11 @@ class RemoteScheduler:
         self._in_flight = 0
         self._idle = threading.Condition()
         self._draining = False
+        self.replicas_running: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.replicas_running != 0
 
     @property
     def draining(self) -> bool:
@@ -197,4 +204,33 @@ class RemoteScheduler:
                 self._idle.wait(max(0.0, until - time.monotonic()))
 
 
-__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys"]
+def running_replicas(status: Any, app: str, deployment: str) -> int | None:
+    """How many replicas of ``deployment`` in ``app`` are RUNNING in a ``serve.status()``
+    answer (None when the app or deployment is not in it)."""
+    application = status.applications.get(app)
+    overview = application.deployments.get(deployment) if application is not None else None
+    if overview is None:
+        return None
+    return sum(n for state, n in overview.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
+
+
+def watch_replicas(scheduler: RemoteScheduler, app: str, deployment: str, period_s: float,
+                   stop: threading.Event) -> threading.Thread:
+    """A daemon thread setting ``scheduler.replicas_running`` from ``serve.status()`` every
+    ``period_s`` until ``stop`` is set (a failed status call leaves the last value)."""
+    from ray import serve
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                scheduler.replicas_running = running_replicas(serve.status(), app, deployment)
+            except Exception as exc:  # noqa: BLE001 - the controller is busy or restarting: try again
+                log.debug("serve.status() failed: %s", exc)
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=run, name="kvblend-replica-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys", "running_replicas", "watch_replicas"]
