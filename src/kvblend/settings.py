@@ -31,6 +31,7 @@ from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
 from kvblend.store.config import TIER_NAMES, StoreConfig
 from kvblend.store.keys import validate_tenant
 from kvblend.store.plan import parse_size
+from kvblend.store.remote import cluster_nodes
 
 DTYPES = ("float32", "float16", "bfloat16")
 GiB = 1024**3
@@ -83,9 +84,20 @@ class StoreSettings(_Section):
     redis_bytes: Size = 10 * GiB
     redis_ttl_s: float | None = None
     redis_prefix: str = "kvblend"
+    redis_cluster: bool = False  # redis_url names a Redis Cluster (node URLs, comma-separated)
+    redis_groups: int = Field(16, ge=1, le=256)  # a cluster tier's hash-tag groups: caps hold per group
     kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     tenant_bytes: Size | None = None
     prefix_cache_bytes: Size = 512 * MiB
+
+    @model_validator(mode="after")
+    def _valid_redis(self) -> StoreSettings:
+        """A cluster URL is checked when settings load, not when the first request misses."""
+        if self.redis_url is not None and self.redis_cluster:
+            cluster_nodes(self.redis_url)
+        elif self.redis_url is not None and "," in self.redis_url:
+            raise ValueError("store.redis_url lists several nodes: set store.redis_cluster to use a Redis Cluster")
+        return self
 
     @property
     def disk_folder(self) -> str:
@@ -97,7 +109,8 @@ class StoreSettings(_Section):
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
         return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
-                           redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix, kv_dtype=self.kv_dtype,
+                           redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix,
+                           redis_cluster=self.redis_cluster, redis_groups=self.redis_groups, kv_dtype=self.kv_dtype,
                            compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
 
 
