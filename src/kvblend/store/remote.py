@@ -37,10 +37,12 @@ cap is refused. ``stats``/``entries``/``evict`` sum or walk every group (``evict
 tenant's last-use order over all groups, group by group, not atomically).
 
 Every Redis call has a timeout and no retries; a failure (connection refused or timed out,
-CLUSTERDOWN, a slot not covered, redirections that do not settle, any error reply) counts a
-warning, reads miss, writes return False, and the node that failed (the one server, or the
-cluster node holding the group) is skipped for ``retry_s`` before trying again; the other
-nodes keep serving. Entries are verified against their checksums as on every tier, so a
+CLUSTERDOWN, a slot not covered, redirections that do not settle, an error reply) counts a
+warning, reads miss and writes return False. When the node itself failed (anything but an
+error reply from a node that answers, such as OOM) it (the one server, or the cluster node
+holding the group) is skipped for ``retry_s`` before trying again; the other nodes keep
+serving. A read's recency update is best effort: a node refusing writes
+(``maxmemory`` reached) still serves reads. Entries are verified against their checksums as on every tier, so a
 failing node can cost recomputation, never a wrong tensor.
 """
 
@@ -58,7 +60,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-from redis.exceptions import NoScriptError, RedisClusterException
+from redis.exceptions import AskError, ClusterError, NoScriptError, RedisClusterException, ResponseError, TryAgainError
 from redis.retry import Retry
 
 from kvblend.store.base import EntryInfo
@@ -73,6 +75,13 @@ HEADER_FIELDS = ("format", "header", "header_xxh3")
 MAX_GROUPS = 256
 FAILURES = (redis.RedisError, RedisClusterException, OSError)  # RedisClusterException is not a RedisError
 SERVER = "server"  # the node name of a one-server tier
+
+
+def node_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says a node cannot serve now (unreachable, slow, loading, cluster
+    down, slots moving) rather than that it refused one command (an error reply such as
+    OOM when Redis' ``maxmemory`` is reached): only the former backs the node off."""
+    return not isinstance(exc, ResponseError) or isinstance(exc, (ClusterError, AskError, TryAgainError))
 
 _LUA_COMMON = """
 local prefix = ARGV[1]
@@ -329,9 +338,10 @@ class RedisStore(Tier):
         try:
             return fn()
         except FAILURES as exc:
-            with self._lock:
-                self._down[node] = time.monotonic() + self.retry_s
-            log.warning("redis tier: node %s unavailable (%s); skipping it for %.1f s", node, exc, self.retry_s)
+            if node_failed(exc):
+                with self._lock:
+                    self._down[node] = time.monotonic() + self.retry_s
+                log.warning("redis tier: node %s unavailable (%s); skipping it for %.1f s", node, exc, self.retry_s)
             raise TierUnavailable(f"redis: {exc}") from exc
 
     def _gather(self, queue: Callable[[Any, str], None]) -> tuple[dict[str, list[Any]], bool]:
@@ -379,9 +389,19 @@ class RedisStore(Tier):
 
     # -- reads -------------------------------------------------------------------------
 
-    def _touch(self, pipe: Any, key: ChunkKey) -> None:
-        """Queue the recency update of a read (an absent member stays absent)."""
+    def _fetch_and_touch(self, client: Any, key: ChunkKey, queue: Callable[[Any], None]) -> Any:
+        """One round trip: ``queue(pipe)``'s one read and the entry's recency update (an
+        absent member stays absent); the read's reply. The update is best effort: a node
+        refusing writes (``maxmemory`` reached) still serves reads."""
+        pipe = client.pipeline(transaction=False)
+        queue(pipe)
         pipe.zadd(f"{self._base(key)}:{key.tenant}:lru", {key.digest: time.time()}, xx=True)
+        reply, touched = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(touched, Exception) and node_failed(touched):
+            raise touched
+        return reply
 
     def contains(self, key: ChunkKey) -> bool:
         try:
@@ -391,13 +411,10 @@ class RedisStore(Tier):
             return False
 
     def _read(self, key: ChunkKey) -> Entry | None:
-        def fetch(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            pipe.hgetall(self.entry_name(key))
-            self._touch(pipe, key)
-            return pipe.execute()
+        def fetch(client: Any) -> Any:
+            return self._fetch_and_touch(client, key, lambda pipe: pipe.hgetall(self.entry_name(key)))
 
-        fields = {name.decode(errors="replace"): value for name, value in self._call(self._base(key), fetch)[0].items()}
+        fields = {name.decode(errors="replace"): value for name, value in self._call(self._base(key), fetch).items()}
         if not fields:
             return None
         header = parse_header_fields(fields)
@@ -406,13 +423,11 @@ class RedisStore(Tier):
     def _read_layer(self, key: ChunkKey, layer: int) -> LayerRead | None:
         names = (f"k.{layer}", f"v.{layer}", f"k.{layer}.scale", f"v.{layer}.scale")
 
-        def fetch(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            pipe.hmget(self.entry_name(key), [*HEADER_FIELDS, *names])
-            self._touch(pipe, key)
-            return pipe.execute()
+        def fetch(client: Any) -> Any:
+            return self._fetch_and_touch(client, key, lambda pipe: pipe.hmget(self.entry_name(key),
+                                                                              [*HEADER_FIELDS, *names]))
 
-        values = self._call(self._base(key), fetch)[0]
+        values = self._call(self._base(key), fetch)
         fields = dict(zip((*HEADER_FIELDS, *names), values))
         if all(v is None for v in values):
             return None
