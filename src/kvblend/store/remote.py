@@ -468,7 +468,12 @@ class RedisStore(Tier):
         for info in infos:
             if excess <= 0:
                 break
-            if self._remove(info.key):
+            try:
+                removed = self._remove(info.key)
+            except TierUnavailable:  # its node failed since the listing: counted, the others go on
+                self.counters.add(tenant, "warnings")
+                continue
+            if removed:
                 excess -= info.nbytes
                 evicted += 1
         return evicted
