@@ -232,3 +232,29 @@ def _assert_misses(store: RedisStore, pairs: list, phase: str) -> None:
         assert store.get(key, chunk.token_ids) is None and store.get_layer(key, 0) is None, phase
         assert not store.contains(key), phase
         assert time.monotonic() - started < 2.5, phase
+
+
+def test_a_promoted_replica_serves_the_dead_masters_chunks() -> None:
+    """A master killed with a replica: its chunks miss until the cluster promotes the
+    replica, then hit again with exact tensors (replicated entries pass their checksums),
+    its groups' accounting came along, and puts to them land on the new master."""
+    with LocalRedisCluster(3, node_timeout_ms=1000, replicas=1) as cluster:
+        store = RedisStore(cluster.url, 1 << 30, cluster=True, timeout_s=0.3, retry_s=0.5)
+        pairs = [keyed(i) for i in range(30)]
+        for key, chunk in pairs:
+            assert store.put(key, chunk)
+        dead, _ = _split(store, cluster, pairs, 0)
+        fresh, _ = _split(store, cluster, [keyed(i) for i in range(100, 130)], 0)
+        master = redis.Redis(host="127.0.0.1", port=cluster.nodes[0].port)
+        assert master.execute_command("WAIT", 1, 5000) == 1  # the replica has every write
+        master.close()
+        cluster.nodes[0].kill()
+        deadline = time.monotonic() + 15.0
+        while not all(store.contains(key) for key, _ in dead):  # misses (never errors) until promoted
+            assert time.monotonic() < deadline, "the replica was never promoted"
+            time.sleep(0.25)
+        for key, chunk in dead:
+            assert_same_chunk(store.get(key, chunk.token_ids), chunk)  # type: ignore[arg-type]
+        assert store.stats().entries == 30 and store.stats().errors == 0
+        assert store.put(*fresh[0]) and store.stats().entries == 31
+        store.close()

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 
@@ -126,72 +127,93 @@ class LocalRedis:
 
 
 class LocalRedisCluster:
-    """``with LocalRedisCluster() as c: c.url`` — ``n`` cluster-enabled servers on free
-    loopback ports, no replicas, the 16384 slots split into ``n`` equal contiguous ranges
-    (as ``redis-cli --cluster create`` does), ready when every node reports
-    ``cluster_state:ok``. Nodes run with ``cluster-require-full-coverage no`` and
-    ``cluster-allow-reads-when-down yes``, as ``docs/deploy.md`` advises for a cache: a dead
-    node takes only its own slots away. ``nodes[i].kill()`` crashes one; ``nodes[i].start()``
-    brings it back with its slots (its ``nodes.conf`` is kept), empty."""
+    """``with LocalRedisCluster() as c: c.url`` — ``n`` cluster-enabled masters on free
+    loopback ports, the 16384 slots split into ``n`` equal contiguous ranges (as
+    ``redis-cli --cluster create`` does), each with ``replicas`` replicas (``replicas_of(i)``),
+    ready when every node reports ``cluster_state:ok`` and every replica is in sync. Nodes run
+    with ``cluster-require-full-coverage no`` and ``cluster-allow-reads-when-down yes``, as
+    ``docs/deploy.md`` advises for a cache: a dead master without replicas takes only its
+    own slots away. ``nodes[i].kill()`` crashes master i (a replica takes over after the
+    node timeout); ``nodes[i].start()`` brings it back (its ``nodes.conf`` is kept), empty."""
 
     SLOTS = 16384
 
-    def __init__(self, n: int = 3, node_timeout_ms: int = 1000, startup_s: float = 20.0) -> None:
-        if n < 1:
-            raise ValueError("a cluster needs at least one node")
+    def __init__(self, n: int = 3, node_timeout_ms: int = 1000, startup_s: float = 20.0, replicas: int = 0) -> None:
+        if n < 1 or replicas < 0:
+            raise ValueError("a cluster needs at least one master, and replicas >= 0")
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
-                "--cluster-allow-reads-when-down", "yes")
+                "--cluster-allow-reads-when-down", "yes", "--repl-diskless-sync-delay", "0")
         self.nodes = [LocalRedis(free_cluster_port(), startup_s=startup_s, extra_args=args) for _ in range(n)]
+        self.replica_nodes = [LocalRedis(free_cluster_port(), startup_s=startup_s, extra_args=args)
+                              for _ in range(n * replicas)]
+        self.replicas = replicas
         self.startup_s = startup_s
 
     @property
     def url(self) -> str:
-        """Every node's URL, comma-separated (the cluster tier's ``redis_url``)."""
+        """Every master's URL, comma-separated (the cluster tier's ``redis_url``)."""
         return ",".join(f"redis://127.0.0.1:{node.port}" for node in self.nodes)
 
     def slot_range(self, i: int) -> range:
-        """The slots node ``i`` was given."""
+        """The slots master ``i`` was given."""
         n = len(self.nodes)
         return range(i * self.SLOTS // n, (i + 1) * self.SLOTS // n)
 
+    def replicas_of(self, i: int) -> list[LocalRedis]:
+        return self.replica_nodes[i * self.replicas:(i + 1) * self.replicas]
+
     def start(self) -> LocalRedisCluster:
-        for node in self.nodes:
+        everyone = [*self.nodes, *self.replica_nodes]
+        for node in everyone:
             node.start()
-        clients = [redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2.0) for node in self.nodes]
+        clients = [_client(node.port) for node in everyone]
         try:
             for i, client in enumerate(clients):
                 client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+            for i, client in enumerate(clients[:len(self.nodes)]):
                 client.execute_command("CLUSTER", "ADDSLOTS", *self.slot_range(i))
-            for node in self.nodes[1:]:
+            for node in everyone[1:]:
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-            self.wait_ok(clients)
+            self._wait(lambda: all(int(c.cluster("info")["cluster_known_nodes"]) == len(everyone) for c in clients))
+            for i, master in enumerate(clients[:len(self.nodes)]):
+                master_id = _text(master.execute_command("CLUSTER", "MYID"))
+                for replica in self.replicas_of(i):
+                    _client(replica.port).execute_command("CLUSTER", "REPLICATE", master_id)
+            self.wait_ok()
         finally:
             for client in clients:
                 client.close()
         return self
 
-    def wait_ok(self, clients: list[redis.Redis] | None = None) -> None:
-        """Wait until every running node sees the whole cluster and reports it ok."""
-        own = clients is None
-        if clients is None:
-            clients = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=2.0) for n in self.nodes if n.pid]
-        deadline = time.monotonic() + self.startup_s
+    def wait_ok(self) -> None:
+        """Wait until every running node sees the whole cluster and reports it ok, and every
+        running replica is in sync with its master."""
+        everyone = [*self.nodes, *self.replica_nodes]
+        clients = [_client(n.port) for n in everyone if n.pid]
+        replicas = [_client(n.port) for n in self.replica_nodes if n.pid]
+
+        def ok() -> bool:
+            infos = [client.cluster("info") for client in clients]
+            return all(str(i.get("cluster_state")) == "ok" and int(i.get("cluster_known_nodes", 0)) == len(everyone)
+                       and int(i.get("cluster_slots_assigned", 0)) == self.SLOTS for i in infos) and \
+                all(r.info("replication").get("master_link_status") == "up" for r in replicas)
+
         try:
-            while time.monotonic() < deadline:
-                infos = [client.cluster("info") for client in clients]
-                if all(str(i.get("cluster_state")) == "ok" and int(i.get("cluster_known_nodes", 0)) == len(self.nodes)
-                       and int(i.get("cluster_slots_assigned", 0)) == self.SLOTS for i in infos):
-                    return
-                time.sleep(0.05)
-            raise RuntimeError(f"redis cluster not ok within {self.startup_s} s: {infos}")
+            self._wait(ok)
         finally:
-            if own:
-                for client in clients:
-                    client.close()
+            for client in [*clients, *replicas]:
+                client.close()
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + self.startup_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster not ready within {self.startup_s} s")
+            time.sleep(0.05)
 
     def close(self) -> None:
-        for node in self.nodes:
+        for node in [*self.nodes, *self.replica_nodes]:
             node.close()
 
     def __enter__(self) -> LocalRedisCluster:
@@ -203,3 +225,11 @@ class LocalRedisCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _client(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
