@@ -41,9 +41,10 @@ CLUSTERDOWN, a slot not covered, redirections that do not settle, an error reply
 warning, reads miss and writes return False. When the node itself failed (anything but an
 error reply from a node that answers, such as OOM) it (the one server, or the cluster node
 holding the group) is skipped for ``retry_s`` before trying again; the other nodes keep
-serving. A read's recency update is best effort: a node refusing writes
-(``maxmemory`` reached) still serves reads. Entries are verified against their checksums as on every tier, so a
-failing node can cost recomputation, never a wrong tensor.
+serving. A node over Redis' ``maxmemory`` refuses puts (a put's first write is one Redis
+refuses then) and still serves reads (a read's recency update is best effort). Entries are
+verified against their checksums as on every tier, so a failing node can cost
+recomputation, never a wrong tensor.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ local cap, tcap = tonumber(ARGV[7]), tonumber(ARGV[8])
 local member = tenant .. '/' .. digest
 local out = {0}
 if need > cap or (tcap >= 0 and need > tcap) then return out end
+-- A write that Redis refuses over maxmemory comes first: once a script has written (drop's
+-- DEL), Redis lets the rest through, and the entry would land past the limit.
+redis.call('INCRBY', KEYS[6], 0)
 drop(tenant, digest)
 local function held(t) return num(redis.call('ZSCORE', KEYS[4], t)) end
 local function over_tenant() return tcap >= 0 and held(tenant) + need > tcap end
