@@ -114,8 +114,8 @@ class StoreSettings(_Section):
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
                            redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix,
                            redis_cluster=self.redis_cluster, redis_groups=self.redis_groups,
-                           redis_timeout_s=self.redis_timeout_s, redis_retry_s=self.redis_retry_s, kv_dtype=self.kv_dtype,
-                           compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
+                           redis_timeout_s=self.redis_timeout_s, redis_retry_s=self.redis_retry_s,
+                           kv_dtype=self.kv_dtype, compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
 
 
 _BLEND = BlendConfig()  # the engine's defaults: the one place a default blend is decided
