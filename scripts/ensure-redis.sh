@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Makes sure a redis-server binary (>= 6.2) exists for the store's integration tests and
-# benchmark: they start their own throwaway server on a free loopback port
-# (kvblend.store.localredis). Installs Debian's package when missing.
+# Makes sure redis-server (>= 6.2) and redis-cli exist for the store's integration tests and
+# benchmark: they start their own throwaway server, and a throwaway 3-node Redis Cluster,
+# on free loopback ports (kvblend.store.localredis; cluster mode needs nothing more than
+# redis-server, redis-cli is for operators: `redis-cli --cluster create`, docs/deploy.md).
+# Installs Debian's redis-server and redis-tools packages when missing.
 set -euo pipefail
 
 version_ok() {
@@ -11,18 +13,18 @@ version_ok() {
   [ -n "$v" ] && [ "$(printf '%s\n6.2\n' "$v" | sort -V | head -n1)" = "6.2" ]
 }
 
-if command -v redis-server >/dev/null 2>&1; then
+if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
   version_ok && exit 0
   echo "redis-server is older than 6.2: $(redis-server --version)" >&2
 fi
 if [ "$(id -u)" != "0" ] && ! command -v sudo >/dev/null 2>&1; then
-  echo "redis-server (>= 6.2) is missing and we are not root: install Debian's redis-server package" >&2
+  echo "redis-server (>= 6.2) or redis-cli is missing and we are not root: install Debian's redis-server and redis-tools packages" >&2
   exit 1
 fi
 SUDO=""; [ "$(id -u)" = "0" ] || SUDO=sudo
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+$SUDO apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
 # Debian's package may start a system service on 6379; the tests never use it.
-command -v redis-server
+command -v redis-server redis-cli
 version_ok

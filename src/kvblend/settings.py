@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -31,6 +32,7 @@ from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
 from kvblend.store.config import TIER_NAMES, StoreConfig
 from kvblend.store.keys import validate_tenant
 from kvblend.store.plan import parse_size
+from kvblend.store.remote import cluster_nodes
 
 DTYPES = ("float32", "float16", "bfloat16")
 GiB = 1024**3
@@ -83,9 +85,22 @@ class StoreSettings(_Section):
     redis_bytes: Size = 10 * GiB
     redis_ttl_s: float | None = None
     redis_prefix: str = "kvblend"
+    redis_cluster: bool = False  # redis_url names a Redis Cluster (node URLs, comma-separated)
+    redis_groups: int = Field(16, ge=1, le=256)  # a cluster tier's hash-tag groups: caps hold per group
+    redis_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False)  # per call: then a miss
+    redis_retry_s: float = Field(5.0, ge=0, le=3600, allow_inf_nan=False)  # a failed node is skipped this long
     kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     tenant_bytes: Size | None = None
     prefix_cache_bytes: Size = 512 * MiB
+
+    @model_validator(mode="after")
+    def _valid_redis(self) -> StoreSettings:
+        """A cluster URL is checked when settings load, not when the first request misses."""
+        if self.redis_url is not None and self.redis_cluster:
+            cluster_nodes(self.redis_url)
+        elif self.redis_url is not None and "," in self.redis_url:
+            raise ValueError("store.redis_url lists several nodes: set store.redis_cluster to use a Redis Cluster")
+        return self
 
     @property
     def disk_folder(self) -> str:
@@ -97,8 +112,10 @@ class StoreSettings(_Section):
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
         return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,
-                           redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix, kv_dtype=self.kv_dtype,
-                           compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
+                           redis_ttl_s=self.redis_ttl_s, redis_prefix=self.redis_prefix,
+                           redis_cluster=self.redis_cluster, redis_groups=self.redis_groups,
+                           redis_timeout_s=self.redis_timeout_s, redis_retry_s=self.redis_retry_s,
+                           kv_dtype=self.kv_dtype, compute_dtype=compute_dtype, tenant_bytes=self.tenant_bytes)
 
 
 _BLEND = BlendConfig()  # the engine's defaults: the one place a default blend is decided
@@ -396,15 +413,28 @@ class Settings(ModelSettings):
         return self.served_model_name or self.model
 
     def redacted(self) -> dict[str, Any]:
-        """The merged settings as plain data with API and admin keys hidden."""
+        """The merged settings as plain data with API and admin keys, and the password of
+        a Redis URL, hidden."""
         data = self.model_dump(mode="json")
         data["api_keys"] = {f"{_mask(k)}#{i}": t for i, (k, t) in enumerate(self.api_keys.items())}
         data["admin_key"] = _mask(self.admin_key) if self.admin_key else None
+        if self.store.redis_url:
+            data["store"]["redis_url"] = ",".join(_hide_password(u) for u in self.store.redis_url.split(","))
         return data
 
 
 def _mask(key: str) -> str:
     return key[:3] + "..." if len(key) > 6 else "***"
+
+
+def _hide_password(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
+    parts = urlsplit(url.strip())
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _check_yaml(path: Path) -> None:

@@ -127,7 +127,7 @@ def test_a_redis_layer_corrupt_mid_request_falls_back_to_the_document_missed(loa
     layout = eng.layout(REQUEST)
     key = chunk_key(layout.docs[0], eng.key_context(eng.chunk_prefix(REQUEST, layout), "default"))
     tier = store.tier("redis")
-    redis.Redis.from_url(redis_url).hset(tier._entry_key(key), "k.2", b"\0" * 16)  # layer 2 of document 0
+    redis.Redis.from_url(redis_url).hset(tier.entry_name(key), "k.2", b"\0" * 16)  # layer 2 of document 0
     got = eng.prepare(REQUEST)
     assert [d.source for d in got.stats.docs] == ["fallback", "redis", "redis"]
     assert got.stats.loading.failures[0].layer == 2

@@ -34,6 +34,18 @@ def test_defaults() -> None:
     assert s.documents.chunk_tokens == ChunkerConfig().size  # the rag chunker's default
 
 
+def test_a_redis_cluster_is_selected_by_settings(tmp_path, monkeypatch) -> None:
+    cfg = write_yaml(tmp_path, "store:\n  redis_cluster: true\n  redis_url: redis://10.0.0.1:7000,redis://10.0.0.2:7000\n"
+                               "  redis_groups: 32\n")
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_TIMEOUT_S", "0.25")
+    config = Settings.load(cfg).store.store_config()
+    assert config.redis_cluster and config.redis_groups == 32 and config.redis_timeout_s == 0.25
+    assert config.redis_url == "redis://10.0.0.1:7000,redis://10.0.0.2:7000" and "redis" in config.enabled_tiers
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_URL", "redis://:s3cret-pw@10.0.0.1:7000,rediss://kv:s3cret-pw@h2:7000")
+    shown = Settings.load(cfg).redacted()["store"]["redis_url"]
+    assert "s3cret" not in shown and shown == "redis://:***@10.0.0.1:7000,rediss://kv:***@h2:7000"
+
+
 def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     cfg = write_yaml(tmp_path, "port: 9001\nhost: 0.0.0.0\nmodel: from-yaml\nstore:\n  memory_bytes: 2GiB\n"
                                "  disk_dir: /tmp/d\nblend:\n  ratio: 0.3\n")
@@ -55,6 +67,11 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("api_keys:\n  short: alice\n", {}, "at least 8 characters"),
     ("api_keys:\n  long-enough-key: 'bad tenant!'\n", {}, "tenant must be"),
     ("store:\n  memory_bytes: lots\n", {}, "not a size"),
+    ("store:\n  redis_url: redis://10.0.0.1:6379,redis://10.0.0.2:6379\n", {}, "set store.redis_cluster"),
+    ("", {"KVBLEND_STORE__REDIS_CLUSTER": "true", "KVBLEND_STORE__REDIS_URL": "redis://10.0.0.1:6379/2"},
+     "database 0 only"),
+    ("store:\n  redis_cluster: true\n  redis_url: http://10.0.0.1\n", {}, "want redis://HOST:PORT"),
+    ("store:\n  redis_timeout_s: 0\n", {}, "store.redis_timeout_s"),
     ("documents:\n  chunk_tokens: 0\n", {}, "documents.chunk_tokens"),
     ("documents:\n  chunk_tokens: 100000\n", {}, "documents.chunk_tokens"),
     ("admin_key: k\n", {}, "the admin key needs at least 8 characters"),

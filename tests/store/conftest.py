@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import pytest
 
 from kvblend.store import DiskStore, MemoryStore, RedisStore
-from kvblend.store.localredis import LocalRedis, RedisServerMissing
+from kvblend.store.localredis import LocalRedis, LocalRedisCluster, RedisServerMissing
 from kvblend.store.tier import Tier
 
 TIERS = ("memory", "disk", "redis")
@@ -24,6 +24,33 @@ def redis_server() -> Iterator[LocalRedis]:
         pytest.fail(f"{exc} (the Redis tier is tested against a real server)")
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """One real 3-node Redis Cluster on loopback for the session (each test its own prefix)."""
+    try:
+        cluster = LocalRedisCluster(3)
+    except RedisServerMissing as exc:
+        pytest.fail(f"{exc} (the Redis Cluster tier is tested against real servers)")
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture
+def make_cluster_store(redis_cluster: LocalRedisCluster, redis_prefix: str) -> Iterator[Callable[..., RedisStore]]:
+    """Factory of cluster-mode RedisStore clients on the session cluster, sharing this test's prefix."""
+    made: list[RedisStore] = []
+
+    def factory(max_bytes: int = 1 << 30, **kw: object) -> RedisStore:
+        kw.setdefault("prefix", redis_prefix)
+        store = RedisStore(redis_cluster.url, max_bytes, cluster=True, **kw)  # type: ignore[arg-type]
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        store.close()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 
 from kvblend.store import DiskStore, RedisStore
 from kvblend.store.cli import add_store_commands, run_store_command
-from kvblend.store.localredis import LocalRedis
+from kvblend.store.localredis import LocalRedis, LocalRedisCluster
 
 from tests.store.helpers import keyed
 
@@ -74,3 +74,29 @@ def test_unreachable_redis_is_reported_not_raised(capsys: pytest.CaptureFixture[
 
     code, out = run(capsys, "stats", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 0 and "(unavailable)" in out
+
+
+def test_store_commands_work_against_a_cluster(capsys: pytest.CaptureFixture[str], redis_cluster: LocalRedisCluster,
+                                               redis_prefix: str) -> None:
+    store = RedisStore(redis_cluster.url, 1 << 30, prefix=redis_prefix, cluster=True)
+    alice = [keyed(i, tenant="alice") for i in range(6)]
+    for key, chunk in alice:
+        store.put(key, chunk)
+    store.put(*keyed(9, tenant="bob"))
+    for key, _ in alice[:2]:  # the two most recently used
+        store.get(key)
+    unit = store.stats("alice").bytes // 6
+    store.close()
+    flags = ["--redis-url", redis_cluster.url, "--redis-cluster", "--redis-prefix", redis_prefix]
+    code, out = run(capsys, "stats", *flags, "--tenant", "alice")
+    assert code == 0 and "redis    entries        6" in out
+    code, out = run(capsys, "ls", *flags, "--tenant", "bob")
+    assert code == 0 and out.count("\n") == 1 and keyed(9, tenant="bob")[0].digest in out
+    code, out = run(capsys, "evict", *flags, "--tenant", "alice", "--to-bytes", str(2 * unit + unit // 2))
+    assert code == 0 and "evicted 4 entries" in out
+    code, out = run(capsys, "ls", *flags, "--tenant", "alice")
+    assert sorted(line.split()[1] for line in out.splitlines()) == sorted(k.digest for k, _ in alice[:2])
+    code, out = run(capsys, "clear", *flags, "--tenant", "bob")
+    assert "cleared 1 entries of tenant bob" in out
+    code, out = run(capsys, "stats", "--redis-url", redis_cluster.url, "--redis-prefix", redis_prefix)
+    assert code == 2 and "cluster" in out  # several node URLs without --redis-cluster

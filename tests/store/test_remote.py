@@ -231,3 +231,25 @@ def test_entries_of_the_older_layout_are_reported(make_redis: Callable[..., Redi
     redis.Redis.from_url(redis_server.url).zadd(f"{redis_prefix}:lru", {"old-entry": 1.0})
     make_redis()
     assert [r for r in caplog.records if "older kvblend" in r.getMessage() and r.levelname == "WARNING"]
+
+
+def test_a_full_server_refuses_puts_and_still_serves_reads() -> None:
+    """With Redis' ``maxmemory`` reached (noeviction): a put is refused (one warning; before,
+    the script's first write, a delete, let the entry through past the limit), a read's
+    recency update is refused too but the entry still hits, and the node is not backed
+    off (before, that refusal failed the read and skipped the tier for retry_s)."""
+    with LocalRedis() as server:
+        store = RedisStore(server.url, 1 << 30, timeout_s=2.0, retry_s=30.0)
+        key, chunk = keyed(1)
+        assert store.put(key, chunk)
+        admin = redis.Redis.from_url(server.url)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] // 2)  # already over it
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            admin.zadd(f"{store.prefix}:default:lru", {key.digest: 1.0}, xx=True)
+        assert store.put(*keyed(2)) is False and store.stats().warnings == 1
+        for _ in range(2):
+            assert_same_chunk(store.get(key, chunk.token_ids), chunk)  # type: ignore[arg-type]
+            assert store.get_layer(key, 1) is not None and store.contains(key)
+        assert store.stats().warnings == 1 and store.stats().entries == 1
+        admin.close()

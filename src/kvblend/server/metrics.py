@@ -33,7 +33,9 @@ P = "kvblend:"
 
 class StoreCollector(Collector):
     """Reads the chunk store's per-tier counters at scrape time: bytes and entries held,
-    and document lookups by tier and outcome (hit, miss, corrupt)."""
+    document lookups by tier and outcome (hit, miss, corrupt), and calls that found the
+    tier's backend unavailable (a Redis node down, hung or CLUSTERDOWN: each a miss or a
+    dropped write)."""
 
     def __init__(self, tier_stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self.tier_stats = tier_stats
@@ -47,14 +49,18 @@ class StoreCollector(Collector):
                                     labels=["model_name", "tier"])
         lookups = CounterMetricFamily(P + "document_lookups", "Chunk lookups per store tier and outcome",
                                       labels=["model_name", "tier", "outcome"])
+        unavailable = CounterMetricFamily(P + "store_unavailable", "Store tier calls whose backend was down, hung "
+                                          "or refused (each a miss or a dropped write)", labels=["model_name", "tier"])
         for tier, s in stats.items():
             size.add_metric([self.model_name, tier], s.bytes)
             entries.add_metric([self.model_name, tier], s.entries)
             for outcome, value in (("hit", s.hits), ("miss", s.misses), ("corrupt", s.errors)):
                 lookups.add_metric([self.model_name, tier, outcome], value)
+            unavailable.add_metric([self.model_name, tier], s.warnings)
         yield size
         yield entries
         yield lookups
+        yield unavailable
 
 
 def kv_cache_usage(store: Any) -> float:

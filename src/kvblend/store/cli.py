@@ -34,8 +34,12 @@ def add_store_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-dir", help="disk tier directory")
-    p.add_argument("--redis-url", help="redis tier URL, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-url", help="redis tier URL, e.g. redis://127.0.0.1:6379/0; with --redis-cluster, "
+                   "one or more node URLs, comma-separated")
     p.add_argument("--redis-prefix", default="kvblend", help="key prefix of the redis tier")
+    p.add_argument("--redis-cluster", action="store_true", help="the URL names a Redis Cluster")
+    p.add_argument("--redis-groups", type=int, default=16,
+                   help="a cluster tier's hash-tag groups: the servers' store.redis_groups (default 16)")
     p.add_argument("--tenant", type=_tenant, default="default", help="tenant namespace (default: default)")
 
 
@@ -62,7 +66,11 @@ def run_store_command(args: argparse.Namespace) -> int:
     if args.disk_dir and not os.path.isdir(args.disk_dir):
         print(f"kvblend store: no such directory: {args.disk_dir}", file=sys.stderr)
         return 2
-    store = _open(args)
+    try:
+        store = _open(args)
+    except ValueError as exc:
+        print(f"kvblend store: {exc}", file=sys.stderr)
+        return 2
     if store is None:
         print("kvblend store: give --disk-dir and/or --redis-url", file=sys.stderr)
         return 2
@@ -79,7 +87,8 @@ def _open(args: argparse.Namespace) -> TieredStore | None:
     if args.disk_dir:
         tiers.append(DiskStore(args.disk_dir, UNCAPPED))
     if args.redis_url:
-        tiers.append(RedisStore(args.redis_url, UNCAPPED, prefix=args.redis_prefix, retry_s=0))
+        tiers.append(RedisStore(args.redis_url, UNCAPPED, prefix=args.redis_prefix, retry_s=0,
+                                cluster=args.redis_cluster, groups=args.redis_groups))
     return TieredStore(tiers) if tiers else None
 
 

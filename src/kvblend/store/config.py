@@ -10,7 +10,7 @@ from kvblend.store.disk import DiskStore
 from kvblend.store.keys import validate_tenant
 from kvblend.store.memory import MemoryStore
 from kvblend.store.policy import POLICIES, SightingsAdmission, make_policy
-from kvblend.store.remote import RedisStore
+from kvblend.store.remote import MAX_GROUPS, RedisStore, cluster_nodes
 from kvblend.store.tier import Tier
 from kvblend.store.tiered import TieredStore
 
@@ -26,7 +26,11 @@ class StoreConfig:
 
     Redis calls give up after ``redis_timeout_s`` (a miss) and the tier is then skipped for
     ``redis_retry_s``; ``redis_ttl_s`` expires entries (None: never); ``redis_prefix``
-    namespaces the keys of one deployment. ``eviction`` names the policy (lru, lfu).
+    namespaces the keys of one deployment. ``redis_cluster``: ``redis_url`` names a Redis
+    Cluster (one or more comma-separated node URLs, ``redis://10.0.0.1:6379,redis://10.0.0.2:6379``),
+    whose entries and caps are split into ``redis_groups`` hash-tag groups (caps and fair
+    shares hold per group: ``kvblend.store.remote``); every client of one prefix must use
+    the same ``redis_groups``. ``eviction`` names the policy (lru, lfu).
     ``kv_dtype`` is how KV is stored; loaded KV comes back as CPU tensors in
     ``compute_dtype``. ``tenant_bytes`` optionally caps each tenant in every tier.
     ``admit_after``: store a chunk on its N-th sighting (a miss or a put attempt); the
@@ -47,6 +51,8 @@ class StoreConfig:
     redis_timeout_s: float = 0.5
     redis_retry_s: float = 5.0
     redis_prefix: str = "kvblend"
+    redis_cluster: bool = False
+    redis_groups: int = 16
     tenant_bytes: int | None = None
     kv_dtype: str = "fp32"
     compute_dtype: str = "fp32"
@@ -83,6 +89,12 @@ class StoreConfig:
         if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
             raise ValueError("redis_ttl_s must be > 0 or None")
         validate_tenant(self.redis_prefix)
+        if not 1 <= self.redis_groups <= MAX_GROUPS:
+            raise ValueError(f"redis_groups must be in 1..{MAX_GROUPS}")
+        if self.redis_url is not None and self.redis_cluster:
+            cluster_nodes(self.redis_url)
+        elif self.redis_url is not None and "," in self.redis_url:
+            raise ValueError("several Redis URLs name the nodes of a cluster: set redis_cluster")
 
     @property
     def enabled_tiers(self) -> tuple[str, ...]:
@@ -106,7 +118,8 @@ def _redis(c: StoreConfig) -> Tier:
     assert c.redis_url is not None
     return RedisStore(c.redis_url, c.redis_bytes, ttl_s=c.redis_ttl_s, timeout_s=c.redis_timeout_s,
                       retry_s=c.redis_retry_s, prefix=c.redis_prefix, tenant_bytes=c.tenant_bytes,
-                      kv_dtype=c.kv_dtype, compute_dtype=c.compute_dtype)
+                      cluster=c.redis_cluster, groups=c.redis_groups, kv_dtype=c.kv_dtype,
+                      compute_dtype=c.compute_dtype)
 
 
 TIER_BUILDERS: dict[str, Callable[[StoreConfig], Tier]] = {"memory": _memory, "disk": _disk, "redis": _redis}

@@ -1,44 +1,88 @@
-"""Remote tier on Redis/Valkey (single instance), shared by several serving machines.
+"""Remote tier on Redis/Valkey, one server or a Redis Cluster, shared by several serving machines.
 
 Each entry is a Redis hash: ``format``/``header``/``header_xxh3`` plus one field per
-tensor (``k.3``, ``v.3``, ...), so one layer is fetched alone with HMGET. Per tenant a
-sorted set orders entries by last use and a hash holds their sizes; a global sorted set
-(``usage``) holds the bytes of each tenant holding entries, and global counters hold all
-bytes and entries. Puts, deletes and evictions run as Lua scripts, so caps and accounting
-stay exact with many clients, and every script touches only the entries it removes (pops
-from the front of a sorted set): a put never scans the store. Capacity is shared fairly,
-as in the local tiers (``kvblend.store.index.ByteIndex``): when the tier's cap binds, a
-put evicts its tenant's least recently used entries while that tenant would exceed its
-fair share (cap / tenants in ``usage``), else those of the tenant holding the most, and
-never those of a tenant within its share; a tenant over ``tenant_bytes`` loses its own
-first. An optional TTL expires entries; a sorted set by expiry time lets a put that is
-short of room drop their index rows first.
+tensor (``k.3``, ``v.3``, ...), so one layer is fetched alone with HMGET. Entries and
+their accounting live in *groups*; a group holds, under one key base, per tenant a sorted
+set ordering entries by last use and a hash of their sizes, a sorted set (``usage``) of the
+bytes each tenant holds there, and counters of all its bytes and entries. Puts, deletes and
+evictions run as Lua scripts on one group, so caps and accounting stay exact with many
+clients, and every script touches only the entries it removes (pops from the front of a
+sorted set): a put never scans the store. Capacity is shared fairly, as in the local tiers
+(``kvblend.store.index.ByteIndex``): when the group's cap binds, a put evicts its tenant's
+least recently used entries while that tenant would exceed its fair share (the group's cap
+/ tenants in ``usage``), else those of the tenant holding the most, and never those of a
+tenant within its share; a tenant over its cap loses its own first. An optional TTL expires
+entries; a sorted set by expiry time lets a put that is short of room drop their index rows
+first.
 
-Every Redis call has a timeout and no retries; a failure counts a warning, reads miss,
-writes return False, and the tier is skipped for ``retry_s`` before trying again.
+**One server** (``cluster=False``): one group whose key base is the prefix (keys
+``PREFIX:TENANT:e:DIGEST``, ``PREFIX:usage``, ...): the caps, ``max_bytes`` and
+``tenant_bytes``, and the fair shares hold for the whole tier.
+
+**Redis Cluster** (``cluster=True``, redis-py's ``RedisCluster``): ``groups`` groups (16 by
+default), each with a hash tag as its key base (keys ``{PREFIX:g:n}:TENANT:e:DIGEST``,
+``{PREFIX:g:n}:usage``, ...), so that an entry's fields and its
+group's accounting share one slot: every command and script touches keys of one slot only,
+and resharding moves a group whole. A chunk belongs to group ``int(digest[:8], 16) % groups``
+(keys are sha256: groups fill evenly). Group ``g``'s tag is chosen so that its slot lies in
+the g-th of ``groups`` equal slot ranges; a cluster whose masters own equal contiguous
+ranges (what ``redis-cli --cluster create`` makes) then holds ``groups / masters`` groups per
+master. The guarantees hold **per group**, hence per shard: each group holds at most
+``max_bytes // groups`` bytes and each tenant at most ``tenant_bytes // groups`` in it (so the
+tier holds at most ``max_bytes`` and a tenant at most ``tenant_bytes``); a tenant holding at
+most its fair share of a group (that group's cap / tenants holding entries in it) never
+loses an entry of that group to another tenant's put. A tenant's share of the whole tier is
+not enforced as one number: a put only sees its own group. An entry larger than a group's
+cap is refused. ``stats``/``entries``/``evict`` sum or walk every group (``evict`` in the
+tenant's last-use order over all groups, group by group, not atomically).
+
+Every Redis call has a timeout and no retries; a failure (connection refused or timed out,
+CLUSTERDOWN, a slot not covered, redirections that do not settle, an error reply) counts a
+warning, reads miss and writes return False. When the node itself failed (anything but an
+error reply from a node that answers, such as OOM) it (the one server, or the cluster node
+holding the group) is skipped for ``retry_s`` before trying again; the other nodes keep
+serving. A node over Redis' ``maxmemory`` refuses puts (a put's first write is one Redis
+refuses then) and still serves reads (a read's recency update is best effort). Entries are
+verified against their checksums as on every tier, so a failing node can cost
+recomputation, never a wrong tensor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
+from urllib.parse import urlparse
 
 import redis
 import torch
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import AskError, ClusterError, NoScriptError, RedisClusterException, ResponseError, TryAgainError
 from redis.retry import Retry
 
 from kvblend.store.base import EntryInfo
 from kvblend.store.codec import checksum_bytes, tensor_bytes, tensor_from_bytes
 from kvblend.store.entry import CorruptEntry, Entry, EntryHeader, header_fields, parse_header_fields
 from kvblend.store.keys import ChunkKey, validate_tenant
-from kvblend.store.tier import LayerRead, Tier, TierUnavailable, WriteOutcome
+from kvblend.store.tier import ADMIN, LayerRead, Tier, TierUnavailable, WriteOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 HEADER_FIELDS = ("format", "header", "header_xxh3")
+MAX_GROUPS = 256
+FAILURES = (redis.RedisError, RedisClusterException, OSError)  # RedisClusterException is not a RedisError
+SERVER = "server"  # the node name of a one-server tier
+
+
+def node_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says a node cannot serve now (unreachable, slow, loading, cluster
+    down, slots moving) rather than that it refused one command (an error reply such as
+    OOM when Redis' ``maxmemory`` is reached): only the former backs the node off."""
+    return not isinstance(exc, ResponseError) or isinstance(exc, (ClusterError, AskError, TryAgainError))
 
 _LUA_COMMON = """
 local prefix = ARGV[1]
@@ -63,6 +107,7 @@ local function split(member)
 end
 """
 
+# Every key a script names starts with ARGV[1], the group's key base: one slot in a cluster.
 # KEYS: entry, tenant lru, sizes, usage, global bytes, global entries, expiry
 # ARGV: prefix, tenant, digest, nbytes, now, ttl_ms, cap, tenant_cap (-1: none), field, value, ...
 # Returns {stored, tenant of each evicted entry...}.
@@ -73,6 +118,9 @@ local cap, tcap = tonumber(ARGV[7]), tonumber(ARGV[8])
 local member = tenant .. '/' .. digest
 local out = {0}
 if need > cap or (tcap >= 0 and need > tcap) then return out end
+-- A write that Redis refuses over maxmemory comes first: once a script has written (drop's
+-- DEL), Redis lets the rest through, and the entry would land past the limit.
+redis.call('INCRBY', KEYS[6], 0)
 drop(tenant, digest)
 local function held(t) return num(redis.call('ZSCORE', KEYS[4], t)) end
 local function over_tenant() return tcap >= 0 and held(tenant) + need > tcap end
@@ -125,7 +173,7 @@ out[1] = 1
 return out
 """
 
-# ARGV: prefix, tenant, digest
+# KEYS: entry (for routing); ARGV: prefix, tenant, digest
 _LUA_DROP = _LUA_COMMON + "return drop(ARGV[2], ARGV[3])"
 
 # KEYS: tenant lru, usage; ARGV: prefix, tenant, target_bytes
@@ -141,15 +189,62 @@ return evicted
 """
 
 
+class _Script(NamedTuple):
+    text: str
+    sha: str
+
+
+def _script(text: str) -> _Script:
+    return _Script(text, hashlib.sha1(text.encode()).hexdigest())
+
+
+PUT, DROP, EVICT = _script(_LUA_PUT), _script(_LUA_DROP), _script(_LUA_EVICT)
+
+
+def group_bases(prefix: str, groups: int) -> tuple[str, ...]:
+    """The key base (a hash tag) of each of a cluster tier's ``groups`` groups: group g's tag
+    ``{prefix:g:n}`` takes the smallest n whose slot lies in the g-th of ``groups`` equal slot
+    ranges. Every client computes the same bases from the same prefix and group count."""
+    if not 1 <= groups <= MAX_GROUPS:
+        raise ValueError(f"groups must be in 1..{MAX_GROUPS}; got {groups}")
+    bases = []
+    for g in range(groups):
+        n = 0
+        while key_slot(f"{prefix}:{g}:{n}".encode()) * groups // REDIS_CLUSTER_HASH_SLOTS != g:
+            n += 1
+        bases.append(f"{{{prefix}:{g}:{n}}}")
+    return tuple(bases)
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The startup nodes of a cluster URL: one ``redis://`` or ``rediss://`` URL per node,
+    comma-separated (``redis://10.0.0.1:6379,redis://10.0.0.2:6379``); the first URL's
+    credentials and options apply to every node, and its database must be 0. Raises
+    ValueError on anything else."""
+    nodes = []
+    for i, part in enumerate(p.strip() for p in url.split(",")):
+        parsed = urlparse(part)
+        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+            raise ValueError(f"cluster URL {i + 1}: want redis://HOST:PORT or rediss://HOST:PORT; got {part!r}")
+        if parsed.path.strip("/") not in ("", "0"):
+            raise ValueError(f"cluster URL {i + 1}: a Redis Cluster has database 0 only; got {part!r}")
+        try:
+            nodes.append((parsed.hostname, parsed.port or 6379))
+        except ValueError as exc:  # a port that is not a number
+            raise ValueError(f"cluster URL {i + 1}: {exc}") from exc
+    return nodes
+
+
 class RedisStore(Tier):
-    """Chunk entries in Redis (see the module docstring). Thread-safe (connection pool);
-    any number of processes and machines may share one server and ``prefix``."""
+    """Chunk entries in Redis (see the module docstring). Thread-safe (connection pools);
+    any number of processes and machines may share one server or cluster and ``prefix``
+    (with the same ``groups`` on a cluster)."""
 
     name = "redis"
 
     def __init__(self, url: str, max_bytes: int, *, ttl_s: float | None = None, timeout_s: float = 0.5,
                  retry_s: float = 5.0, prefix: str = "kvblend", tenant_bytes: int | None = None,
-                 kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:
+                 cluster: bool = False, groups: int = 16, kv_dtype: str = "fp32", compute_dtype: str = "fp32") -> None:
         super().__init__(kv_dtype=kv_dtype, compute_dtype=compute_dtype)
         if max_bytes < 0 or timeout_s <= 0 or retry_s < 0 or (ttl_s is not None and ttl_s <= 0):
             raise ValueError("max_bytes >= 0, timeout_s > 0, retry_s >= 0 and ttl_s > 0 (or None) required")
@@ -158,20 +253,31 @@ class RedisStore(Tier):
         self.ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
         self.prefix = validate_tenant(prefix)
         self.retry_s = retry_s
-        self._client = _connect(url, timeout_s)
-        self._put_script = self._client.register_script(_LUA_PUT)
-        self._drop_script = self._client.register_script(_LUA_DROP)
-        self._evict_script = self._client.register_script(_LUA_EVICT)
-        self._down_until = 0.0
+        self.cluster = cluster
+        self.bases = group_bases(self.prefix, groups) if cluster else (self.prefix,)
+        self.group_bytes = max_bytes // len(self.bases)
+        self.group_tenant_bytes = None if self.tenant_bytes is None else self.tenant_bytes // len(self.bases)
+        self._url, self._timeout_s = url, timeout_s
+        if cluster:
+            cluster_nodes(url)  # a malformed URL fails here, not as warnings later
+        elif "," in url:
+            raise ValueError("several Redis URLs name the nodes of a cluster: use the cluster mode")
+        self._client: redis.Redis | RedisCluster | None = None
+        self._down: dict[str, float] = {}  # node name -> monotonic time until which it is skipped
         self._lock = threading.Lock()
-        self._warn_old_layout()
+        try:
+            self._connected()
+        except TierUnavailable as exc:  # a cluster not reachable yet: every call retries after retry_s
+            log.warning("redis tier: %s", exc)
+        if not cluster:
+            self._warn_old_layout()
 
     def _warn_old_layout(self) -> None:
         """Entries written before per-tenant usage accounting (a global ``prefix:lru``) are
         invisible to it: say so, once, instead of letting puts be refused unexplained."""
         try:
-            old = self._client.exists(f"{self.prefix}:lru", f"{self.prefix}:tenants")
-        except Exception:  # noqa: BLE001 - unreachable now: the tier's own timeout-then-miss applies
+            old = self._call(self.prefix, lambda c: c.exists(f"{self.prefix}:lru", f"{self.prefix}:tenants"))
+        except TierUnavailable:  # unreachable now: the tier's own timeout-then-miss applies
             return
         if old:
             log.warning("redis prefix %r holds entries from an older kvblend whose capacity this version does not "
@@ -183,51 +289,136 @@ class RedisStore(Tier):
 
     # -- key names ---------------------------------------------------------------------
 
-    def _k(self, tenant: str, what: str) -> str:
-        return f"{self.prefix}:{tenant}:{what}"
+    def group_of(self, key: ChunkKey) -> int:
+        """The index in ``bases`` of the group holding ``key`` (0 on one server)."""
+        return int(key.digest[:8], 16) % len(self.bases)
 
-    def _entry_key(self, key: ChunkKey) -> str:
-        return self._k(key.tenant, f"e:{key.digest}")
+    def _base(self, key: ChunkKey) -> str:
+        return self.bases[self.group_of(key)]
+
+    def entry_name(self, key: ChunkKey) -> str:
+        """The Redis key of ``key``'s hash."""
+        return f"{self._base(key)}:{key.tenant}:e:{key.digest}"
 
     # -- availability ------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run one round trip; TierUnavailable on any Redis failure, and back off."""
+    def _connected(self) -> redis.Redis | RedisCluster:
+        """The client, made on first use; a cluster client reads the topology when made,
+        so an unreachable cluster raises TierUnavailable (and is retried after ``retry_s``)."""
+        client = self._client
+        if client is not None:
+            return client
         with self._lock:
-            if time.monotonic() < self._down_until:
-                raise TierUnavailable("redis tier backing off after a failure")
+            if self._client is None:
+                if time.monotonic() < self._down.get("*", 0.0):
+                    raise TierUnavailable("redis cluster unreachable; backing off")
+                try:
+                    self._client = _connect_cluster(self._url, self._timeout_s) if self.cluster \
+                        else _connect(self._url, self._timeout_s)
+                except FAILURES as exc:
+                    self._down["*"] = time.monotonic() + self.retry_s
+                    raise TierUnavailable(f"redis cluster unreachable: {exc}") from exc
+            return self._client
+
+    def _node(self, client: redis.Redis | RedisCluster, base: str) -> str:
+        """The name of the node serving ``base``'s group now."""
+        if not isinstance(client, RedisCluster):
+            return SERVER
+        try:
+            return str(client.get_node_from_key(base).name)
+        except FAILURES as exc:  # the slot is not covered
+            raise TierUnavailable(f"redis cluster: {exc}") from exc
+
+    def _call(self, base: str, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(client)``, one round trip to the node of ``base``'s group; TierUnavailable
+        when that node is backing off or fails (it then backs off)."""
+        client = self._connected()
+        return self._on_node(self._node(client, base), lambda: fn(client))
+
+    def _on_node(self, node: str, fn: Callable[[], T]) -> T:
+        with self._lock:
+            if time.monotonic() < self._down.get(node, 0.0):
+                raise TierUnavailable(f"redis node {node} backing off after a failure")
         try:
             return fn()
-        except (redis.RedisError, OSError) as exc:
-            self._mark_down(exc)
+        except FAILURES as exc:
+            if node_failed(exc):
+                with self._lock:
+                    self._down[node] = time.monotonic() + self.retry_s
+                log.warning("redis tier: node %s unavailable (%s); skipping it for %.1f s", node, exc, self.retry_s)
             raise TierUnavailable(f"redis: {exc}") from exc
 
-    def _mark_down(self, exc: Exception) -> None:
-        with self._lock:
-            self._down_until = time.monotonic() + self.retry_s
-        log.warning("redis tier unavailable (%s); skipping it for %.1f s", exc, self.retry_s)
+    def _gather(self, queue: Callable[[Any, str], None]) -> tuple[dict[str, list[Any]], bool]:
+        """Queue ``queue(pipe, base)`` for every group, one pipeline per node; the replies per
+        base of the groups whose node answered, and whether any did not. TierUnavailable
+        when none answered."""
+        client = self._connected()
+        by_node: dict[str, list[str]] = {}
+        failed = False
+        for base in self.bases:
+            try:
+                by_node.setdefault(self._node(client, base), []).append(base)
+            except TierUnavailable:
+                failed = True
+        out: dict[str, list[Any]] = {}
+        for node, bases in by_node.items():
+            def run(bases: list[str] = bases) -> list[tuple[str, list[Any]]]:
+                pipe = client.pipeline(transaction=False)
+                sizes = []
+                for base in bases:
+                    before = len(pipe)
+                    queue(pipe, base)
+                    sizes.append(len(pipe) - before)
+                replies, parts, at = pipe.execute(), [], 0
+                for base, n in zip(bases, sizes):
+                    parts.append((base, replies[at:at + n]))
+                    at += n
+                return parts
+
+            try:
+                out.update(self._on_node(node, run))
+            except TierUnavailable:
+                failed = True
+        if not out:
+            raise TierUnavailable("no redis node answered")
+        return out, failed
+
+    def _run(self, client: Any, script: _Script, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA, or EVAL when the node does not know the script yet (a node restarted,
+        or first contact): the node caches it, nothing is loaded on other nodes."""
+        try:
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(script.text, len(keys), *keys, *args)
 
     # -- reads -------------------------------------------------------------------------
 
-    def _touch(self, pipe: Any, key: ChunkKey) -> None:
-        """Queue the recency update of a read (an absent member stays absent)."""
-        pipe.zadd(self._k(key.tenant, "lru"), {key.digest: time.time()}, xx=True)
+    def _fetch_and_touch(self, client: Any, key: ChunkKey, queue: Callable[[Any], None]) -> Any:
+        """One round trip: ``queue(pipe)``'s one read and the entry's recency update (an
+        absent member stays absent); the read's reply. The update is best effort: a node
+        refusing writes (``maxmemory`` reached) still serves reads."""
+        pipe = client.pipeline(transaction=False)
+        queue(pipe)
+        pipe.zadd(f"{self._base(key)}:{key.tenant}:lru", {key.digest: time.time()}, xx=True)
+        reply, touched = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(touched, Exception) and node_failed(touched):
+            raise touched
+        return reply
 
     def contains(self, key: ChunkKey) -> bool:
         try:
-            return bool(self._call(lambda: self._client.exists(self._entry_key(key))))
+            return bool(self._call(self._base(key), lambda c: c.exists(self.entry_name(key))))
         except TierUnavailable:
             self.counters.add(key.tenant, "warnings")
             return False
 
     def _read(self, key: ChunkKey) -> Entry | None:
-        def fetch() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hgetall(self._entry_key(key))
-            self._touch(pipe, key)
-            return pipe.execute()
+        def fetch(client: Any) -> Any:
+            return self._fetch_and_touch(client, key, lambda pipe: pipe.hgetall(self.entry_name(key)))
 
-        fields = {name.decode(errors="replace"): value for name, value in self._call(fetch)[0].items()}
+        fields = {name.decode(errors="replace"): value for name, value in self._call(self._base(key), fetch).items()}
         if not fields:
             return None
         header = parse_header_fields(fields)
@@ -236,13 +427,11 @@ class RedisStore(Tier):
     def _read_layer(self, key: ChunkKey, layer: int) -> LayerRead | None:
         names = (f"k.{layer}", f"v.{layer}", f"k.{layer}.scale", f"v.{layer}.scale")
 
-        def fetch() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hmget(self._entry_key(key), [*HEADER_FIELDS, *names])
-            self._touch(pipe, key)
-            return pipe.execute()
+        def fetch(client: Any) -> Any:
+            return self._fetch_and_touch(client, key, lambda pipe: pipe.hmget(self.entry_name(key),
+                                                                              [*HEADER_FIELDS, *names]))
 
-        values = self._call(fetch)[0]
+        values = self._call(self._base(key), fetch)
         fields = dict(zip((*HEADER_FIELDS, *names), values))
         if all(v is None for v in values):
             return None
@@ -256,83 +445,103 @@ class RedisStore(Tier):
 
     def _write(self, entry: Entry) -> WriteOutcome:
         h = entry.header
+        base = self._base(ChunkKey(h.tenant, h.digest))
         payload = _payload(entry)
         nbytes = sum(len(v) for v in payload.values())
-        keys = [self._k(h.tenant, f"e:{h.digest}"), self._k(h.tenant, "lru"), self._k(h.tenant, "size"),
-                f"{self.prefix}:usage", f"{self.prefix}:bytes", f"{self.prefix}:entries", f"{self.prefix}:expiry"]
-        tenant_cap = -1 if self.tenant_bytes is None else self.tenant_bytes
-        args: list[Any] = [self.prefix, h.tenant, h.digest, nbytes, time.time(), self.ttl_ms,
-                           self.max_bytes, tenant_cap]
+        keys = [f"{base}:{h.tenant}:e:{h.digest}", f"{base}:{h.tenant}:lru", f"{base}:{h.tenant}:size",
+                f"{base}:usage", f"{base}:bytes", f"{base}:entries", f"{base}:expiry"]
+        tenant_cap = -1 if self.group_tenant_bytes is None else self.group_tenant_bytes
+        args: list[Any] = [base, h.tenant, h.digest, nbytes, time.time(), self.ttl_ms, self.group_bytes, tenant_cap]
         for name, value in payload.items():
             args += [name, value]
-        stored, *evicted = self._call(lambda: self._put_script(keys=keys, args=args))
+        stored, *evicted = self._call(base, lambda c: self._run(c, PUT, keys, args))
         return WriteOutcome(bool(stored), tuple(t.decode() if isinstance(t, bytes) else str(t) for t in evicted))
 
     def _remove(self, key: ChunkKey) -> bool:
-        args = [self.prefix, key.tenant, key.digest]
-        return bool(self._call(lambda: self._drop_script(keys=[], args=args)))
+        base = self._base(key)
+        args = [base, key.tenant, key.digest]
+        return bool(self._call(base, lambda c: self._run(c, DROP, [self.entry_name(key)], args)))
 
     def _evict(self, tenant: str, target_bytes: int) -> int:
-        keys = [self._k(tenant, "lru"), f"{self.prefix}:usage"]
-        return int(self._call(lambda: self._evict_script(keys=keys, args=[self.prefix, tenant, target_bytes])))
+        if len(self.bases) == 1:
+            base = self.bases[0]
+            keys = [f"{base}:{tenant}:lru", f"{base}:usage"]
+            return int(self._call(base, lambda c: self._run(c, EVICT, keys, [base, tenant, target_bytes])))
+        infos = sorted(self.entries(tenant), key=lambda i: i.last_used)  # what the nodes answering hold
+        excess, evicted = sum(i.nbytes for i in infos) - target_bytes, 0
+        for info in infos:
+            if excess <= 0:
+                break
+            try:
+                removed = self._remove(info.key)
+            except TierUnavailable:  # its node failed since the listing: counted, the others go on
+                self.counters.add(tenant, "warnings")
+                continue
+            if removed:
+                excess -= info.nbytes
+                evicted += 1
+        return evicted
 
     # -- accounting --------------------------------------------------------------------
 
     def entries(self, tenant: str) -> list[EntryInfo]:
-        """Live entries of ``tenant`` (index rows of TTL-expired entries are dropped)."""
+        """Live entries of ``tenant`` in the groups whose node answers (index rows of
+        TTL-expired entries are dropped); a group whose node does not counts a warning."""
         validate_tenant(tenant)
-        try:
-            rows, sizes, alive = self._call(lambda: self._listing(tenant))
-        except TierUnavailable:
+        infos: list[EntryInfo] = []
+        unavailable = False
+        for base in self.bases:
+            try:
+                rows, sizes, alive = self._call(base, lambda c, b=base: self._listing(c, b, tenant))
+            except TierUnavailable:
+                unavailable = True
+                continue
+            for (digest, used), size, live in zip(rows, sizes, alive):
+                key = ChunkKey(tenant, digest.decode())
+                if live:
+                    infos.append(EntryInfo(key, int(size or 0), float(used)))
+                else:
+                    self._discard(key)
+        if unavailable:
             self.counters.add(tenant, "warnings")
-            return []
-        infos = []
-        for (digest, used), size, live in zip(rows, sizes, alive):
-            key = ChunkKey(tenant, digest.decode())
-            if live:
-                infos.append(EntryInfo(key, int(size or 0), float(used)))
-            else:
-                self._discard(key)
         return infos
 
-    def _listing(self, tenant: str) -> tuple[list[Any], list[Any], list[Any]]:
-        rows = self._client.zrange(self._k(tenant, "lru"), 0, -1, withscores=True)
+    def _listing(self, client: Any, base: str, tenant: str) -> tuple[list[Any], list[Any], list[Any]]:
+        rows = client.zrange(f"{base}:{tenant}:lru", 0, -1, withscores=True)
         digests = [d for d, _ in rows]
-        pipe = self._client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         for d in digests:
-            pipe.exists(self._k(tenant, f"e:{d.decode()}"))
+            pipe.exists(f"{base}:{tenant}:e:{d.decode()}")
         alive = pipe.execute() if digests else []
-        sizes = self._client.hmget(self._k(tenant, "size"), digests) if digests else []
+        sizes = client.hmget(f"{base}:{tenant}:size", digests) if digests else []
         return rows, sizes, alive
 
     def _occupancy(self, tenant: str | None) -> tuple[int, int]:
-        if tenant is not None:
-            def one() -> list[Any]:
-                pipe = self._client.pipeline(transaction=False)
-                pipe.zcard(self._k(tenant, "lru"))
-                pipe.zscore(f"{self.prefix}:usage", tenant)
-                return pipe.execute()
+        """Summed over the groups whose node answers; a warning when some did not."""
+        def queue(pipe: Any, base: str) -> None:
+            if tenant is None:
+                pipe.get(f"{base}:entries")
+                pipe.get(f"{base}:bytes")
+            else:
+                pipe.zcard(f"{base}:{tenant}:lru")
+                pipe.zscore(f"{base}:usage", tenant)
 
-            count, nbytes = self._call(one)
-            return int(count), int(nbytes or 0)
-        def whole() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.get(f"{self.prefix}:entries")
-            pipe.get(f"{self.prefix}:bytes")
-            return pipe.execute()
-
-        count, nbytes = self._call(whole)
-        return int(count or 0), int(nbytes or 0)
+        replies, failed = self._gather(queue)
+        if failed:
+            self.counters.add(tenant or ADMIN, "warnings")
+        return (sum(int(count or 0) for count, _ in replies.values()),
+                sum(int(nbytes or 0) for _, nbytes in replies.values()))
 
     def ping(self) -> bool:
-        """Whether the server answers now (ignores the back-off)."""
+        """Whether the server (every cluster node) answers now (ignores the back-off)."""
         try:
-            return bool(self._client.ping())
-        except (redis.RedisError, OSError):
+            return bool(self._connected().ping())
+        except (*FAILURES, TierUnavailable):
             return False
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 def _connect(url: str, timeout_s: float) -> redis.Redis:
@@ -344,6 +553,22 @@ def _connect(url: str, timeout_s: float) -> redis.Redis:
         retry=Retry(NoBackoff(), 0),
         retry_on_timeout=False,
         health_check_interval=0,
+    )
+
+
+def _connect_cluster(url: str, timeout_s: float) -> RedisCluster:
+    """A cluster client (it reads the slot map now) with the same hard timeouts and no
+    retries; redirections (MOVED/ASK) are still followed, a failed node makes it re-read the
+    slot map from the others before the call fails."""
+    first, *others = [p.strip() for p in url.split(",")]
+    return RedisCluster.from_url(
+        first,
+        startup_nodes=[ClusterNode(host, port) for host, port in cluster_nodes(",".join(others))] if others else None,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        require_full_coverage=False,
     )
 
 
