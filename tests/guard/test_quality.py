@@ -294,3 +294,46 @@ def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_c
         assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "full"
     state = guard.state("tiny-llama", "default")
     assert not state.fallback and state.switches == 2
+
+
+def test_a_risky_blend_is_shadow_checked_whatever_the_draw(eng: Engine) -> None:
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_shadow=0.5))
+    routing = guard.route("m", request(method="blend"))
+    assert not routing.shadow
+    stats = eng.prepare(request(method="blend", tenant="default")).stats
+    for risk, checked in ((0.7, True), (0.5, True), (0.3, False), (None, False)):
+        assert guard.shadow_after(routing, stats._replace(risk=risk)) is checked, risk
+    off = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_shadow=None))
+    assert not off.shadow_after(routing, stats._replace(risk=5.0))
+    with pytest.raises(ValueError, match="risk_shadow"):
+        GuardConfig(risk_shadow=-1.0)
+
+
+def test_drawn_checks_leave_room_for_risky_ones(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn checks take at most half of ``max_pending``; a risky one is still queued then."""
+    release = threading.Event()
+
+    def slow(engine, req, served, probe, chunk_tokens):
+        while not release.is_set():
+            yield
+        return shadow(tenant=req.tenant)
+
+    monkeypatch.setattr(quality, "shadow_steps", slow)
+    guard = QualityGuard(GuardConfig(min_samples=1, window=4))
+    sched = Scheduler(eng)
+    sched.start()
+    runner = ShadowRunner(guard, sched, max_pending=2)
+    try:
+        served = sched.submit(request(method="blend", tenant="default"), SAMPLING).result()
+        req = request(method="blend", tenant="default")
+        assert runner.drawn_limit == 1
+        first = runner.submit(req, served, None)
+        assert first is not None and runner.submit(req, served, None) is None  # a second drawn one: dropped
+        risky = runner.submit(req, served, None, risky=True)
+        assert risky is not None and runner.submit(req, served, None, risky=True) is None  # max_pending reached
+        release.set()
+        assert first.result(30) is not None and risky.result(30) is not None
+    finally:
+        release.set()
+        sched.drain(5)
+    assert runner.ok == 2 and runner.dropped == 2

@@ -76,6 +76,9 @@ class GuardConfig:
     band_factor: float = 4.0
     max_out_of_band: float = 0.5  # share of the score window outside the band that fails
     override_explicit: bool = True  # also fall back for explicit blend/reuse requests
+    # a served blend whose risk (RequestStats.risk) is at least this is shadow-checked whatever
+    # the draw, ahead of the drawn ones (None: risk is not used)
+    risk_shadow: float | None = 0.5
     max_keys: int = 4096  # (model, tenant) pairs tracked; the least recently used go first
     seed: int | None = None
 
@@ -93,6 +96,8 @@ class GuardConfig:
                 raise ValueError(f"{name} must be within [0, 1] or None")
         if self.max_kl is not None and self.max_kl < 0:
             raise ValueError("max_kl must be >= 0 or None")
+        if self.risk_shadow is not None and not self.risk_shadow >= 0:
+            raise ValueError("risk_shadow must be >= 0 or None")
         if self.calibration < 0 or self.band_factor < 1 or not 0 <= self.max_out_of_band < 1:
             raise ValueError("calibration must be >= 0, band_factor >= 1, max_out_of_band within [0, 1)")
 
@@ -169,6 +174,15 @@ class QualityGuard:
                 return Routing(blended, None, self._rng.random() < cfg.shadow_fraction, None)
             shadow = self._rng.random() < cfg.probe_fraction
         return Routing(self._fallback(blended), blended, shadow, "guard")
+
+    def risky(self, stats: RequestStats | None) -> bool:
+        """Whether a served request's own risk (``RequestStats.risk``) asks for a shadow check."""
+        risk = None if stats is None else getattr(stats, "risk", None)
+        return self.config.risk_shadow is not None and risk is not None and risk >= self.config.risk_shadow
+
+    def shadow_after(self, routing: Routing, stats: RequestStats | None) -> bool:
+        """Whether to shadow-check a served request: the route's draw, or its risk (``risky``)."""
+        return routing.shadow or self.risky(stats)
 
     def _fallback(self, blended: Request) -> Request:
         ratio = self.config.fallback_ratio
@@ -279,7 +293,10 @@ class ShadowRunner:
     """Shadow checks as low-priority jobs of ``scheduler`` (``Scheduler.submit_background``),
     recorded into a guard; never blocks a caller.
 
-    At most ``max_pending`` checks are queued or running; more, or any the scheduler's lane
+    At most ``max_pending`` checks are queued or running, and at most half of them (at
+    least one) drawn at random: the rest of the room is kept for ``risky`` checks (a served
+    blend whose risk reached ``GuardConfig.risk_shadow``), so under load the riskier
+    requests are checked first. More, or any the scheduler's lane
     refuses (full, draining), are dropped and counted in ``dropped``, as are checks the
     scheduler drops on drain. A failing check is counted in ``failed`` and logged (by the
     scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill.
@@ -300,10 +317,16 @@ class ShadowRunner:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, request: Request, served: Result, probe: Request | None) -> Future | None:
-        """Queue the shadow check of a served request; None (counted) when it is dropped now."""
+    @property
+    def drawn_limit(self) -> int:
+        """Pending checks a drawn (not risky) check may join: half of ``max_pending``, at least 1."""
+        return max(1, self.max_pending // 2)
+
+    def submit(self, request: Request, served: Result, probe: Request | None, risky: bool = False) -> Future | None:
+        """Queue the shadow check of a served request; None (counted) when it is dropped now.
+        ``risky``: its risk asked for the check, which may then use all of ``max_pending``."""
         with self._lock:
-            if self._pending >= self.max_pending:
+            if self._pending >= (self.max_pending if risky else self.drawn_limit):
                 self.dropped += 1
                 return None
             self._pending += 1
@@ -357,9 +380,9 @@ def serve(engine: Engine, guard: QualityGuard, request: Request, sampling: Sampl
     guard.observe(engine.loaded.name, request.tenant, result.stats)
     if routing.fallback is not None:
         result = result._replace(stats=result.stats._replace(fallback=routing.fallback))
-    if routing.shadow:
+    if guard.shadow_after(routing, result.stats):
         if runner is not None:
-            runner.submit(routing.request, result, routing.probe)
+            runner.submit(routing.request, result, routing.probe, guard.risky(result.stats))
         else:
             guard.record(shadow_check(engine, routing.request, result, routing.probe))
     return result
