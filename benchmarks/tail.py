@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import kvblend.blend.strategies as strategies
 from kvblend.engine import Engine
 from kvblend.eval.datasets import load_musique
 from kvblend.eval.runner import (
@@ -38,6 +39,7 @@ from kvblend.models import DEFAULT_MODEL, load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 DEFAULT = "blend:0.15:q+budget+sinks4+shift"
+SIGNALS = ("risk", "pass_kl", "probe", "shift_left")
 
 
 def load_ref(engine: Engine, ex, refs: Path, kl_tokens: int) -> Reference:
@@ -54,13 +56,55 @@ def load_ref(engine: Engine, ex, refs: Path, kl_tokens: int) -> Reference:
     return Reference("", ids, logits)
 
 
-def score(engine: Engine, ex, method: str, ref: Reference) -> dict:
+class Spy:
+    """What a question-selected blend measured on the way, read for candidate risk signals:
+    the question pass's logits (full reuse) and the shift's per-layer residuals."""
+
+    def __init__(self) -> None:
+        self.reuse_logits, self.shift = None, None
+        real_q, real_shift = strategies.question_scores_steps, strategies.ShiftCorrection
+        spy = self
+
+        def question_scores_steps(model, plan):
+            scores, out = yield from real_q(model, plan)
+            spy.reuse_logits = out.logits.clone()
+            return scores, out
+
+        class ShiftSpy(real_shift):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                spy.shift = self
+
+        strategies.question_scores_steps, strategies.ShiftCorrection = question_scores_steps, ShiftSpy
+
+    def reset(self) -> None:
+        self.reuse_logits, self.shift = None, None
+
+    def signals(self, logits: torch.Tensor) -> dict:
+        out = {}
+        if self.reuse_logits is not None:  # disagreement between the passes at the prompt's last token
+            out["pass_kl"] = kl_divergence(logits, self.reuse_logits)
+        if self.shift is not None and self.shift.errors:
+            before = sum(float(b.sum()) for b, _, _ in self.shift.errors)
+            after = sum(float(a.sum()) for _, a, _ in self.shift.errors)
+            out["shift_left"] = after / before if before > 0 else None
+            per_layer = [float(a.sum() / b.sum()) for b, a, _ in self.shift.errors if float(b.sum()) > 0]
+            out["shift_left_layers"] = statistics.mean(per_layer) if per_layer else None
+            out["shift_left_max"] = max(per_layer) if per_layer else None
+        return out
+
+
+def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = None) -> dict:
     spec = parse_method(method)
+    if spy is not None:
+        spy.reset()
     prepared = engine.prepare(example_request(ex, spec), len(ref.answer_ids) + 1)
+    extra = spy.signals(prepared.logits) if spy is not None else {}
     forced = teacher_force(engine, prepared, ref.answer_ids) if ref.answer_ids else prepared.logits[None]
     s = prepared.stats
+    probe = s.checks[0].mean_score if s.checks else None
     return {"id": ex.id, "method": method, "kl": kl_divergence(ref.logits, forced),
-            "risk": getattr(s, "risk", None), "recompute_frac": s.recompute_frac}
+            "risk": getattr(s, "risk", None), "recompute_frac": s.recompute_frac, "probe": probe, **extra}
 
 
 def read(path: Path) -> list[dict]:
@@ -79,11 +123,56 @@ def auc(scores: list[float], labels: list[bool]) -> float | None:
     return wins / (len(pos) * len(neg))
 
 
+def with_risk(r: dict) -> dict:
+    """The record with ``risk`` as ``strategies.blend_risk`` defines it since session 9,
+    (1 - ratio) x ``shift_left``, for records measured before the engine reported it so
+    (equal up to the rounding of the kept count: the engine's (1 - kept / candidates))."""
+    if r.get("shift_left") is None:  # no shift measured here (or recorded before it was): no risk
+        return {**r, "risk": None}
+    return {**r, "risk": (1.0 - float(parse_method(r["method"]).blend.ratio)) * r["shift_left"]}
+
+
+def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
+    """The risk's AUC over every request of ``methods`` (one per question and method) at
+    separating those whose KL ratio to reuse is above 0.5, and its Spearman rank correlation
+    with the ratio."""
+    reuse = {r["id"]: r["kl"] for r in records if r["method"] == "reuse"}
+    rows = [with_risk(r) for r in records if r["method"] in methods and r["id"] in reuse
+            and (ids is None or r["id"] in ids) and r.get("shift_left") is not None]
+    ratios = [r["kl"] / max(reuse[r["id"]], 1e-12) for r in rows]
+    risks = [r["risk"] for r in rows]
+    print(json.dumps({"pooled": methods, "requests": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),
+                      "auc_risk": auc(risks, [x > 0.5 for x in ratios]), "spearman_risk_ratio": spearman(risks, ratios)}))
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (ties by average rank)."""
+    if len(a) < 3:
+        return None
+    ra, rb = (torch.tensor(x, dtype=torch.float64) for x in (_ranks(a), _ranks(b)))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _ranks(x: list[float]) -> list[float]:
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    out = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
 def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
     by = {}
     for r in records:
         if ids is None or r["id"] in ids:
-            by.setdefault(r["method"], {})[r["id"]] = r
+            by.setdefault(r["method"], {})[r["id"]] = with_risk(r)
     reuse = by.get("reuse", {})
     for method, rows in by.items():
         common = [i for i in rows if i in reuse]
@@ -96,9 +185,16 @@ def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
                 "mean_ratio": round(mean_ratio, 3), "median_ratio": round(statistics.median(ratios), 3),
                 "p90_ratio": round(p90, 3), "max_ratio": round(ratios[-1], 3),
                 "worse_than_reuse": sum(x > 1 for x in ratios), "above_0_5": sum(x > 0.5 for x in ratios)}
-        if method == risk_method and all(rows[i].get("risk") is not None for i in common):
-            bad = [rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) > 0.5 for i in common]
-            line["risk_auc_ratio_above_0_5"] = auc([rows[i]["risk"] for i in common], bad)
+        ratios_of = {i: rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common}
+        bad = [ratios_of[i] > 0.5 for i in common]
+        for key in SIGNALS:  # over the questions whose record has the signal
+            has = [j for j, i in enumerate(common) if rows[i].get(key) is not None]
+            if has:
+                sign = -1 if key == "pass_kl" else 1  # passes that agree: the blend moved little from reuse
+                vals = [sign * rows[common[j]][key] for j in has]
+                line[f"auc_{key}"] = auc(vals, [bad[j] for j in has])
+                line[f"rho_{key}"] = spearman(vals, [ratios_of[common[j]] for j in has])
+                line[f"n_{key}"] = len(has)
         print(json.dumps(line))
 
 
@@ -132,6 +228,7 @@ def main() -> None:
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--table", default=None, help="with --report: methods (comma-separated) for a per-question table")
     ap.add_argument("--risk-method", default=DEFAULT)
+    ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
     args = ap.parse_args()
     out = Path(args.out)
     records_path = out / "records.jsonl"
@@ -140,6 +237,8 @@ def main() -> None:
     if args.report:
         records = read(records_path)
         report(records, ids, args.risk_method)
+        if args.pool:
+            pooled(records, ids, args.pool.split(","))
         if args.table:
             per_question(records, ids, args.table.split(","))
         return
@@ -152,6 +251,7 @@ def main() -> None:
                     and earlier[(ex.id, DEFAULT)] >= args.only * earlier[(ex.id, "reuse")]]
         print("questions:", [ex.id for ex in examples], flush=True)
     engine = Engine(load_model(args.model))
+    spy = Spy()
     out.mkdir(parents=True, exist_ok=True)
     try:
         for ex in examples:
@@ -161,7 +261,7 @@ def main() -> None:
             warm_documents(engine, ex, [parse_method(m) for m in todo])
             ref = load_ref(engine, ex, out / "refs", args.kl_tokens)
             for m in todo:
-                row = score(engine, ex, m, ref)
+                row = score(engine, ex, m, ref, spy)
                 with records_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)

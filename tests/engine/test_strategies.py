@@ -138,16 +138,13 @@ def test_the_tested_shift_moves_only_documents_whose_residual_is_a_shift(tested:
                                             rel=1e-4)
 
 
-def test_blend_risk_weighs_what_the_shift_left_by_what_was_not_recomputed() -> None:
+def test_blend_risk_is_the_share_not_recomputed_times_what_the_shift_left() -> None:
     shift = ShiftCorrection([(0, 4), (4, 8)], [], False)
     shift.errors = [(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 4.0]), [0, 1]),  # layer 1: doc 2 not shifted
                     (torch.tensor([1.0]), torch.tensor([0.5]), [1])]  # layer 2: only doc 2 corrected
-    positions = torch.arange(8)
-    weights = torch.tensor([1.0, 1, 1, 1, 3, 0, 0, 1])  # doc 1 mass 4, doc 2 mass 4
-    kept = torch.tensor([0, 4])  # doc 1 keeps mass 1, doc 2 keeps mass 3
-    # left: doc 1 3, doc 2 1; (3 x 1 + 1 x 4 + 1 x 0.5) / (4 x 2 + 4 x 4 + 4 x 1)
-    assert blend_risk(shift, [(0, 4), (4, 8)], positions, weights, kept) == pytest.approx(7.5 / 28)
-    assert blend_risk(ShiftCorrection([(0, 4)], [], False), [(0, 4)], positions, weights, kept) is None
+    assert blend_risk(shift, 2, 8) == pytest.approx(0.75 * 5.5 / 7.0)
+    assert blend_risk(shift, 8, 8) == 0.0
+    assert blend_risk(ShiftCorrection([(0, 4)], [], False), 2, 8) is None  # nothing measured
 
 
 def test_a_blend_reports_its_risk_and_reuse_none() -> None:

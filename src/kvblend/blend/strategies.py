@@ -471,9 +471,7 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
         out = yield from fuse_steps(model, replace(base, pick=pick, correct=correct))
         if correct is None or not out.checks:
             return out
-        kept = out.checks[-1].detail.positions[out.checks[-1].detail.chosen]  # (K,) the last check's picks
-        every = is_cand.nonzero().squeeze(1)
-        return out._replace(risk=blend_risk(correct, spans, every, torch.ones(every.shape[0]), kept))
+        return out._replace(risk=blend_risk(correct, out.checks[-1].kept, n_cand))
     pos = is_cand.nonzero().squeeze(1)
     if n_cached == 0:  # nothing cached (every document missed): there is nothing to select
         return (yield from fuse_steps(model, replace(base, select_from_start=True)))
@@ -501,36 +499,23 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
-    risk = None if correct is None else blend_risk(correct, spans, pos, scores[pos], kept)
+    risk = None if correct is None else blend_risk(correct, int(chosen.numel()), n_cand)
     return out._replace(candidates=n_cached, checks=(stats,), risk=risk)
 
 
-def blend_risk(correct: ShiftCorrection, spans: Sequence[Span], positions: torch.Tensor, weights: torch.Tensor,
-               kept: torch.Tensor) -> float | None:
-    """The share of reuse's KV error a blend left, as the shift's own sample measured it:
-    sum over layers and documents of W_left x (a sampled token's squared residual after the
-    shift, held out of its mean) over the same sum of W_all x (its residual before), where
-    W_all is the weight of a document's candidates (question attention, or 1 per token) and
-    W_left that of those not recomputed (``kept``). Recomputed tokens leave no error; the
-    rest leave what the shift did not remove. 1 is reuse's error, 0 none; None when the
-    shift measured nothing (no document had a sampled token). Costs only the tensors the
-    shift already computed. positions, weights: (T,) per candidate; kept: (K,) positions."""
-    if not correct.errors:
+def blend_risk(correct: ShiftCorrection, kept: int, candidates: int) -> float | None:
+    """The share of reuse's KV error a blend left, as the shift's own sample measured it on
+    tokens it recomputed (exact there): (1 - ``kept`` / ``candidates``), the tokens not
+    recomputed, x the squared fresh - stale residual those keep after the shift (each
+    sampled token held out of its document's mean) over the residual before it, summed over
+    layers and corrected documents (each a mean per sampled token). 0: no error left; 1:
+    reuse's. None when the shift measured nothing (no document had a sampled token). Costs
+    nothing beyond the shift's own reductions."""
+    if not correct.errors or candidates <= 0:
         return None
-    left = weights.float().clone()
-    left[torch.isin(positions, kept)] = 0
-    every, rest = [], []
-    for a, b in spans:
-        inside = (positions >= a) & (positions < b)
-        every.append(weights[inside].float().sum())
-        rest.append(left[inside].sum())
-    w_all, w_left = torch.stack(every), torch.stack(rest)  # (S,)
-    num = den = 0.0
-    for before, after, ids in correct.errors:
-        idx = torch.tensor(ids, device=before.device)
-        num += float((w_left[idx] * after).sum())
-        den += float((w_all[idx] * before).sum())
-    return num / den if den > 0 else None
+    before = sum(float(b.sum()) for b, _, _ in correct.errors)
+    after = sum(float(a.sum()) for _, a, _ in correct.errors)
+    return (1.0 - kept / candidates) * after / before if before > 0 else None
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:
