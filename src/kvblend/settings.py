@@ -257,7 +257,8 @@ class GuardSettings(_Section):
     running; more are dropped and counted), their prefill and teacher forcing run in steps
     of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard.
     A served blend whose risk (the share of reuse's KV error it estimates it left) is at
-    least ``risk_shadow`` is checked whatever the draw, ahead of the drawn ones (null: off)."""
+    least the ``risk_quantile`` of its tenant's recent risks is checked whatever the draw,
+    ahead of the drawn ones (null: off)."""
 
     enabled: bool = False
     shadow_fraction: float = Field(0.05, ge=0.0, le=1.0)
@@ -269,7 +270,7 @@ class GuardSettings(_Section):
     override_explicit: bool = True
     max_pending: int = Field(8, ge=1, le=1024)
     chunk_tokens: int = Field(256, ge=1, le=MAX_CHUNK_TOKENS)
-    risk_shadow: float | None = Field(0.5, ge=0.0, le=100.0)
+    risk_quantile: float | None = Field(0.9, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _valid(self) -> GuardSettings:
@@ -283,7 +284,7 @@ class GuardSettings(_Section):
         return GuardConfig(shadow_fraction=self.shadow_fraction, probe_fraction=self.probe_fraction,
                            window=self.window, min_samples=self.min_samples, min_f1=self.min_f1,
                            fallback_ratio=self.fallback_ratio, override_explicit=self.override_explicit,
-                           risk_shadow=self.risk_shadow)
+                           risk_quantile=self.risk_quantile)
 
 
 class ModelSettings(BaseSettings):

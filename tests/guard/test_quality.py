@@ -297,16 +297,23 @@ def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_c
 
 
 def test_a_risky_blend_is_shadow_checked_whatever_the_draw(eng: Engine) -> None:
-    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_shadow=0.5))
-    routing = guard.route("m", request(method="blend"))
+    """Risky: at least the 0.75 quantile of the key's recent risks, once min_samples are in."""
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_quantile=0.75, min_samples=4, window=8))
+    routing = guard.route("m", request(method="blend", tenant="default"))
     assert not routing.shadow
     stats = eng.prepare(request(method="blend", tenant="default")).stats
-    for risk, checked in ((0.7, True), (0.5, True), (0.3, False), (None, False)):
-        assert guard.shadow_after(routing, stats._replace(risk=risk)) is checked, risk
-    off = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_shadow=None))
-    assert not off.shadow_after(routing, stats._replace(risk=5.0))
-    with pytest.raises(ValueError, match="risk_shadow"):
-        GuardConfig(risk_shadow=-1.0)
+    for risk in (0.1, 0.2, 0.3):
+        guard.observe("m", "default", stats._replace(risk=risk))
+    assert not guard.shadow_after("m", routing, stats._replace(risk=5.0))  # 3 risks: not yet calibrated
+    guard.observe("m", "default", stats._replace(risk=0.4))
+    for risk, checked in ((0.5, True), (0.3, True), (0.25, False), (None, False)):  # 0.75 quantile of 4: 0.3
+        assert guard.shadow_after("m", routing, stats._replace(risk=risk)) is checked, risk
+    assert not guard.risky("m", "other", stats._replace(risk=5.0))  # another tenant has its own risks
+    off = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_quantile=None, min_samples=1))
+    off.observe("m", "default", stats._replace(risk=0.1))
+    assert not off.shadow_after("m", routing, stats._replace(risk=5.0))
+    with pytest.raises(ValueError, match="risk_quantile"):
+        GuardConfig(risk_quantile=1.5)
 
 
 def test_drawn_checks_leave_room_for_risky_ones(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
