@@ -462,3 +462,10 @@ def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | Non
     torch.testing.assert_close(out_blocks, out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(blocks.total, whole.total, atol=1e-6, rtol=1e-6)
     assert abs(float(whole.total.sum()) - hkv * per_kv * positions.numel()) < 1e-4  # each row's weights sum to 1
+
+
+def test_shiftall_names_the_untested_shift_and_the_default_is_tested() -> None:
+    assert BlendConfig().shift_test and BlendConfig().strategy == "question+budget+sinks4+shift"
+    old = parse_method("blend:0.15:q+budget+sinks4+shiftall").blend
+    assert old == replace(BlendConfig(), shift_test=False) and old.strategy == "question+budget+sinks4+shiftall"
+    assert parse_method("blend:0.15:q+budget+sinks4+shift").blend == BlendConfig()
