@@ -276,7 +276,10 @@ class GuardSettings(_Section):
     of blended requests are shadow-checked against full prefill off the request's path
     (low-priority jobs of the scheduler's model worker, at most ``max_pending`` queued or
     running; more are dropped and counted), their prefill and teacher forcing run in steps
-    of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard."""
+    of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard.
+    A served blend whose risk (the share of reuse's KV error it estimates it left) is at
+    least the ``risk_quantile`` of its tenant's recent risks is checked whatever the draw,
+    ahead of the drawn ones (null: off)."""
 
     enabled: bool = False
     shadow_fraction: float = Field(0.05, ge=0.0, le=1.0)
@@ -288,6 +291,7 @@ class GuardSettings(_Section):
     override_explicit: bool = True
     max_pending: int = Field(8, ge=1, le=1024)
     chunk_tokens: int = Field(256, ge=1, le=MAX_CHUNK_TOKENS)
+    risk_quantile: float | None = Field(0.9, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _valid(self) -> GuardSettings:
@@ -300,7 +304,8 @@ class GuardSettings(_Section):
 
         return GuardConfig(shadow_fraction=self.shadow_fraction, probe_fraction=self.probe_fraction,
                            window=self.window, min_samples=self.min_samples, min_f1=self.min_f1,
-                           fallback_ratio=self.fallback_ratio, override_explicit=self.override_explicit)
+                           fallback_ratio=self.fallback_ratio, override_explicit=self.override_explicit,
+                           risk_quantile=self.risk_quantile)
 
 
 class ClusterSettings(_Section):

@@ -13,7 +13,9 @@ from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
-from kvblend.blend.strategies import QuestionScores, ShiftCorrection, allocate, choose, question_scores, shift_samples
+from kvblend.blend.strategies import (
+    QuestionScores, ShiftCorrection, allocate, blend_risk, choose, question_scores, shift_samples,
+)
 from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, Request
 from kvblend.eval.runner import parse_method
@@ -28,6 +30,7 @@ STRATEGIES = [
     dict(selection="question", budget=True, sinks=2),
     dict(selection="question", shift=True),
     dict(selection="question", budget=True, sinks=2, shift=True),
+    dict(selection="question", budget=True, sinks=2, shift=True, shift_test=False),
     dict(selection="deviation", budget=True, sinks=2, shift=True),
     dict(selection="oracle", budget=True),
 ]
@@ -109,6 +112,55 @@ def test_shift_moves_untouched_tokens_by_the_mean_residual_in_the_pre_rope_frame
     torch.testing.assert_close(cache.values[0][:, moved], stale_v[:, moved] + c_v, atol=1e-5, rtol=1e-5)
     outside = torch.tensor([0, 1, 3, 5, 8, 9, 10, 11])  # written ones are left to the caller
     assert torch.equal(cache.keys[0][:, outside], stale_k[:, outside])
+
+
+@pytest.mark.parametrize("tested", [False, True])
+def test_the_tested_shift_moves_only_documents_whose_residual_is_a_shift(tested: bool) -> None:
+    """Document [0, 6) has the same residual c on every written token: a shift, moved either
+    way. Document [6, 12) has residuals 3r, -2r, 0: their mean r / 3 moves a left-out
+    token farther than not moving it (held-out error (3/2)^2 x 12.67|r|^2 against 13|r|^2),
+    so the tested shift leaves it (before session 9 it was moved by r / 3)."""
+    n = 12
+    cfg, cos, sin, stale_k, stale_v, cache = _stale_cache(2, n)
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    written = torch.tensor([0, 1, 2, 6, 7, 8])
+    c, r = torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
+    fresh_v = stale_v[:, written] + torch.cat([c, c, c, 3 * r, -2 * r, 0 * r], dim=1)
+    shift = ShiftCorrection([(0, 6), (6, 12)], [(cos, sin)], cfg.rope.interleaved, tested=tested)
+    shift(cache, 0, written, stale_k[:, written].clone(), fresh_v)
+    torch.testing.assert_close(cache.values[0][:, 3:6], stale_v[:, 3:6] + c, atol=1e-5, rtol=1e-5)
+    moved = stale_v[:, 9:12] + (0 if tested else r / 3)
+    torch.testing.assert_close(cache.values[0][:, 9:12], moved, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.keys[0], stale_k)  # no K residual: nothing to move
+    before, after, ids = shift.errors[0]
+    assert ids == [0, 1] and after[0] <= before[0] * 1e-4  # c removed entirely from document 1
+    assert float(after[1]) == pytest.approx(float(before[1]) if tested else 2.25 * 38 / 3 / 3 * float(r.pow(2).sum()),
+                                            rel=1e-4)
+
+
+def test_blend_risk_is_the_share_not_recomputed_times_what_the_shift_left() -> None:
+    shift = ShiftCorrection([(0, 4), (4, 8)], [], False)
+    shift.errors = [(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 4.0]), [0, 1]),  # layer 1: doc 2 not shifted
+                    (torch.tensor([1.0]), torch.tensor([0.5]), [1])]  # layer 2: only doc 2 corrected
+    assert blend_risk(shift, 2, 8) == pytest.approx(0.75 * 5.5 / 7.0)
+    assert blend_risk(shift, 8, 8) == 0.0
+    assert blend_risk(ShiftCorrection([(0, 4)], [], False), 2, 8) is None  # nothing measured
+
+
+def test_a_blend_reports_its_risk_and_reuse_none() -> None:
+    eng = Engine(make_loaded())
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(3)]  # long enough for a shift sample
+
+    def stats(method: str, **blend):
+        req = Request(documents=docs, question=QUESTION, system="answer .", method=method, blend=BlendConfig(**blend))
+        return eng.prepare(req).stats
+    stats("blend")
+    eng.flush()  # every document stored
+    risk = stats("blend").risk
+    assert risk is not None and 0.0 <= risk < 10.0
+    assert stats("reuse").risk is None and stats("full").risk is None
+    assert stats("blend", shift=False).risk is None  # the risk is measured on the shift's sample
+    assert stats("blend", ratio=0.6).risk < risk  # more recomputed: less of reuse's error left
 
 
 def _logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
@@ -410,3 +462,10 @@ def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | Non
     torch.testing.assert_close(out_blocks, out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(blocks.total, whole.total, atol=1e-6, rtol=1e-6)
     assert abs(float(whole.total.sum()) - hkv * per_kv * positions.numel()) < 1e-4  # each row's weights sum to 1
+
+
+def test_shiftall_names_the_untested_shift_and_the_default_is_tested() -> None:
+    assert BlendConfig().shift_test and BlendConfig().strategy == "question+budget+sinks4+shift"
+    old = parse_method("blend:0.15:q+budget+sinks4+shiftall").blend
+    assert old == replace(BlendConfig(), shift_test=False) and old.strategy == "question+budget+sinks4+shiftall"
+    assert parse_method("blend:0.15:q+budget+sinks4+shift").blend == BlendConfig()

@@ -294,3 +294,53 @@ def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_c
         assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "full"
     state = guard.state("tiny-llama", "default")
     assert not state.fallback and state.switches == 2
+
+
+def test_a_risky_blend_is_shadow_checked_whatever_the_draw(eng: Engine) -> None:
+    """Risky: at least the 0.75 quantile of the key's recent risks, once min_samples are in."""
+    guard = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_quantile=0.75, min_samples=4, window=8))
+    routing = guard.route("m", request(method="blend", tenant="default"))
+    assert not routing.shadow
+    stats = eng.prepare(request(method="blend", tenant="default")).stats
+    for risk in (0.1, 0.2, 0.3):
+        guard.observe("m", "default", stats._replace(risk=risk))
+    assert not guard.shadow_after("m", routing, stats._replace(risk=5.0))  # 3 risks: not yet calibrated
+    guard.observe("m", "default", stats._replace(risk=0.4))
+    for risk, checked in ((0.5, True), (0.3, True), (0.25, False), (None, False)):  # 0.75 quantile of 4: 0.3
+        assert guard.shadow_after("m", routing, stats._replace(risk=risk)) is checked, risk
+    assert not guard.risky("m", "other", stats._replace(risk=5.0))  # another tenant has its own risks
+    off = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_quantile=None, min_samples=1))
+    off.observe("m", "default", stats._replace(risk=0.1))
+    assert not off.shadow_after("m", routing, stats._replace(risk=5.0))
+    with pytest.raises(ValueError, match="risk_quantile"):
+        GuardConfig(risk_quantile=1.5)
+
+
+def test_drawn_checks_leave_room_for_risky_ones(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn checks take at most half of ``max_pending``; a risky one is still queued then."""
+    release = threading.Event()
+
+    def slow(engine, req, served, probe, chunk_tokens):
+        while not release.is_set():
+            yield
+        return shadow(tenant=req.tenant)
+
+    monkeypatch.setattr(quality, "shadow_steps", slow)
+    guard = QualityGuard(GuardConfig(min_samples=1, window=4))
+    sched = Scheduler(eng)
+    sched.start()
+    runner = ShadowRunner(guard, sched, max_pending=2)
+    try:
+        served = sched.submit(request(method="blend", tenant="default"), SAMPLING).result()
+        req = request(method="blend", tenant="default")
+        assert runner.drawn_limit == 1
+        first = runner.submit(req, served, None)
+        assert first is not None and runner.submit(req, served, None) is None  # a second drawn one: dropped
+        risky = runner.submit(req, served, None, risky=True)
+        assert risky is not None and runner.submit(req, served, None, risky=True) is None  # max_pending reached
+        release.set()
+        assert first.result(30) is not None and risky.result(30) is not None
+    finally:
+        release.set()
+        sched.drain(5)
+    assert runner.ok == 2 and runner.dropped == 2

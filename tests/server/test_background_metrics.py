@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
@@ -69,3 +70,21 @@ def test_cache_usage_and_background_gauges_move(tmp_path) -> None:
                if s.name == "kvblend:shadow_checks_total" and s.labels["outcome"] == "dropped"]
     assert dropped == [1.0]  # drain dropped it (and did not wait for the held job)
     assert kv_cache_usage(object()) == 0.0  # a store without capped tiers reports 0
+
+
+def test_a_blend_risk_reaches_the_response_and_the_histogram(tmp_path) -> None:
+    """The default blend's risk (its own estimate of reuse's KV error left) is in the
+    response's ``kvblend`` block and observed in ``kvblend:blend_risk``; reuse has none."""
+    engine = Engine(make_loaded(), self_check=False)
+    app = create_app(engine, Settings.load(model="tiny", state_dir=str(tmp_path)))
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(2)]  # long enough for the shift's sample
+    with TestClient(app) as client:
+        for doc in docs:
+            assert client.post("/v1/documents", json={"text": doc}).status_code == 200
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "which word ?"}], "max_tokens": 2,
+                "documents": docs, "temperature": 0}
+        blended = client.post("/v1/chat/completions", json=body).json()["kvblend"]
+        reused = client.post("/v1/chat/completions", json={**body, "kvblend": {"method": "reuse"}}).json()["kvblend"]
+        m = _scrape(client)
+    assert blended["method"] == "blend" and 0.0 <= blended["risk"] < 10.0 and "risk" not in reused
+    assert m["kvblend:blend_risk_count"] == 1.0 and m["kvblend:blend_risk_sum"] == pytest.approx(blended["risk"], abs=1e-5)

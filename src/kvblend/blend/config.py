@@ -37,7 +37,12 @@ class BlendConfig:
     ``shift``: tokens not recomputed are moved by their document's mean fresh - stale
     residual (K in the pre-RoPE frame), at every layer, estimated on a uniform sample of the
     document — every s-th token, s = max(``shift_stride``, 2 x candidates / kept, so that
-    the sample is at most half of the kept tokens), recomputed within the budget. The
+    the sample is at most half of the kept tokens), recomputed within the budget; with
+    ``shift_test`` (the default) a document's mean moves its tokens (per KV head, K and V
+    apart) only where it lowers the residual of sampled tokens left out of the mean (a
+    held-out test in closed form: ``ShiftCorrection._test``), so the shift does not move a
+    document whose residual is not a shift; ``+shiftall`` in a method spec is the untested
+    shift (the default before session 9). The
     tokens a selection picks are not a fair sample: their residuals misestimate the rest's
     (on Qwen2.5 shifting by them multiplied reuse's KL several times).
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
@@ -68,6 +73,7 @@ class BlendConfig:
     sinks: int = 4
     shift: bool = True
     shift_stride: int = 16
+    shift_test: bool = True
     vdev: float = 0.0
 
     @classmethod
@@ -129,7 +135,8 @@ class BlendConfig:
     @property
     def strategy(self) -> str:
         """How tokens are chosen and corrected, e.g. ``deviation`` or ``question+sinks4+shift``."""
-        mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + ["shift"] * self.shift
+        shift = "shift" if self.shift_test else "shiftall"
+        mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + [shift] * self.shift
         return "+".join([self.selection, *mods])
 
     @property

@@ -111,6 +111,8 @@ class FusionOutput(NamedTuple):
     recomputed: list[int]  # tokens computed at each layer
     candidates: int  # document tokens that had cached KV
     checks: tuple[SelectionStats, ...] = ()  # per check layer; spans are ``plan.placed`` in order
+    # a strategy's estimate of the share of reuse's KV error this blend left (``strategies.blend_risk``)
+    risk: float | None = None
 
 
 def _prefix_len(plan: FusionPlan) -> int:

@@ -26,7 +26,9 @@
 first, then by score, globally or within per-document budgets (``allocate``).
 ``ShiftCorrection`` moves each document's non-recomputed K/V by the mean fresh - stale
 residual of a uniform sample of its tokens (``shift_samples``, recomputed within the
-budget), at every layer, before attention reads them.
+budget), at every layer, before attention reads them; tested (``BlendConfig.shift_test``),
+only where that mean lowers the residual of a sampled token held out of it. ``blend_risk``
+turns what the shift measured into the request's risk (``RequestStats.risk``).
 
 Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
 ``shift`` is full reuse, and a document at its own position stays exact.
@@ -145,12 +147,16 @@ class ShiftCorrection:
     the same one at every layer of a pass) and the RoPE rows once per table."""
 
     def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 interleaved: bool, samples: torch.Tensor | None = None) -> None:
+                 interleaved: bool, samples: torch.Tensor | None = None, tested: bool = False) -> None:
         self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
         self.samples = samples  # (N,) bool: only these written tokens' residuals count (None: all)
+        self.tested = tested  # shift a (document, KV head, K|V) only where its held-out test says it helps
         self._written: torch.Tensor | None = None
         self._rows: _ShiftRows | None = None
         self._ropes: dict[int, tuple[torch.Tensor, ...]] = {}
+        # per layer: (n_docs,) mean squared residual of a sampled token before and after the shift
+        # (after: leave-one-out, as a token the mean was not estimated on), and which document each is
+        self.errors: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
 
     def _rows_for(self, written: torch.Tensor) -> _ShiftRows | None:
         if written is not self._written:
@@ -173,9 +179,35 @@ class ShiftCorrection:
         dk = rope_lib.apply_rope((k[:, r.rows] - keys[:, r.pos]).float(), cos_w, neg_sin_w, self.interleaved)
         mean_v = dv.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dv).div_(r.counts)  # (Hkv, D, d)
         mean_k = dk.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dk).div_(r.counts)  # pre-RoPE
+        mean_k, mean_v = self._test(r, dk, mean_k, dv, mean_v)
         shift_k = rope_lib.apply_rope(mean_k[:, r.doc_of_moved], cos_m, sin_m, self.interleaved)  # (Hkv, o, d)
         keys.index_add_(1, r.moved, shift_k.to(keys.dtype))
         values.index_add_(1, r.moved, mean_v[:, r.doc_of_moved].to(values.dtype))
+
+
+    def _test(self, r: _ShiftRows, dk: torch.Tensor, mean_k: torch.Tensor, dv: torch.Tensor,
+              mean_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The means to shift by, each (Hkv, D, d): with ``tested``, zero where moving by the
+        mean would not lower the squared residual of a sampled token left out of the mean
+        (per document, KV head, K and V). Records the residual before and after (``errors``).
+
+        Leaving token i out of an n-token mean m gives r_i - m_-i = n / (n - 1) (r_i - m), so
+        the held-out error is (n / (n - 1))^2 x the within-document spread, against the
+        spread plus n |m|^2 unshifted: a test on tokens the mean did not see, in closed form.
+        A document with one sampled token cannot be tested, and is not shifted."""
+        n = r.counts[:, 0]  # (D,)
+        errs = []
+        for delta, mean in ((dk, mean_k), (dv, mean_v)):
+            total = delta.new_zeros(mean.shape[:2]).index_add_(1, r.doc_of_row, delta.pow(2).sum(-1))  # (Hkv, D)
+            spread = (total - n * mean.pow(2).sum(-1)).clamp_min(0)
+            held_out = spread * (n / (n - 1).clamp_min(1)).pow(2)
+            helps = (held_out < total) & (n > 1)
+            after = torch.where(helps, held_out, total) if self.tested else held_out
+            errs.append((total.sum(0), after.sum(0)))
+            if self.tested:
+                mean.mul_(helps[..., None])
+        self.errors.append(((errs[0][0] + errs[1][0]) / n, (errs[0][1] + errs[1][1]) / n, r.doc_ids))
+        return mean_k, mean_v
 
 
 class _ShiftRows(NamedTuple):
@@ -186,14 +218,15 @@ class _ShiftRows(NamedTuple):
     moved: torch.Tensor  # (o,) positions of the corrected documents' tokens not written
     doc_of_moved: torch.Tensor  # (o,)
     n_docs: int
+    doc_ids: list[int]  # index into ``spans`` of each corrected document
 
 
 def _shift_rows(spans: Sequence[Span], written: torch.Tensor, samples: torch.Tensor | None) -> _ShiftRows | None:
     """Which rows the shift reads and moves: documents with some but not all tokens
     written (and, with ``samples``, some sampled token written) move their tokens not
     written by the mean residual of their written sampled ones; None when there is none."""
-    rows, docs, moved, doc_of_moved, counts = [], [], [], [], []
-    for a, b in spans:
+    rows, docs, moved, doc_of_moved, counts, ids = [], [], [], [], [], []
+    for j, (a, b) in enumerate(spans):
         inside = ((written >= a) & (written < b)).nonzero().squeeze(1)
         if inside.numel() == 0 or inside.numel() == b - a:
             continue
@@ -205,6 +238,7 @@ def _shift_rows(spans: Sequence[Span], written: torch.Tensor, samples: torch.Ten
             if inside.numel() == 0:
                 continue
         i = len(counts)
+        ids.append(j)
         rows.append(inside)
         docs.append(torch.full_like(inside, i))
         moved.append(others)
@@ -215,7 +249,7 @@ def _shift_rows(spans: Sequence[Span], written: torch.Tensor, samples: torch.Ten
     rows_t = torch.cat(rows)
     return _ShiftRows(rows_t, written[rows_t], torch.cat(docs),
                       torch.tensor(counts, dtype=torch.float32, device=written.device)[:, None],
-                      torch.cat(moved), torch.cat(doc_of_moved), len(counts))
+                      torch.cat(moved), torch.cat(doc_of_moved), len(counts), ids)
 
 
 class QuestionScores:
@@ -433,10 +467,13 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     if cfg.shift:  # the sample is recomputed at every check (the smallest budget fits it): nested sets
         samples = shift_samples(spans, n, keep, n_cand, cfg.shift_stride, model.device) & is_cand
         correct = ShiftCorrection(spans, model.layer_rope_tables(torch.arange(n, device=model.device)),
-                                  model.cfg.rope.interleaved, samples)
+                                  model.cfg.rope.interleaved, samples, cfg.shift_test)
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
-        return (yield from fuse_steps(model, replace(base, pick=pick, correct=correct)))
+        out = yield from fuse_steps(model, replace(base, pick=pick, correct=correct))
+        if correct is None or not out.checks:
+            return out
+        return out._replace(risk=blend_risk(correct, out.checks[-1].kept, n_cand))
     pos = is_cand.nonzero().squeeze(1)
     if n_cached == 0:  # nothing cached (every document missed): there is nothing to select
         return (yield from fuse_steps(model, replace(base, select_from_start=True)))
@@ -464,7 +501,23 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
-    return out._replace(candidates=n_cached, checks=(stats,))
+    risk = None if correct is None else blend_risk(correct, int(chosen.numel()), n_cand)
+    return out._replace(candidates=n_cached, checks=(stats,), risk=risk)
+
+
+def blend_risk(correct: ShiftCorrection, kept: int, candidates: int) -> float | None:
+    """The share of reuse's KV error a blend left, as the shift's own sample measured it on
+    tokens it recomputed (exact there): (1 - ``kept`` / ``candidates``), the tokens not
+    recomputed, x the squared fresh - stale residual those keep after the shift (each
+    sampled token held out of its document's mean) over the residual before it, summed over
+    layers and corrected documents (each a mean per sampled token). 0: no error left; 1:
+    reuse's. None when the shift measured nothing (no document had a sampled token). Costs
+    nothing beyond the shift's own reductions."""
+    if not correct.errors or candidates <= 0:
+        return None
+    before = sum(float(b.sum()) for b, _, _ in correct.errors)
+    after = sum(float(a.sum()) for _, a, _ in correct.errors)
+    return (1.0 - kept / candidates) * after / before if before > 0 else None
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:

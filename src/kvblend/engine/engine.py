@@ -81,6 +81,7 @@ class _Built(NamedTuple):
     checks: tuple[CheckStat, ...] = ()
     loading: LoadStats | None = None
     controller: RatioChoice | None = None
+    risk: float | None = None
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
@@ -472,7 +473,7 @@ class Engine:
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice)
+                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk)
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work): its pre-rendered ``layout``
@@ -519,7 +520,7 @@ class Engine:
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
                              elapsed, built.fallback, built.checks, built.loading, built.controller,
-                             request.blend.strategy if request.method == "blend" else None)
+                             request.blend.strategy if request.method == "blend" else None, built.risk)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

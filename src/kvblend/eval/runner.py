@@ -102,13 +102,15 @@ def _modifier(spec: str, name: str) -> dict[str, Any]:
     if name == "budget":
         return {"budget": True}
     if name == "shift":
-        return {"shift": True}
+        return {"shift": True, "shift_test": True}
+    if name == "shiftall":
+        return {"shift": True, "shift_test": False}
     if name.startswith("sinks") and name[5:].isdigit():
         return {"sinks": int(name[5:])}
     if name.startswith("vdev"):
         return {"vdev": _floats(name[4:], "the vdev weight", spec)[0] if name[4:] else VDEV_EQUAL}
     raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
-                     "budget, sinksK, shift or vdev[W]")
+                     "budget, sinksK, shift, shiftall or vdev[W]")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
@@ -125,7 +127,8 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     tokens deviating most from full prefill). Modifiers follow with ``+``: ``+prompt`` /
     ``+bos`` (the chunk prefix documents' KV is computed after; also on reuse), ``+budget``
     (per-document budgets), ``+sinks4`` (first 4 tokens of each document), ``+shift``
-    (correct the tokens not recomputed), ``+vdev`` (with ``q``: rank question attention and
+    (correct the tokens not recomputed, per document where a held-out test says it helps;
+    ``+shiftall``: always, as before session 9), ``+vdev`` (with ``q``: rank question attention and
     layer-1 V deviation within each document and average the ranks; ``+vdev0.3`` weighs the
     deviation 0.3), e.g. ``blend:0.15:q+budget+sinks4+shift``, ``blend:0.15:q+vdev``.
     Modifiers apply after the selection, whatever their order in the spec.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import threading
 from collections import Counter, OrderedDict, deque
@@ -76,6 +77,10 @@ class GuardConfig:
     band_factor: float = 4.0
     max_out_of_band: float = 0.5  # share of the score window outside the band that fails
     override_explicit: bool = True  # also fall back for explicit blend/reuse requests
+    # a served blend whose risk (RequestStats.risk) is at least this quantile of its key's last
+    # ``window`` risks (once ``min_samples`` are in) is shadow-checked whatever the draw, ahead
+    # of the drawn ones (None: risk is not used); a quantile, not a level, so it is the same on every model
+    risk_quantile: float | None = 0.9
     max_keys: int = 4096  # (model, tenant) pairs tracked; the least recently used go first
     seed: int | None = None
 
@@ -93,6 +98,8 @@ class GuardConfig:
                 raise ValueError(f"{name} must be within [0, 1] or None")
         if self.max_kl is not None and self.max_kl < 0:
             raise ValueError("max_kl must be >= 0 or None")
+        if self.risk_quantile is not None and not 0.0 <= self.risk_quantile <= 1.0:
+            raise ValueError("risk_quantile must be within [0, 1] or None")
         if self.calibration < 0 or self.band_factor < 1 or not 0 <= self.max_out_of_band < 1:
             raise ValueError("calibration must be >= 0, band_factor >= 1, max_out_of_band within [0, 1)")
 
@@ -123,6 +130,7 @@ class Routing(NamedTuple):
 class _Track:
     results: deque[ShadowResult]
     scores: deque[float]
+    risks: deque[float] = field(default_factory=deque)  # served blends' RequestStats.risk, the last ``window``
     calibration: list[float] = field(default_factory=list)
     band: tuple[float, float] | None = None
     fallback: bool = False
@@ -151,7 +159,8 @@ class QualityGuard:
         key = (model, tenant)
         track = self._tracks.get(key)
         if track is None:
-            track = self._tracks[key] = _Track(deque(maxlen=self.config.window), deque(maxlen=self.config.window))
+            w = self.config.window
+            track = self._tracks[key] = _Track(deque(maxlen=w), deque(maxlen=w), deque(maxlen=w))
             while len(self._tracks) > self.config.max_keys:
                 self._tracks.popitem(last=False)
         self._tracks.move_to_end(key)
@@ -169,6 +178,24 @@ class QualityGuard:
                 return Routing(blended, None, self._rng.random() < cfg.shadow_fraction, None)
             shadow = self._rng.random() < cfg.probe_fraction
         return Routing(self._fallback(blended), blended, shadow, "guard")
+
+    def risky(self, model: str, tenant: str, stats: RequestStats | None) -> bool:
+        """Whether a served request's own risk (``RequestStats.risk``) asks for a shadow check:
+        it is at least the ``risk_quantile`` of the key's recent risks (``observe`` adds them;
+        False before ``min_samples`` are in)."""
+        q = self.config.risk_quantile
+        risk = None if stats is None else getattr(stats, "risk", None)
+        if q is None or risk is None:
+            return False
+        with self._lock:
+            recent = sorted(self._track(model, tenant).risks)
+        if len(recent) < self.config.min_samples:
+            return False
+        return risk >= recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
+
+    def shadow_after(self, model: str, routing: Routing, stats: RequestStats | None) -> bool:
+        """Whether to shadow-check a served request: the route's draw, or its risk (``risky``)."""
+        return routing.shadow or self.risky(model, routing.request.tenant, stats)
 
     def _fallback(self, blended: Request) -> Request:
         ratio = self.config.fallback_ratio
@@ -196,6 +223,8 @@ class QualityGuard:
         """Take a served blend's first-check-layer selection score: calibrate, or judge."""
         with self._lock:
             track = self._track(model, tenant)
+            if getattr(stats, "risk", None) is not None:
+                track.risks.append(stats.risk)
             score = first_score(stats)
             if score is None or self.config.calibration == 0:
                 return self._state(track)
@@ -279,7 +308,10 @@ class ShadowRunner:
     """Shadow checks as low-priority jobs of ``scheduler`` (``Scheduler.submit_background``),
     recorded into a guard; never blocks a caller.
 
-    At most ``max_pending`` checks are queued or running; more, or any the scheduler's lane
+    At most ``max_pending`` checks are queued or running, and at most half of them (at
+    least one) drawn at random: the rest of the room is kept for ``risky`` checks (a served
+    blend whose risk is in the top of its key's recent ones: ``GuardConfig.risk_quantile``), so under load the riskier
+    requests are checked first. More, or any the scheduler's lane
     refuses (full, draining), are dropped and counted in ``dropped``, as are checks the
     scheduler drops on drain. A failing check is counted in ``failed`` and logged (by the
     scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill.
@@ -300,10 +332,16 @@ class ShadowRunner:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, request: Request, served: Result, probe: Request | None) -> Future | None:
-        """Queue the shadow check of a served request; None (counted) when it is dropped now."""
+    @property
+    def drawn_limit(self) -> int:
+        """Pending checks a drawn (not risky) check may join: half of ``max_pending``, at least 1."""
+        return max(1, self.max_pending // 2)
+
+    def submit(self, request: Request, served: Result, probe: Request | None, risky: bool = False) -> Future | None:
+        """Queue the shadow check of a served request; None (counted) when it is dropped now.
+        ``risky``: its risk asked for the check, which may then use all of ``max_pending``."""
         with self._lock:
-            if self._pending >= self.max_pending:
+            if self._pending >= (self.max_pending if risky else self.drawn_limit):
                 self.dropped += 1
                 return None
             self._pending += 1
@@ -357,9 +395,10 @@ def serve(engine: Engine, guard: QualityGuard, request: Request, sampling: Sampl
     guard.observe(engine.loaded.name, request.tenant, result.stats)
     if routing.fallback is not None:
         result = result._replace(stats=result.stats._replace(fallback=routing.fallback))
-    if routing.shadow:
+    if guard.shadow_after(engine.loaded.name, routing, result.stats):
         if runner is not None:
-            runner.submit(routing.request, result, routing.probe)
+            runner.submit(routing.request, result, routing.probe,
+                          guard.risky(engine.loaded.name, request.tenant, result.stats))
         else:
             guard.record(shadow_check(engine, routing.request, result, routing.probe))
     return result

@@ -4,7 +4,8 @@
     routing = guard.route(model, request)      # before submit: resolves "auto", applies fallback
     ... the scheduler serves routing.request ...
     guard.observe(model, tenant, stats)        # when the request ends (free selection-score signal)
-    runner.submit(routed, served, probe)       # when routing.shadow: a low-priority scheduler job
+    runner.submit(routed, served, probe, risky)  # when guard.shadow_after(model, routing, stats): the
+                                               # draw, or a risk in the top of the key's recent ones (first)
 
 Shadow checks never touch the served answer and never block the request: they run as
 jobs of small steps in the scheduler's background lane, on the one model worker, only
@@ -97,10 +98,11 @@ class ServerGuard:
             return False
         if routing.request.method in ("blend", "reuse"):
             self.guard.observe(self.guard_model, routing.request.tenant, stats)
-        if not routing.shadow or not out.token_ids:
+        if not self.guard.shadow_after(self.guard_model, routing, stats) or not out.token_ids:
             return False
         served = Result("".join(out.text), list(out.token_ids), out.finish_reason or "stop", stats)
-        job = self.runner.submit(routing.request, served, routing.probe)
+        job = self.runner.submit(routing.request, served, routing.probe,
+                                 self.guard.risky(self.guard_model, routing.request.tenant, stats))
         if job is None:
             self.checks.labels(self.model_name, "dropped").inc()
             return False

@@ -25,7 +25,9 @@ def usage(stats: RequestStats | None, completion_tokens: int) -> dict[str, Any]:
 
 
 def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
-    """Method, document hits by tier, recompute fraction and the time breakdown."""
+    """Method, document hits by tier, recompute fraction, the blend's risk (when it measured
+    one: ``RequestStats.risk``, the estimated share of reuse's KV error left) and the time
+    breakdown."""
     if stats is None:
         return {"queue_s": round(queue_s, 6)}
     hits = Counter(d.source for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
@@ -37,6 +39,7 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
         "doc_hits": dict(hits),
         "doc_misses": sum(1 for d in stats.docs if d.source == "computed"),
         "recompute_fraction": round(stats.recompute_frac, 6),
+        **({"risk": round(stats.risk, 6)} if getattr(stats, "risk", None) is not None else {}),
         "queue_s": round(queue_s, 6),
         "lookup_s": round(stats.lookup_s, 6),
         "load_s": round(stats.load_s, 6),

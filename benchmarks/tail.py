@@ -1,0 +1,273 @@
+"""Per-question KL of blend methods against full prefill, as ratios to plain reuse's: the tail.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/tail.py --out runs/tail/smol --start 0 --limit 40 \
+        [--methods "reuse,blend:0.15:q+budget+sinks4+shift,..."] [--model qwen2.5-coder-0.5b] [--threads 1]
+        [--only "0.5"]  # only the questions whose default ratio (an earlier run in --out) is >= 0.5
+    PYTHONPATH=src .venv/bin/python benchmarks/tail.py --out runs/tail/smol --report [--start S --limit N]
+
+KL is `kvblend eval`'s (`eval.runner`): full prefill's greedy answer, stopped at a newline,
+is teacher-forced for its first ``--kl-tokens`` tokens through each method's prepared
+prompt, and KL(full || method) averaged over those positions; only the KL is computed
+(no 32-token answer, no gold NLL), so a method costs its prepare and 8 forced tokens.
+Full prefill's reference (answer ids and logits) is kept under ``OUT/refs`` and reused by
+later runs. Each (question, method) is one JSON line in ``OUT/records.jsonl`` (a rerun
+skips those done), with the request's blend risk (`RequestStats.risk`) when it has one.
+
+``--report`` prints, per method, the per-question ratio KL / reuse's KL (mean of the KL
+over questions divided by reuse's mean, median / p90 / max of per-question ratios, the
+number of questions worse than reuse), and the risk signal's AUC at separating questions
+whose ratio is above 0.5 (`--risk-method`, default the engine's default blend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import kvblend.blend.strategies as strategies
+from kvblend.engine import Engine
+from kvblend.eval.datasets import load_musique
+from kvblend.eval.runner import (
+    Reference, decode_answer, example_request, parse_method, teacher_force, warm_documents,
+)
+from kvblend.metrics import kl_divergence
+from kvblend.models import DEFAULT_MODEL, load_model
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
+DEFAULT = "blend:0.15:q+budget+sinks4+shift"
+SIGNALS = ("risk", "pass_kl", "probe", "shift_left")
+
+
+def load_ref(engine: Engine, ex, refs: Path, kl_tokens: int) -> Reference:
+    """Full prefill's answer ids and logits along them, from ``refs`` or computed and kept there."""
+    path = refs / f"{ex.id}.pt"
+    if path.exists():
+        d = torch.load(path)
+        return Reference("", d["ids"], d["logits"])
+    prepared = engine.prepare(example_request(ex, parse_method("full")), kl_tokens)
+    _, ids = decode_answer(engine, prepared, kl_tokens)
+    logits = teacher_force(engine, prepared, ids) if ids else prepared.logits[None]
+    refs.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": ids, "logits": logits.clone()}, path)
+    return Reference("", ids, logits)
+
+
+class Spy:
+    """What a question-selected blend measured on the way, read for candidate risk signals:
+    the question pass's logits (full reuse) and the shift's per-layer residuals."""
+
+    def __init__(self) -> None:
+        self.reuse_logits, self.shift = None, None
+        real_q, real_shift = strategies.question_scores_steps, strategies.ShiftCorrection
+        spy = self
+
+        def question_scores_steps(model, plan):
+            scores, out = yield from real_q(model, plan)
+            spy.reuse_logits = out.logits.clone()
+            return scores, out
+
+        class ShiftSpy(real_shift):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                spy.shift = self
+
+        strategies.question_scores_steps, strategies.ShiftCorrection = question_scores_steps, ShiftSpy
+
+    def reset(self) -> None:
+        self.reuse_logits, self.shift = None, None
+
+    def signals(self, logits: torch.Tensor) -> dict:
+        out = {}
+        if self.reuse_logits is not None:  # disagreement between the passes at the prompt's last token
+            out["pass_kl"] = kl_divergence(logits, self.reuse_logits)
+        if self.shift is not None and self.shift.errors:
+            before = sum(float(b.sum()) for b, _, _ in self.shift.errors)
+            after = sum(float(a.sum()) for _, a, _ in self.shift.errors)
+            out["shift_left"] = after / before if before > 0 else None
+            per_layer = [float(a.sum() / b.sum()) for b, a, _ in self.shift.errors if float(b.sum()) > 0]
+            out["shift_left_layers"] = statistics.mean(per_layer) if per_layer else None
+            out["shift_left_max"] = max(per_layer) if per_layer else None
+        return out
+
+
+def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = None) -> dict:
+    spec = parse_method(method)
+    if spy is not None:
+        spy.reset()
+    prepared = engine.prepare(example_request(ex, spec), len(ref.answer_ids) + 1)
+    extra = spy.signals(prepared.logits) if spy is not None else {}
+    forced = teacher_force(engine, prepared, ref.answer_ids) if ref.answer_ids else prepared.logits[None]
+    s = prepared.stats
+    probe = s.checks[0].mean_score if s.checks else None
+    return {"id": ex.id, "method": method, "kl": kl_divergence(ref.logits, forced),
+            "risk": getattr(s, "risk", None), "recompute_frac": s.recompute_frac, "probe": probe, **extra}
+
+
+def read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def auc(scores: list[float], labels: list[bool]) -> float | None:
+    """Probability that a random positive outscores a random negative (ties count half)."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def with_risk(r: dict) -> dict:
+    """The record with ``risk`` as ``strategies.blend_risk`` defines it since session 9,
+    (1 - ratio) x ``shift_left``, for records measured before the engine reported it so
+    (equal up to the rounding of the kept count: the engine's (1 - kept / candidates))."""
+    if r.get("shift_left") is None:  # no shift measured here (or recorded before it was): no risk
+        return {**r, "risk": None}
+    return {**r, "risk": (1.0 - float(parse_method(r["method"]).blend.ratio)) * r["shift_left"]}
+
+
+def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
+    """The risk's AUC over every request of ``methods`` (one per question and method) at
+    separating those whose KL ratio to reuse is above 0.5, and its Spearman rank correlation
+    with the ratio."""
+    reuse = {r["id"]: r["kl"] for r in records if r["method"] == "reuse"}
+    rows = [with_risk(r) for r in records if r["method"] in methods and r["id"] in reuse
+            and (ids is None or r["id"] in ids) and r.get("shift_left") is not None]
+    ratios = [r["kl"] / max(reuse[r["id"]], 1e-12) for r in rows]
+    risks = [r["risk"] for r in rows]
+    print(json.dumps({"pooled": methods, "requests": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),
+                      "auc_risk": auc(risks, [x > 0.5 for x in ratios]), "spearman_risk_ratio": spearman(risks, ratios)}))
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (ties by average rank)."""
+    if len(a) < 3:
+        return None
+    ra, rb = (torch.tensor(x, dtype=torch.float64) for x in (_ranks(a), _ranks(b)))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _ranks(x: list[float]) -> list[float]:
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    out = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
+def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
+    by = {}
+    for r in records:
+        if ids is None or r["id"] in ids:
+            by.setdefault(r["method"], {})[r["id"]] = with_risk(r)
+    reuse = by.get("reuse", {})
+    for method, rows in by.items():
+        common = [i for i in rows if i in reuse]
+        if not common or method == "reuse":
+            continue
+        ratios = sorted(rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common)
+        mean_ratio = statistics.mean(rows[i]["kl"] for i in common) / statistics.mean(reuse[i]["kl"] for i in common)
+        p90 = ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))]
+        line = {"method": method, "n": len(common), "kl": round(statistics.mean(rows[i]["kl"] for i in common), 4),
+                "mean_ratio": round(mean_ratio, 3), "median_ratio": round(statistics.median(ratios), 3),
+                "p90_ratio": round(p90, 3), "max_ratio": round(ratios[-1], 3),
+                "worse_than_reuse": sum(x > 1 for x in ratios), "above_0_5": sum(x > 0.5 for x in ratios)}
+        ratios_of = {i: rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common}
+        bad = [ratios_of[i] > 0.5 for i in common]
+        for key in SIGNALS:  # over the questions whose record has the signal
+            has = [j for j, i in enumerate(common) if rows[i].get(key) is not None]
+            if has:
+                sign = -1 if key == "pass_kl" else 1  # passes that agree: the blend moved little from reuse
+                vals = [sign * rows[common[j]][key] for j in has]
+                line[f"auc_{key}"] = auc(vals, [bad[j] for j in has])
+                line[f"rho_{key}"] = spearman(vals, [ratios_of[common[j]] for j in has])
+                line[f"n_{key}"] = len(has)
+        print(json.dumps(line))
+
+
+def per_question(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
+    by = {}
+    for r in records:
+        if ids is None or r["id"] in ids:
+            by.setdefault(r["id"], {})[r["method"]] = r
+    print("| question | reuse KL | " + " | ".join(methods) + " |")
+    print("|---|---|" + "---|" * len(methods))
+    for qid, rows in sorted(by.items(), key=lambda kv: int(kv[0].rsplit("-", 1)[-1])):
+        if "reuse" not in rows:
+            continue
+        base = max(rows["reuse"]["kl"], 1e-12)
+        cells = [f"{rows[m]['kl'] / base:.2f}" if m in rows else "" for m in methods]
+        print(f"| {qid} | {rows['reuse']['kl']:.4f} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dataset", default=str(DEFAULT_DATA))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=40)
+    ap.add_argument("--methods", default=f"reuse,{DEFAULT}")
+    ap.add_argument("--kl-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", type=float, default=None,
+                    help="only questions whose default blend's ratio to reuse (earlier records) is >= this")
+    ap.add_argument("--report", action="store_true")
+    ap.add_argument("--table", default=None, help="with --report: methods (comma-separated) for a per-question table")
+    ap.add_argument("--risk-method", default=DEFAULT)
+    ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
+    args = ap.parse_args()
+    out = Path(args.out)
+    records_path = out / "records.jsonl"
+    examples = load_musique(args.dataset, n_docs=6, limit=args.start + args.limit)[args.start :]
+    ids = {ex.id for ex in examples}
+    if args.report:
+        records = read(records_path)
+        report(records, ids, args.risk_method)
+        if args.pool:
+            pooled(records, ids, args.pool.split(","))
+        if args.table:
+            per_question(records, ids, args.table.split(","))
+        return
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    done = {(r["id"], r["method"]) for r in read(records_path)}
+    if args.only is not None:
+        earlier = {(r["id"], r["method"]): r["kl"] for r in read(records_path)}
+        examples = [ex for ex in examples if (ex.id, "reuse") in earlier and (ex.id, DEFAULT) in earlier
+                    and earlier[(ex.id, DEFAULT)] >= args.only * earlier[(ex.id, "reuse")]]
+        print("questions:", [ex.id for ex in examples], flush=True)
+    engine = Engine(load_model(args.model))
+    spy = Spy()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for ex in examples:
+            todo = [m for m in methods if (ex.id, m) not in done]
+            if not todo:
+                continue
+            warm_documents(engine, ex, [parse_method(m) for m in todo])
+            ref = load_ref(engine, ex, out / "refs", args.kl_tokens)
+            for m in todo:
+                row = score(engine, ex, m, ref, spy)
+                with records_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
