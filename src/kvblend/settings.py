@@ -230,9 +230,7 @@ class SchedulerSettings(_Section):
     their decode steps (a fusion runs about as many token-layers): the largest gap a running
     stream sees is about that multiple of its pace, and a long prompt arriving beside streams
     takes about 1 + 1/(max_stall_steps - 1) its time alone on a device where a decode step is
-    mostly a pass over the weights (a CPU; less on a GPU). ``switch_interval_s``: the
-    interpreter's thread switch interval the worker sets (null: Python's 5 ms), so that
-    Python work on other threads (shaping a long prompt) delays its steps little. ``max_jobs`` bounds the jobs lane (document precompute,
+    mostly a pass over the weights (a CPU; less on a GPU). ``max_jobs`` bounds the jobs lane (document precompute,
     write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
     low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
     tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
@@ -244,7 +242,6 @@ class SchedulerSettings(_Section):
     max_background: int = Field(16, ge=0, le=4096)
     prefill_chunk_tokens: int | None = Field(1024, ge=1, le=1 << 20)
     max_stall_steps: float = Field(3.0, gt=1, le=1000, allow_inf_nan=False)
-    switch_interval_s: float | None = Field(0.0005, gt=0, le=0.1, allow_inf_nan=False)
     max_jobs: int = Field(32, ge=1, le=4096)
     decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

@@ -377,21 +377,3 @@ def test_slices_beside_streams_are_sized_to_the_stall_asked_for() -> None:
     assert sized(5.0, 20) == 40  # one step's measure cannot make a long stall at once
     with pytest.raises(ValueError, match="stall_steps"):
         Scheduler(Engine(make_loaded()), stall_steps=1.0)
-
-
-def test_start_lowers_the_thread_switch_interval_when_asked() -> None:
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        sched = Scheduler(Engine(make_loaded()), switch_interval_s=0.0005)
-        sched.start()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        sched.drain(5)
-        Scheduler(Engine(make_loaded())).start()  # None: left as it is
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        with pytest.raises(ValueError, match="switch_interval_s"):
-            Scheduler(Engine(make_loaded()), switch_interval_s=0.0)
-    finally:
-        sys.setswitchinterval(before)

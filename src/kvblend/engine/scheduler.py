@@ -69,7 +69,6 @@ import itertools
 import logging
 import math
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -362,11 +361,7 @@ class Scheduler:
     admitted: ``engine.fair``); ``shares``: per-tenant weight, queue cap and token rate;
     ``decode_weight``: what a decoded token counts in the fair queue, prefill tokens 1;
     ``prefill_chunk_tokens``: the size of a prefill slice (None: whole prefills, no
-    interleaving); ``switch_interval_s``: at ``start``, lower the interpreter's thread switch
-    interval to this (``sys.setswitchinterval``; None: leave it): the worker gives up the
-    GIL in every torch op and must take it back after, and while another thread runs
-    Python (shaping a long prompt, the event loop) each take-back waits up to the interval
-    (5 ms by default), hundreds of times a step; ``stall_steps``: while streams decode, a step that carries a slice takes
+    interleaving); ``stall_steps``: while streams decode, a step that carries a slice takes
     about this many of their decode steps (> 1; larger slices finish a long prefill sooner
     and stall the streams longer: see ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in the
     jobs lane (more are refused) and the background lane (more are dropped)."""
@@ -375,14 +370,11 @@ class Scheduler:
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
                  prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
                  shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
-                 stall_steps: float = DEFAULT_STALL_STEPS, switch_interval_s: float | None = None) -> None:
+                 stall_steps: float = DEFAULT_STALL_STEPS) -> None:
         _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
         if not 1.0 < stall_steps < float("inf"):
             raise ValueError(f"stall_steps must be a number > 1, got {stall_steps}")
         self.stall_steps = stall_steps
-        if switch_interval_s is not None and not 0 < switch_interval_s <= 0.1:
-            raise ValueError(f"switch_interval_s must be in (0, 0.1], got {switch_interval_s}")
-        self.switch_interval_s = switch_interval_s
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
@@ -466,8 +458,6 @@ class Scheduler:
         # never starts must not leave the engine's write-back waiting for it)
         self.engine.model_owner = self.run_job
         self.engine.slice_tokens = self.slice_tokens
-        if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
-            sys.setswitchinterval(self.switch_interval_s)  # process-wide: see the class docstring
         self._thread = threading.Thread(target=self._work, name="kvblend-worker", daemon=True)
         self._thread.start()
 
