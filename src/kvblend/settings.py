@@ -323,8 +323,7 @@ class ClusterSettings(_Section):
     replicas report their resident documents to the router; ``load_threshold``: the
     affinity router sends a request to the less loaded of two replicas instead of the one
     holding its documents when that one has more than this many requests in flight beyond
-    the least loaded replica (1: a request ahead costs about one prefill, as much as
-    computing the documents elsewhere); ``health_check_period_s``: how often Ray checks a replica's
+    the least loaded replica; ``health_check_period_s``: how often Ray checks a replica's
     model worker (a dead one is restarted)."""
 
     replicas: int | None = Field(None, ge=1, le=256)
@@ -335,7 +334,7 @@ class ClusterSettings(_Section):
     ingress_cpus: float = Field(0.5, ge=0, le=1024, allow_inf_nan=False)
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     routing_stats_period_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
-    load_threshold: int = Field(1, ge=0, le=1 << 16)
+    load_threshold: int = Field(4, ge=0, le=1 << 16)
     health_check_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
 
 

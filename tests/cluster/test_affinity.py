@@ -157,8 +157,7 @@ def test_ties_are_broken_by_the_documents_not_by_load() -> None:
     x, y = next((x, y) for x, y in zip(ks, ks[1:]) if rendezvous_owner(x, ids) != rendezvous_owner(y, ids))
     request = ((x, 256), (y, 256))  # 256 tokens placed on each replica: a tie
     firsts = {
-        rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)],
-                      load_threshold=4).first  # loads within the threshold: affinity decides
+        rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)]).first
         for load_a, load_b in ((0, 3), (3, 0), (1, 1), (None, 2))
     }
     assert firsts == {rendezvous_owner(max(x, y), ids)}  # the same replica whatever the loads

@@ -43,11 +43,7 @@ SUMMARY_VERSION = 1
 # positive is treated as absent: a saturated filter would claim every document.
 MAX_TRUSTED_FP = 0.25
 
-# A request ahead on a replica costs about a prefill like this one's (a replica prefills one
-# request at a time): leaving the holder costs computing the documents, about one such
-# prefill, so the holder is worth it while it has at most one request more than the
-# least loaded replica.
-DEFAULT_LOAD_THRESHOLD = 1
+DEFAULT_LOAD_THRESHOLD = 4
 MAX_ROUTE_KEYS = 256  # documents considered per request (a request's document count is bounded before this)
 MAX_KEY_CHARS = 512
 MAX_DOC_TOKENS = 1 << 24
