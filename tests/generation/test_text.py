@@ -134,3 +134,16 @@ def test_a_stop_string_across_tokens_after_a_long_answer_is_found() -> None:
     s = TextStream(tok, stop=("city of",))
     out = "".join(s.push(t) for t in ids_)
     assert s.stopped and out == "word " * 400 + "the "
+
+
+def test_a_long_run_of_tokens_without_text_keeps_the_window_short() -> None:
+    """Special tokens (an EOS ignored again and again) decode to nothing: they must settle,
+    not grow the window that every later token decodes."""
+    counting = _Counting(_smollm2_tokenizer())
+    eos = counting.tokenizer.eos_token_id
+    words = counting.tokenizer("the river runs north", add_special_tokens=False)["input_ids"]
+    ids_ = words + [eos] * 2000 + words
+    s = TextStream(counting)
+    out = "".join(s.push(t) for t in ids_) + s.finish()
+    assert out == counting.tokenizer.decode(ids_, skip_special_tokens=True)
+    assert counting.decoded < 20 * len(ids_)

@@ -37,8 +37,8 @@ class TextStream:
         """Grow ``text`` by the new tokens' text, unless it ends in a partial character."""
         window = self._decode(self.ids[self._prefix:])
         seen = self._decode(self.ids[self._prefix:self._read])
-        if window.endswith(REPLACEMENT) or len(window) <= len(seen):
-            return  # a partial UTF-8 character, or nothing new yet: wait for more tokens
+        if window.endswith(REPLACEMENT) or len(window) < len(seen):
+            return  # a partial UTF-8 character (or a merge not settled): wait for more tokens
         self.text += window[len(seen):]
         self._read = len(self.ids)
         self._prefix = max(self._prefix, self._read - CONTEXT_TOKENS)
