@@ -156,6 +156,19 @@ def test_build_store_selects_the_cluster_client(redis_cluster: LocalRedisCluster
         StoreConfig(redis_url=redis_cluster.url)  # several nodes without the cluster flag
 
 
+def test_cluster_ports_stay_clear_of_source_ports_and_of_each_other() -> None:
+    """All of a cluster's ports are picked before any node starts: a port picked for one node
+    must not be another's bus port (port + 10000), and none may lie in the kernel's ephemeral
+    range, where a connection's source port can take it before the node binds (CI once failed
+    on "Failed listening on port ... (cluster)")."""
+    from kvblend.store.localredis import _ephemeral_low
+
+    ports = [free_cluster_port() for _ in range(40)]
+    taken = [p for port in ports for p in (port, port + 10000)]
+    assert len(set(taken)) == len(taken)
+    assert max(taken) < _ephemeral_low()
+
+
 def test_an_unreachable_cluster_is_a_miss_from_the_start() -> None:
     url = f"redis://127.0.0.1:{free_cluster_port()}"
     started = time.monotonic()

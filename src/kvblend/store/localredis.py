@@ -7,6 +7,7 @@ directory, stopped on exit. Install the binary with ``scripts/ensure-redis.sh``.
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -29,17 +30,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_cluster_port(tries: int = 200) -> int:
-    """A free loopback port p <= 55535 whose cluster bus port p + 10000 is free too."""
+_BUS_OFFSET = 10000  # Redis Cluster listens for its peers on port + 10000
+_claimed: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_cluster_port(tries: int = 500) -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free too.
+
+    Both lie below the kernel's ephemeral range and above Ray's worker ports (10002-19999), so
+    neither another ``free_port()`` nor a connection's source port can take them between this
+    call and the server's start; every pair handed out in this process is claimed, so two nodes
+    of one cluster never get each other's bus port (they are all chosen before any starts)."""
+    low, high = 20000, _ephemeral_low() - _BUS_OFFSET - 1
     for _ in range(tries):
-        port = free_port()
-        if port > 55535:
+        port = random.randint(low, high) if high > low else free_port()
+        pair = {port, port + _BUS_OFFSET}
+        if port + _BUS_OFFSET > 65535 or pair & _claimed or not all(_bindable(p) for p in pair):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
+        _claimed.update(pair)
         return port
     raise RuntimeError("no free loopback port pair for a cluster node")
 
