@@ -54,7 +54,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import Workload, free_port, load_pool, nan_to_none, pct  # noqa: E402
+from serve import STREAM_OPTIONS, Workload, free_port, load_pool, nan_to_none, pct  # noqa: E402
 
 import kvblend  # noqa: E402
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION  # noqa: E402
@@ -111,7 +111,7 @@ def chat_body(model: str, docs: list[str], question: str, max_tokens: int) -> di
     return {"model": model, "messages": [{"role": "system", "content": MUSIQUE_INSTRUCTION},
                                          {"role": "user", "content": question}],
             "documents": docs, "kvblend": {"method": "blend"}, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": STREAM_OPTIONS}
 
 
 async def send(client: httpx.AsyncClient, body: dict, timeout_s: float) -> Outcome:

@@ -65,7 +65,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import Flight, Sample, nan_to_none, pct, running_server, stream_request, token_gaps  # noqa: E402
+from serve import STREAM_OPTIONS, Flight, Sample, nan_to_none, pct, running_server, stream_request, token_gaps  # noqa: E402
 
 from kvblend.models.registry import DEFAULT_MODEL  # noqa: E402
 
@@ -236,7 +236,7 @@ class Bench:
     def body(self, text: str, max_tokens: int) -> dict:
         return {"model": self.model_id, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                 "kvblend": {"method": "full"}, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": STREAM_OPTIONS}
 
     async def ask(self, tenant: str, text: str, max_tokens: int, flight: Flight | None = None,
                   stop: asyncio.Event | None = None) -> Sample:

@@ -97,6 +97,9 @@ DEFAULT_METHODS = ("full", "blend")
 SHARED_DATA = Path("/work/shared/data/musique_dev.json")
 SAMPLE_DATA = Path(__file__).resolve().parents[1] / "src" / "kvblend" / "data" / "musique_sample.json"
 QUANTILE = 95.0
+# every token its own chunk with the running usage (vLLM's continuous_usage_stats): gaps
+# and TTFT are per token, whether or not the token has text
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,7 @@ async def stream_request(client: httpx.AsyncClient, body: dict, timeout_s: float
 
 async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers: dict[str, str] | None,
                   stop: asyncio.Event | None) -> Sample:
-    done, usage, server_ttft, error = False, None, math.nan, None
+    done, usage, server_ttft, error, seen = False, None, math.nan, None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             return _http_error(r.status_code, await r.aread(), r.headers.get("retry-after", ""))
@@ -418,7 +421,9 @@ async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers
             if "error" in chunk:
                 error = chunk["error"].get("message")
                 continue
-            if _is_token(chunk):
+            tokens = _tokens_in(chunk, seen)
+            if tokens:
+                seen += tokens
                 flight.times.append(time.perf_counter())
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -434,11 +439,18 @@ async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers
     return sample
 
 
-def _is_token(chunk: dict) -> bool:
-    """A chunk that carries a token: text, or the last token's finish_reason (not the
-    opening role chunk with empty content, nor the usage chunk)."""
+def _tokens_in(chunk: dict, seen: int) -> int:
+    """How many tokens a chunk brings. With ``continuous_usage_stats`` (every body here asks
+    for it) each token is a chunk carrying the running count, text or not: a run of tokens
+    without text (an ignored EOS, a held-back stop string) is timed token by token instead of
+    as one long gap. Otherwise: 1 for a chunk with text or the finish_reason (not the opening
+    role chunk, nor the usage chunk)."""
     choices = chunk.get("choices") or []
-    return bool(choices) and bool(choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason"))
+    if not choices:
+        return 0
+    if chunk.get("usage"):
+        return max(0, chunk["usage"]["completion_tokens"] - seen)
+    return int(bool(choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason")))
 
 
 def _sample(status: str, flight: Flight, tokens: int) -> Sample:
@@ -463,7 +475,7 @@ async def chat(client: httpx.AsyncClient, model: str, method: str, docs: list[st
     body = {"model": model, "messages": [{"role": "system", "content": MUSIQUE_INSTRUCTION},
                                          {"role": "user", "content": question}],
             "documents": docs, "kvblend": {"method": method}, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": STREAM_OPTIONS}
     return await stream_request(client, body, timeout_s, flight)
 
 

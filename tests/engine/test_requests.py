@@ -74,10 +74,10 @@ def test_generate_reports_text_tokens_and_stats(eng: Engine) -> None:
     assert set(res.to_dict()["stats"]) >= {"docs", "recompute_frac", "lookup_s", "load_s", "ttft_s"}
 
 
-def test_stream_yields_events_and_stats_after_first_token(eng: Engine) -> None:
+def test_stream_yields_stats_before_the_first_token_then_events(eng: Engine) -> None:
     items = list(eng.stream(Request(documents=DOCS, question=QUESTION, method="full"),
                             SamplingParams(max_tokens=4, ignore_eos=True)))
-    assert isinstance(items[0], StreamEvent) and isinstance(items[1], RequestStats)
+    assert isinstance(items[0], RequestStats) and isinstance(items[1], StreamEvent) and items[0].ttft_s > 0
     assert sum(isinstance(i, StreamEvent) for i in items) == 4
 
 

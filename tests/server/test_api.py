@@ -99,6 +99,29 @@ def test_chat_streaming_with_usage_through_the_openai_client(client, model_id) -
     assert text == whole.choices[0].message.content  # greedy: streamed == non-streamed
 
 
+def test_continuous_usage_gives_every_token_its_chunk_with_running_usage(client, model_id) -> None:
+    """vLLM's ``continuous_usage_stats``: each token is one chunk (text or not), each chunk
+    carries the running usage, the first token's chunk already knows the prompt's size."""
+    stream = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"documents": DOCS, "kvblend": {"method": "full"}, "ignore_eos": True})
+    role, *tokens, last = list(stream)
+    assert role.usage.completion_tokens == 0 and last.choices == []
+    assert [c.usage.completion_tokens for c in tokens] == list(range(1, 13)) and last.usage.completion_tokens == 12
+    assert {c.usage.prompt_tokens for c in [*tokens, last]} == {last.usage.prompt_tokens} and last.usage.prompt_tokens > 0
+
+
+def test_a_one_token_stream_ends_with_its_kvblend_block(alice, model_id) -> None:
+    """The request's stats reach the stream before its first token, so a stream whose first
+    token is its last still reports the method and time breakdown."""
+    body = {**chat_body(model_id), "max_tokens": 1, "stream": True, "kvblend": {"method": "full"}}
+    with alice.stream("POST", "/v1/chat/completions", json=body) as r:
+        payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert payloads[-1]["kvblend"]["method"] == "full"
+
+
 def test_completions_with_documents(alice, model_id, client) -> None:
     body = {"model": model_id, "prompt": "the doctor works in", "documents": DOCS, "max_tokens": 5,
             "temperature": 0, "kvblend": {"method": "full"}}

@@ -190,3 +190,21 @@ def test_quick_run_end_to_end_on_the_tiny_model(tiny_model_dir) -> None:
         assert result["goodput_req_s"][m] == pytest.approx(max(passed, default=0.0), rel=1e-3)
         lo, hi = result["bracket_rate_req_s"][m]
         assert (lo or 0.0) == pytest.approx(result["goodput_req_s"][m]) and (hi is None or hi > (lo or 0.0))
+
+
+def test_tokens_are_counted_per_token_with_continuous_usage_and_per_text_chunk_without() -> None:
+    """A token without text still counts when the chunk carries the running usage (so a run
+    of such tokens is not timed as one long gap); without usage only text or the finish
+    counts, and neither the role chunk nor the final usage chunk is a token."""
+    def chunk(text, done=None, tokens=None):
+        c = {"choices": [{"delta": {"content": text}, "finish_reason": done}]}
+        return {**c, "usage": {"completion_tokens": tokens, "prompt_tokens": 5}} if tokens is not None else c
+
+    continuous = [chunk("", tokens=0), chunk("a", tokens=1), chunk("", tokens=2), chunk("", tokens=3),
+                  chunk("b", "length", tokens=4), {"choices": [], "usage": {"completion_tokens": 4}}]
+    seen, counts = 0, []
+    for c in continuous:
+        counts.append(bs._tokens_in(c, seen))
+        seen += counts[-1]
+    assert counts == [0, 1, 1, 1, 1, 0]
+    assert [bs._tokens_in(c, 0) for c in (chunk(""), chunk("a"), chunk("", "stop"), {"choices": []})] == [0, 1, 1, 0]

@@ -525,16 +525,17 @@ class Engine:
 
     # ----- generation -------------------------------------------------------------
     def stream(self, request: Request, sampling: SamplingParams) -> Iterator[StreamEvent | RequestStats]:
-        """Yield the request's stats (TTFT filled in) right after the first token's event,
-        then the remaining token events."""
+        """Yield the request's stats (TTFT filled in: the first token is drawn) right before
+        the first token's event, then the token events; so whoever sends the first token
+        already has the usage and stats (as the scheduler's handles do)."""
         start = time.perf_counter()
         prepared = self.prepare(request, sampling.max_tokens)
         events = stream_from(self.model, self.tokenizer, prepared.cache, prepared.logits, sampling,
                              self.loaded.eos_token_ids)
-        for i, event in enumerate(events):
-            yield event
-            if i == 0:
-                yield prepared.stats._replace(ttft_s=time.perf_counter() - start)
+        first = next(events)
+        yield prepared.stats._replace(ttft_s=time.perf_counter() - start)
+        yield first
+        yield from events
 
     def generate(self, request: Request, sampling: SamplingParams | None = None) -> Result:
         """Run a request to completion."""

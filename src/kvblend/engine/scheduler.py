@@ -7,7 +7,7 @@ Contract (the HTTP server builds on exactly this)::
     sched.start()                                # starts the single model-worker thread
     handle = sched.submit(request, sampling)     # QueueFullError (-> 429 + Retry-After),
                                                  # DrainingError (-> 503), WorkerDeadError (-> 503)
-    for item in handle.events(): ...             # StreamEvent..., RequestStats after the first
+    for item in handle.events(): ...             # RequestStats, then StreamEvent...
                                                  # token's event; raises the request's error
     async for item in handle.aevents(): ...      # the same, for asyncio
     handle.cancel()                              # client gone: slot freed within one step
@@ -187,8 +187,8 @@ class RequestHandle:
     """One submitted request: read its events, or cancel it.
 
     ``events()`` / ``aevents()`` may be read by one consumer, once. Items arrive as the
-    worker produces them: StreamEvents, and the request's RequestStats right after the
-    first token's event. The stream ends after the event with a ``finish_reason``, or
+    worker produces them: the request's RequestStats right before the first token's
+    event, then StreamEvents. The stream ends after the event with a ``finish_reason``, or
     raises the request's KvblendError (deadline, cancel, drain, worker death, invalid).
     ``replica`` names the model replica serving it: None here, in one process (the Ray
     Serve stand-in's handles set it).
@@ -784,8 +784,8 @@ class Scheduler:
             self._end_failed(handle, exc, "sample", started=True)
             return
         handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted)
+        handle._push(handle.stats)  # before the first token: its sender knows the usage
         self._emit(handle, event)
-        handle._push(handle.stats)
         self._notify("on_first_token", handle, handle.stats)
         if event.finish_reason is not None:
             self._end(handle, "ok", event.finish_reason, None)

@@ -504,7 +504,9 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     headers = {"X-Request-Id": shape.object_id}
     if handle.replica is not None:
         headers["X-Kvblend-Replica"] = handle.replica
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
 
     def finish(out: StreamResult) -> None:
         guarded = {}
@@ -514,7 +516,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
 
     if body.stream:
         out = StreamResult()
-        return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish),
+        return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish, continuous),
                            headers={"Cache-Control": "no-cache", **headers})
     out = await run_to_end(handle, http)
     finish(out)

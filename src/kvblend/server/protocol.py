@@ -61,8 +61,15 @@ class RetrievalOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's usage (OpenAI);
+    ``continuous_usage_stats`` (with ``include_usage``; vLLM's name): every chunk carries the
+    running usage, and every generated token gets its chunk, one whose text is empty (a
+    special token, or bytes held back for a stop string or an unfinished character)
+    included, so a client can time each token."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):

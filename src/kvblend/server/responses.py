@@ -145,22 +145,29 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, out: StreamResult,
-                     on_end: Callable[[StreamResult], None]) -> AsyncIterator[str]:
+                     on_end: Callable[[StreamResult], None], continuous: bool = False) -> AsyncIterator[str]:
     """SSE lines of one request; ``on_end`` runs exactly once when the stream ends for any
-    reason (finished, failed, or cancelled by the client leaving)."""
-    usage_field = {"usage": None} if include_usage else {}
+    reason (finished, failed, or cancelled by the client leaving). ``include_usage``: a
+    last chunk with the usage, ``"usage": null`` on the others; ``continuous``: the running
+    usage on every chunk instead, and a chunk for every token, text or not."""
+
+    def usage_field() -> dict[str, Any]:
+        if continuous:
+            return {"usage": usage(out.stats, out.tokens)}
+        return {"usage": None} if include_usage else {}
+
     try:
-        yield sse({**shape.base(True), "choices": [shape.choice("", None, True, first=True)], **usage_field})
+        yield sse({**shape.base(True), "choices": [shape.choice("", None, True, first=True)], **usage_field()})
         async for item in handle.aevents():
             out.add(item)
             if isinstance(item, RequestStats):
                 continue
             if item.finish_reason is None:
-                if item.text:
-                    yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field})
+                if item.text or continuous:
+                    yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field()})
                 continue
             last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
-                    **usage_field, "kvblend": shape.kvblend(out.stats, handle.queue_s)}
+                    **usage_field(), "kvblend": shape.kvblend(out.stats, handle.queue_s)}
             yield sse(last)
         if include_usage:  # the explanation went with the last choice chunk already
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
