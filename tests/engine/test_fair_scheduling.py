@@ -5,6 +5,7 @@ Token Counter, per-tenant queue caps) and runs model jobs in their own lane."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -313,3 +314,63 @@ def test_a_paused_prefill_can_be_cancelled() -> None:
     assert timeline.handles[0].result().token_ids
     sched.drain(5)
     assert sched.num_running == 0 and not sched._paused
+
+
+# ----- fair parts of the decode slots ----------------------------------------------------------
+def test_a_tenant_holding_every_slot_parks_a_decode_for_a_waiting_tenant() -> None:
+    """Two slots, both decoding long answers of tenant heavy: light's short request is served
+    before either heavy stream ends (a heavy decode is parked for it, not waited for), and
+    the parked stream resumes to the same tokens it gets alone (its cache and state kept)."""
+    eng = Engine(make_loaded())
+    sampling, short = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)
+    heavy = [Request(documents=(), question=f"hello {i}", method="full", tenant="heavy") for i in range(2)]
+    light = Request(documents=(), question="hello", method="full", tenant="light")
+    want = [eng.generate(r, sampling).token_ids for r in heavy]
+    timeline = Timeline()
+    sched = Scheduler(eng, max_running=2, observer=timeline)
+    sched.start()
+    streams = [sched.submit(r, sampling) for r in heavy]
+    while sum(kind == "first" for kind, _ in timeline.events) < 2:
+        time.sleep(0.005)
+    quick = sched.submit(light, short)
+    assert len(quick.result().token_ids) == 3
+    assert not any(h.done for h in streams), "light waited for a heavy stream to end"
+    assert [h.result().token_ids for h in streams] == want
+    sched.drain(5)
+    assert sched.num_parked == 0 and sched.num_running == 0
+
+
+def test_a_tenant_within_its_part_parks_nothing() -> None:
+    """Slots split evenly: a waiting request of a tenant already at its part waits for a
+    slot; nobody is parked (no thrash between two tenants at their parts)."""
+    eng = Engine(make_loaded())
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    sched = Scheduler(eng, max_running=2, observer=Timeline())
+    sched.start()
+    a = sched.submit(Request(documents=(), question="hello a", method="full", tenant="a"), sampling)
+    b = sched.submit(Request(documents=(), question="hello b", method="full", tenant="b"), sampling)
+    while sched.num_running < 2 or sched._prefill is not None:
+        time.sleep(0.005)
+    third = sched.submit(Request(documents=(), question="hello c", method="full", tenant="b"), sampling)
+    parked = []
+    while not third.done:
+        parked.append(sched.num_parked)
+        time.sleep(0.005)
+    assert max(parked) == 0 and a.result().token_ids and b.result().token_ids
+    sched.drain(5)
+
+
+def test_a_prefill_within_its_part_is_not_sliced_for_streams_over_theirs() -> None:
+    """Slices beside streams keep the streams' pace, unless every stream's tenant holds more
+    than its part of the slots and the prefilling tenant is within its own."""
+    from types import SimpleNamespace
+
+    sched = Scheduler(Engine(make_loaded()), max_running=4, prefill_chunk_tokens=1024)
+    sched._decode_s, sched._token_s, sched._last_slice = 0.07, 0.0035, 10_000
+    stream = lambda t: SimpleNamespace(handle=SimpleNamespace(tenant=t))  # noqa: E731
+    sched._prefill = SimpleNamespace(handle=SimpleNamespace(tenant="light"))
+    sched._running = [stream("heavy")] * 3
+    assert sched.slice_tokens("light") == 1024  # heavy holds 3 of 4 slots, its part is 2
+    assert sched.slice_tokens("heavy") == 40 and sched.slice_tokens(None) == 40  # its own streams / a job
+    sched._running = [stream("heavy")] * 2 + [stream("other")]
+    assert sched.slice_tokens("light") == 40  # "other" holds 1, within its part of 4/3

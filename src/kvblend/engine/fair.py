@@ -91,6 +91,14 @@ class FairQueue(Generic[T]):
         t = self._tenants.get(tenant)
         return t.counter if t else 0.0
 
+    def weight(self, tenant: str) -> float:
+        """The tenant's relative weight (its ``TenantShare``; 1 when it has none)."""
+        return self._shares.get(tenant, TenantShare()).weight
+
+    def backlogged(self) -> list[str]:
+        """The tenants with requests waiting."""
+        return [name for name, t in self._tenants.items() if t.waiting]
+
     # -- admission
     def check(self, tenant: str) -> Refusal | None:
         """Why a new request of ``tenant`` cannot wait now (None: it can)."""

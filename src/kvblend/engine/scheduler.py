@@ -28,12 +28,19 @@ loop turn:
   Counter, per-tenant caps and optional token rates). A prefill in progress is paused
   (its step generator simply not advanced; nothing is recomputed) when another tenant
   with less service waits, so a light tenant never waits for a heavy one's long prompt;
-  a paused prefill resumes, in fair order, once no prefill runs;
+  a paused prefill resumes, in fair order, once no prefill runs. *Fair parts of the
+  slots*: each active tenant is owed ``max_running`` x its weight / the active tenants'
+  weights. When every slot is taken and the queue's next tenant is owed one, the tenant
+  furthest over its part *parks* its newest decode (set aside with its cache and decode
+  state; nothing recomputed) and the slot goes to the waiting tenant; parked decodes
+  rejoin the batch, oldest first, as slots free up;
 * runs one *slice* of model work, in this order of priority — the request being
   prefilled, the jobs lane, the background lane (only while no request waits): a full
   prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
-  while nothing decodes, else as many as make the step take about ``stall_steps`` of the
-  running streams' decode steps (measured) —, a fusion's a group of layers holding about as many token-layers;
+  while nothing decodes (or only streams of tenants over their part of the slots, and the
+  prefill's tenant is within its own), else as many as make the step take about
+  ``stall_steps`` of the running streams' decode steps (measured) —, a fusion's a group
+  of layers holding about as many token-layers;
   a job's step the same; the jobs lane gets every fourth slice even while requests
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
@@ -65,13 +72,14 @@ thread-safe, and an exception they raise is logged and ignored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple
@@ -173,6 +181,9 @@ class SchedulerObserver:
 
     def on_job(self, lane: str, outcome: str) -> None:
         """A job of ``lane`` ("jobs" or "background") ended: "ok", "failed" or "dropped"."""
+
+    def on_preempt(self, handle: RequestHandle) -> None:
+        """The decoding request was parked to give its slot to a tenant owed one."""
 
 
 # ----- handle -------------------------------------------------------------------------------
@@ -386,6 +397,7 @@ class Scheduler:
         self._prefill: _Prefill | None = None
         self._paused: list[_Prefill] = []  # prefills set aside for a tenant with less service
         self._running: list[_Running] = []
+        self._parked: list[_Running] = []  # decodes set aside for a tenant owed a slot (cache kept)
         self._thread: threading.Thread | None = None
         self._draining = False
         self._stopped = False  # the worker ended after a drain
@@ -421,6 +433,11 @@ class Scheduler:
     def num_running(self) -> int:
         """Requests decoding or being prefilled (paused prefills included)."""
         return len(self._running) + (self._prefill is not None) + len(self._paused)
+
+    @property
+    def num_parked(self) -> int:
+        """Decoding requests set aside (their cache kept) so another tenant gets its part of the slots."""
+        return len(self._parked)
 
     @property
     def num_waiting(self) -> int:
@@ -625,8 +642,8 @@ class Scheduler:
         return False
 
     def _has_work(self) -> bool:
-        return bool(self._running or self._prefill or self._paused or len(self._queue) or self._jobs.jobs
-                    or self._background.jobs)
+        return bool(self._running or self._prefill or self._paused or self._parked or len(self._queue)
+                    or self._jobs.jobs or self._background.jobs)
 
     def _expire(self) -> None:
         """Drop cancelled and expired requests: queued, prefilling or running."""
@@ -635,8 +652,9 @@ class Scheduler:
             gone = [h for h in self._queue if h.cancelled or h.expired(now)]
             for h in gone:
                 self._queue.remove(h.tenant, h)
-            left = [r for r in self._running if r.handle.cancelled or r.handle.expired(now)]
+            left = [r for r in (*self._running, *self._parked) if r.handle.cancelled or r.handle.expired(now)]
             self._running = [r for r in self._running if r not in left]
+            self._parked = [r for r in self._parked if r not in left]
             prefills = [p for p in (self._prefill, *self._paused)
                         if p is not None and (p.handle.cancelled or p.handle.expired(now))]
             if self._prefill in prefills:
@@ -660,32 +678,95 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start the next request's prefill (fair order) when a slot is free: pausing the
-        prefill in progress when another tenant with less service waits, resuming a paused
-        one (fair order among them and the queue) when none is in progress."""
+        prefill in progress when another tenant with less service waits (or one owed a part
+        of the slots, while the prefill's tenant holds more than its part), resuming a paused
+        one (fair order among them and the queue) when none is in progress. Parked decodes
+        go back into the batch first, unless the slot is owed to a waiting tenant; when every
+        slot is taken, a tenant over its part gives one up to a waiting tenant under its own
+        (``_park``)."""
         with self._cond:
-            if self.num_running >= self.max_running:
+            self._unpark()
+            if self.num_running >= self.max_running and not self._park():
                 if self._prefill is None and self._paused:  # slots all taken: finish what was set aside
                     self._prefill = self._resumed()
                 return
             head = self._queue.head()
             if self._prefill is not None:
-                if head is None or not self._queue.counter(head) < self._queue.counter(self._prefill.handle.tenant):
+                if head is None or not self._preempts(head, self._prefill.handle.tenant):
                     return
                 self._paused.append(self._prefill)  # another tenant with less service waits
                 self._prefill = None
             elif self._paused:
-                lowest = min(self._queue.counter(p.handle.tenant) for p in self._paused)
-                if head is None or lowest <= self._queue.counter(head):
+                lowest = min(self._paused, key=lambda p: self._queue.counter(p.handle.tenant)).handle.tenant
+                if head is None or not self._preempts(head, lowest):
                     self._prefill = self._resumed()
                     return
             picked = self._queue.pop()
             if picked is None:
                 return
             handle = picked[1]
-            steps = self.engine.prepare_steps(handle.request, handle.sampling.max_tokens, self.slice_tokens)
+            steps = self.engine.prepare_steps(handle.request, handle.sampling.max_tokens,
+                                              functools.partial(self.slice_tokens, handle.tenant))
             self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
         self._notify("on_admitted", handle)
+
+    # -- fair parts of the slots
+    def _slots(self) -> tuple[Counter, dict[str, float]]:
+        """Slots held per tenant (decoding, prefilling or paused; parked decodes hold none)
+        and each active tenant's fair part of ``max_running`` by weight (active: holding a
+        slot, parked or waiting). Call with the lock held."""
+        held = Counter(r.handle.tenant for r in self._running)
+        held.update(p.handle.tenant for p in (self._prefill, *self._paused) if p is not None)
+        active = {*held, *(r.handle.tenant for r in self._parked), *self._queue.backlogged()}
+        total = sum(self._queue.weight(t) for t in active) or 1.0
+        return held, {t: self.max_running * self._queue.weight(t) / total for t in active}
+
+    def _owed(self, tenant: str, held: Counter, parts: dict[str, float]) -> bool:
+        """One more slot keeps ``tenant`` within its fair part."""
+        return held[tenant] + 1 <= parts.get(tenant, 0.0)
+
+    def _preempts(self, waiting: str, holder: str) -> bool:
+        """A request of tenant ``waiting`` goes before ``holder``'s prefill: ``waiting`` has had
+        less service, or is owed a slot while ``holder`` holds more than its part."""
+        if self._queue.counter(waiting) < self._queue.counter(holder):
+            return True
+        held, parts = self._slots()
+        return waiting != holder and self._owed(waiting, held, parts) and held[holder] > parts.get(holder, 0.0)
+
+    def _park(self) -> bool:
+        """Every slot is taken: when the tenant the fair queue serves next is owed a slot, set
+        aside the newest decode of the tenant furthest over its part (its cache and decode
+        state kept, nothing recomputed), freeing a slot; True when one was freed."""
+        head = self._queue.head()
+        if head is None or self._prefill is not None:
+            return False
+        held, parts = self._slots()
+        if not self._owed(head, held, parts):
+            return False
+        over = [t for t in held if t != head and held[t] > parts.get(t, 0.0)]
+        if not over:
+            return False
+        tenant = max(over, key=lambda t: held[t] - parts[t])
+        victim = next((r for r in reversed(self._running) if r.handle.tenant == tenant), None)
+        if victim is None:
+            return False
+        self._running.remove(victim)
+        self._parked.append(victim)
+        self._notify("on_preempt", victim.handle)
+        return True
+
+    def _unpark(self) -> None:
+        """Put parked decodes back into the batch (oldest first) while slots are free, unless
+        the fair queue's next tenant is owed the slot and the parked one's tenant is not."""
+        while self._parked and self.num_running < self.max_running:
+            parked = self._parked[0].handle.tenant
+            head = self._queue.head()
+            if head is not None and head != parked:
+                held, parts = self._slots()
+                if self._owed(head, held, parts) and not self._owed(parked, held, parts):
+                    return
+            self._running.append(self._parked.pop(0))
 
     def _resumed(self) -> _Prefill:
         """Take the paused prefill whose tenant has had the least service (the oldest among
@@ -736,7 +817,8 @@ class Scheduler:
             forward, task.held = task.held, None
             return forward, 0
         layers = len(self.engine.model.layers)
-        budget = (self.slice_tokens() or 1 << 62) * layers
+        tenant = task.handle.tenant if isinstance(task, _Prefill) else None
+        budget = (self.slice_tokens(tenant) or 1 << 62) * layers
         done = 0
         while True:
             step = task.steps.send(task.reply)
@@ -851,13 +933,16 @@ class Scheduler:
                 outs.append(exc)
         return outs
 
-    def slice_tokens(self) -> int | None:
-        """Tokens in the next prefill slice: ``prefill_chunk_tokens`` while nothing decodes
-        (large: small slices cost a pass over the weights each, and would only slow it);
-        while streams decode, as many as make the step that carries them take about
-        ``stall_steps`` decode steps (from the measured step and per-token slice times; at
-        least MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady
-        pace whatever the device. None: no slicing.
+    def slice_tokens(self, tenant: str | None = None) -> int | None:
+        """Tokens in the next prefill slice (of ``tenant``'s request; None: other model work):
+        ``prefill_chunk_tokens`` while nothing decodes (large: small slices cost a pass over
+        the weights each, and would only slow it), or while every decoding stream belongs to
+        a tenant holding more than its fair part of the slots and ``tenant`` holds no more
+        than its own (the streams of a tenant over its part do not slow down one within
+        it); else as many as make the step that carries them take about ``stall_steps``
+        decode steps (from the measured step and per-token slice times; at least
+        MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady pace
+        whatever the device. None: no slicing.
 
         The trade-off this sets: a step costs about a decode step d (a pass over the
         weights) plus c per slice token, so a gap of g decode steps allows slices of
@@ -865,13 +950,24 @@ class Scheduler:
         passes: its TTFT over alone is about 1 + 1 / (g - 1) where d dominates c x slice
         (``benchmarks/interference.py --stall-steps`` measures both)."""
         top = self.prefill_chunk_tokens
-        if top is None or not self._running:
+        if top is None or not self._running or self._unguarded(tenant):
             return top
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)
         fit = int((self.stall_steps - 1.0) * self._decode_s / max(self._token_s, 1e-9))
         fit = min(fit, 2 * self._last_slice)  # grow at most 2x a slice: one noisy measure cannot make a long stall
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
+
+    def _unguarded(self, tenant: str | None) -> bool:
+        """``tenant``'s prefill need not keep the running streams' pace: it holds no more
+        than its fair part of the slots and every stream's tenant holds more than its own."""
+        if tenant is None:
+            return False
+        with self._cond:
+            held, parts = self._slots()
+            streams = {r.handle.tenant for r in self._running}
+        return (tenant not in streams and held[tenant] <= parts.get(tenant, 0.0)
+                and all(held[t] > parts.get(t, 0.0) for t in streams))
 
     def _measure(self, elapsed: float, decoding: int, forward: Forward | None) -> None:
         """Update the moving averages that size slices: a decode-only step's time, and a
@@ -956,9 +1052,9 @@ class Scheduler:
     def _take_in_flight(self) -> list[RequestHandle]:
         """Remove and return the requests running or being prefilled (their generator closed)."""
         with self._cond:
-            handles = [r.handle for r in self._running]
+            handles = [r.handle for r in (*self._running, *self._parked)]
             prefills = [p for p in (self._prefill, *self._paused) if p is not None]
-            self._prefill, self._paused, self._running = None, [], []
+            self._prefill, self._paused, self._running, self._parked = None, [], [], []
         for prefill in prefills:
             prefill.close()
             handles.append(prefill.handle)

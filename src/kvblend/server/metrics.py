@@ -124,6 +124,8 @@ class ServerMetrics:
                                 "(prepare, decode, sample, worker)", lab + ["stage"], registry=reg)
         self.nonfinite = Counter(P + "nonfinite_logits", "Requests ended because the model produced NaN/inf logits",
                                  lab, registry=reg).labels(model_name)
+        self.preemptions = Counter(P + "num_preemptions", "Decoding requests parked (cache kept) to give their "
+                                   "slot to a tenant owed one", lab, registry=reg).labels(model_name)
         self.restarts = Counter(P + "worker_restarts", "Times the supervisor restarted a failed model-worker loop",
                                 lab, registry=reg).labels(model_name)
         Gauge(P + "kv_cache_usage_perc", "Share (0..1) of the chunk KV store's byte capacity in use: its fastest "

@@ -66,3 +66,7 @@ class MetricsObserver(SchedulerObserver):
     def on_job(self, lane: str, outcome: str) -> None:
         self.metrics.jobs.labels(self.metrics.model_name, lane, outcome).inc()
         self.inner.on_job(lane, outcome)
+
+    def on_preempt(self, handle) -> None:
+        self.metrics.preemptions.inc()
+        self.inner.on_preempt(handle)
