@@ -374,3 +374,33 @@ def test_a_prefill_within_its_part_is_not_sliced_for_streams_over_theirs() -> No
     assert sched.slice_tokens("heavy") == 40 and sched.slice_tokens(None) == 40  # its own streams / a job
     sched._running = [stream("heavy")] * 2 + [stream("other")]
     assert sched.slice_tokens("light") == 40  # "other" holds 1, within its part of 4/3
+
+
+def test_a_newcomers_prefill_is_not_paused_by_the_other_tenants_backlog() -> None:
+    """A newcomer's prefill pauses another tenant's and then runs to its end: the other
+    tenant's queued requests wait until it is PAUSE_QUANTUM_TOKENS behind, instead of
+    pausing the newcomer as soon as its first slices made it the more served (its prompt
+    then waited for a whole prefill of theirs, again and again under a flood)."""
+    eng = Engine(make_loaded(num_hidden_layers=4, max_position_embeddings=1024))
+    heavy = Request(documents=(), question=_long_question(300), method="full", tenant="heavy")
+    light = Request(documents=(), question=_long_question(200), method="full", tenant="light")
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    box: list = []
+    timeline = _SubmitOnAdmission(box, light, sampling)
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8)
+    box.append(sched)
+    owners: list[str] = []
+    real_step = sched._step
+
+    def step(forward, owner):
+        if forward is not None:
+            owners.append(owner.handle.tenant)
+        real_step(forward, owner)
+
+    sched._step = step
+    first, backlog = sched.submit(heavy, sampling), sched.submit(heavy, sampling)
+    sched.start()
+    first.result(), backlog.result(), timeline.handles[0].result()
+    sched.drain(5)
+    runs = [t for i, t in enumerate(owners) if i == 0 or owners[i - 1] != t]
+    assert runs in (["light", "heavy"], ["heavy", "light", "heavy"]), runs[:12]

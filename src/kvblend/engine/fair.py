@@ -91,6 +91,11 @@ class FairQueue(Generic[T]):
         t = self._tenants.get(tenant)
         return t.counter if t else 0.0
 
+    def active(self, tenant: str) -> int:
+        """The tenant's requests started and not yet ended."""
+        t = self._tenants.get(tenant)
+        return t.active if t else 0
+
     def weight(self, tenant: str) -> float:
         """The tenant's relative weight (its ``TenantShare``; 1 when it has none)."""
         return self._shares.get(tenant, TenantShare()).weight

@@ -27,7 +27,8 @@ loop turn:
   of the tenant the fair queue picks (``engine.fair``: per-tenant queues, Virtual Token
   Counter, per-tenant caps and optional token rates). A prefill in progress is paused
   (its step generator simply not advanced; nothing is recomputed) when another tenant
-  with less service waits, so a light tenant never waits for a heavy one's long prompt;
+  with no more service and nothing in flight waits (or one behind by over
+  ``PAUSE_QUANTUM_TOKENS``), so a light tenant never waits for a heavy one's long prompt;
   a paused prefill resumes, in fair order, once no prefill runs. *Fair parts of the
   slots*: each active tenant is owed ``max_running`` x its weight / the active tenants'
   weights. When every slot is taken and the queue's next tenant is owed one, the tenant
@@ -359,6 +360,9 @@ JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requ
 DEFAULT_CHUNK_TOKENS = 1024  # nothing decodes: slices only bound how long a cancel or a job waits
 FIRST_SLICE_TOKENS = 64  # streams decode but no step was measured yet
 MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
+# a prefill in progress steps aside for a tenant with work in flight only once that tenant
+# is this many (weighted) tokens behind: VTC's own fairness bound is a batch's worth of tokens
+PAUSE_QUANTUM_TOKENS = 1024.0
 DEFAULT_STALL_STEPS = 3.0  # while streams decode, a step with a slice takes about this many decode steps
 EWMA = 0.3
 
@@ -728,8 +732,12 @@ class Scheduler:
 
     def _preempts(self, waiting: str, holder: str) -> bool:
         """A request of tenant ``waiting`` goes before ``holder``'s prefill: ``waiting`` has had
-        less service, or is owed a slot while ``holder`` holds more than its part."""
-        if self._queue.counter(waiting) < self._queue.counter(holder):
+        no more service and nothing in flight (a newcomer is lifted to the least-served busy
+        tenant's level, so it ties), or less service by over PAUSE_QUANTUM_TOKENS (two
+        tenants' prefills would otherwise take turns slice by slice, each finishing in
+        twice its time), or it is owed a slot while ``holder`` holds more than its part."""
+        waiting_at, holder_at = self._queue.counter(waiting), self._queue.counter(holder)
+        if waiting_at <= holder_at and not self._queue.active(waiting) or waiting_at + PAUSE_QUANTUM_TOKENS < holder_at:
             return True
         held, parts = self._slots()
         return waiting != holder and self._owed(waiting, held, parts) and held[holder] > parts.get(holder, 0.0)
