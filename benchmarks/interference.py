@@ -96,7 +96,7 @@ class Plan:
     light_x: float = 0.1
     light_requests: int = 16  # the period lasts light_requests / light's rate, within:
     period_min_s: float = 30.0
-    period_max_s: float = 100.0
+    period_max_s: float = 200.0
     max_heavy: int = 800
 
     def __post_init__(self) -> None:
