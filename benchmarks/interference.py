@@ -8,7 +8,8 @@ the tenants a, b, heavy, light and probe) and drives it with httpx over SSE; eve
 has a bounded number of requests and ends by itself. Prompts are random common words cut
 to a token count with the model's tokenizer, each one distinct (a tag at its start), sent
 with ``"kvblend": {"method": "full"}`` and ``ignore_eos``, greedy. Times are the client's:
-TTFT is request sent -> first text chunk, a gap is the time between two token chunks.
+TTFT is request sent -> first token, a gap is the time between two tokens (every token is
+a chunk: ``continuous_usage_stats``, so tokens without text are timed too).
 
 1. Long prefills against a running stream (issue #20 point 9). Each long prompt
    (``--long-tokens``, default ~3k and ~8k tokens, cut to the model's context) is first
@@ -40,7 +41,7 @@ TTFT is request sent -> first text chunk, a gap is the time between two token ch
 Every request ends as ok, rejected (429), error (a clean error: an OpenAI-shaped error
 body, or an in-stream error then [DONE]), closed (the client ended a's stream) or lost
 (a broken or unfinished stream, or no end within ``--request-timeout`` s);
-``lost_requests`` counts the lost ones of every phase (goal 0). A default run takes ~8
+``lost_requests`` counts the lost ones of every phase (goal 0). A default run takes ~10
 minutes on a quiet 2-core host (three ~8k-token full prefills are most of phase 1).
 Timings on a shared host drift; every ratio is measured in one run. Ends with one JSON line.
 """

@@ -12,8 +12,9 @@ queue so that overload answers 429) and drives it with httpx over SSE. Phases:
    one of the questions; answers are 32 tokens (`ignore_eos`), greedy.
 2. Per method, its unloaded figures: the median TTFT and the median inter-token latency
    (ITL) of sequential requests (after a warm-up; the same requests for every method).
-   TTFT and ITL are measured by the client: request sent -> first text chunk, and the
-   gaps between consecutive token chunks of one stream.
+   TTFT and ITL are measured by the client: request sent -> first token, and the gaps
+   between consecutive tokens of one stream (``continuous_usage_stats``: each token is a
+   chunk with the running usage, so a token without text is timed too).
 3. Overload: a burst of 2 x (max_running + max_queued) short requests at once; each must
    end as ok or 429, none lost. Decode throughput: 8 concurrent streams vs 1.
 4. Per method, its goodput: the highest Poisson arrival rate (requests/s) at which the
