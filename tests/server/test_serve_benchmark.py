@@ -169,6 +169,12 @@ def test_plan_and_slo_reject_bad_values() -> None:
         bs.Slo(ttft_s=0.0)
 
 
+def test_the_default_ttft_slo_is_twice_the_slowest_methods_unloaded_ttft() -> None:
+    """One SLO for every method, from this run's slowest unloaded TTFT unless one is given."""
+    assert bs.Slo().for_run([0.7, 3.0]) == bs.Slo(ttft_s=6.0)
+    assert bs.Slo(ttft_s=4.0).for_run([0.7, 3.0]) == bs.Slo(ttft_s=4.0)
+
+
 def test_quick_run_end_to_end_on_the_tiny_model(tiny_model_dir) -> None:
     """The whole benchmark against a real server: one JSON line, nothing lost, one SLO for
     every method, goodputs from the steps that passed."""
