@@ -22,7 +22,7 @@ DOC = "the novel about the river of oslo was published by the company in the yea
 def second(tiny_model_dir, tmp_path_factory, redis_url):
     """Another server (memory, disk, redis) with the same keys, sharing the main one's redis."""
     root = tmp_path_factory.mktemp("second")
-    config = {**main_config(redis_url), "drain_timeout_s": 20}
+    config = {**main_config(redis_url), "drain_timeout_s": 90}  # ends once drained; slack for a loaded host
     config["store"] = {"tiers": ["memory", "disk", "redis"], "redis_url": redis_url, "disk_dir": str(root / "disk")}
     proc = ServerProcess(tiny_model_dir, root, config)
     yield proc, root / "disk"
