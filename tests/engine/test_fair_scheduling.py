@@ -106,11 +106,11 @@ def test_the_tenant_with_the_least_service_goes_first() -> None:
     q.charge("heavy", prefill_tokens=100)
     q.push("light", "l0")
     assert q.counter("light") == pytest.approx(100.0)  # lifted to heavy's level: no debt, no credit
-    started.append(q.pop())  # a tie: the tenant seen first
-    q.charge("heavy", prefill_tokens=100)
-    started.append(q.pop())  # heavy is ahead now
-    assert [t for t, _ in started] == ["heavy", "heavy", "light"]
+    started.append(q.pop())  # a tie: light, with nothing in flight, before heavy (with one)
     q.charge("light", prefill_tokens=10)
+    started.append(q.pop())  # light is ahead now (and has nothing more waiting)
+    assert [t for t, _ in started] == ["heavy", "light", "heavy"]
+    q.charge("heavy", prefill_tokens=100)
     q.push("light", "l1")  # light still busy: keeps its counter
     assert q.pop() == ("light", "l1")  # 110 < 200: light again, until it catches up
 

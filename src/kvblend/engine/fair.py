@@ -134,13 +134,16 @@ class FairQueue(Generic[T]):
         """The tenant ``pop`` would serve next (None when nothing waits)."""
         best = None
         for name, t in self._tenants.items():
-            if t.waiting and (best is None or t.counter < self._tenants[best].counter):
+            if t.waiting and (best is None or (t.counter, t.active > 0) < (self._tenants[best].counter,
+                                                                           self._tenants[best].active > 0)):
                 best = name
         return best
 
     def pop(self) -> tuple[str, T] | None:
         """The next item to start: the head of the backlogged tenant with the smallest
-        counter (ties: the one first seen). None when nothing waits."""
+        counter (ties: one with nothing in flight, as a tenant arriving is lifted to the
+        least-served busy tenant's level and would otherwise wait behind it; then the one
+        first seen). None when nothing waits."""
         best = self.head()
         if best is None:
             return None
