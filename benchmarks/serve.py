@@ -58,8 +58,11 @@ Bounded duration. A step's length is planned before it starts (its last arrival,
 drain of the TTFT SLO and one answer's decode); a step runs only if it ends within its
 method's share of ``--budget-min`` (default 10 minutes in all, setup included). A passing
 step lasts ~(warmup + arrivals) / rate: with 2 passages per request (full's unloaded TTFT
-~2 s on a quiet 2-core host), full's first step at 0.25 req/s takes ~90 s, blend's a
-fraction of that; failing steps stop early.
+~3 s on a quiet 2-core host), full's first step at 0.35 / 3 = 0.12 req/s takes ~190 s,
+blend's a fraction of that; failing steps stop early. The first rate is below half the
+method's unloaded capacity because a step that fails costs a slower step below it, which a
+10-minute budget has little room for (at 0.5 x, full's first step failed and the next did
+not fit: no goodput at all).
 
 Every request ends as ok, rejected (429), error (a clean error: an OpenAI-shaped error
 body, or an in-stream error then [DONE]), abandoned (closed by the client after its step
@@ -141,7 +144,7 @@ class Plan:
     arrivals: int = 20  # measured arrivals per step
     min_step_s: float = 15.0  # the arrivals span at least this long ...
     max_arrivals: int = 60  # ... up to this many in all
-    f_start: float = 0.5  # each method's first rate, in units of 1 / its unloaded TTFT
+    f_start: float = 0.35  # each method's first rate, in units of 1 / its unloaded TTFT
     factor: float = 2.0
     resolution: float = 1.2  # bisect until the bracket's hi / lo is at most this
     f_min: float = 0.05  # the search's floor, in the same units as f_start
