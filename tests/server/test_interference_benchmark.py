@@ -108,7 +108,7 @@ def test_prompts_fit_their_token_count_and_never_share_a_prefix() -> None:
 
 
 def test_plan_rejects_bad_sizes() -> None:
-    for bad in ({"long_tokens": ()}, {"lead_tokens": 0}, {"light_x": 6.0}, {"period_min_s": 200.0}):
+    for bad in ({"long_tokens": ()}, {"lead_tokens": 0}, {"light_x": 6.0}, {"period_min_s": 300.0}):
         with pytest.raises(ValueError):
             bi.Plan(**bad)
 
