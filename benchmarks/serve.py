@@ -50,7 +50,8 @@ How the search goes. Each method starts at ``f_start`` / its unloaded TTFT (req/
 ``factor`` while steps pass, down while they fail, until a pass and a fail above it
 bracket the goodput; then bisection (geometric mean) until the bracket is within
 ``resolution`` (or ``max_steps``, or the method's share of the budget). Methods run
-cheapest first; each gets an equal share of the time left, and what one leaves passes on.
+cheapest first; each gets a share of the time left in proportion to its unloaded TTFT (its
+steps are that much longer), and what one leaves passes on.
 ``bracket_rate_req_s`` gives each method's highest pass and lowest fail above it, and
 ``ratio_bounds`` what the brackets allow for each ratio.
 
@@ -672,14 +673,22 @@ async def run(url: str, model: str, args: argparse.Namespace, plan: Plan, slo: S
     return _result(base, ladders, slo, burst, one, eight, lost)
 
 
+def ladder_share(time_left_s: float, ttfts: list[float]) -> float:
+    """The seconds the first of ``ttfts`` (unloaded TTFTs of the methods still to search,
+    it first) gets of ``time_left_s``: in proportion to its TTFT."""
+    return time_left_s * ttfts[0] / sum(ttfts)
+
+
 async def _ladders(bench: Bench, base: dict[str, Unloaded], deadline: float) -> dict[str, Ladder]:
-    """Every method's search, cheapest unloaded TTFT first, each within an equal share of
-    the time left before ``deadline`` (perf_counter)."""
+    """Every method's search, cheapest unloaded TTFT first, each within a share of the time
+    left before ``deadline`` (perf_counter) in proportion to its unloaded TTFT: a step lasts
+    about (warmup + arrivals) / rate and the rates scale as 1 / TTFT, so a slow method's
+    steps are as many times longer (with equal shares full prefill had room for one step)."""
     order = sorted(base, key=lambda m: base[m].ttft_s)
     print(f"ladders: {deadline - time.perf_counter():.0f} s of the budget left", flush=True)
     ladders = {}
     for i, m in enumerate(order):
-        share = (deadline - time.perf_counter()) / (len(order) - i)
+        share = ladder_share(deadline - time.perf_counter(), [base[o].ttft_s for o in order[i:]])
         ladders[m] = await climb(bench, m, base[m], time.perf_counter() + share)
         print(f"  {m}: goodput {goodput(ladders[m].history):.3f} req/s ({ladders[m].end})", flush=True)
     return {m: ladders[m] for m in base}

@@ -214,3 +214,10 @@ def test_tokens_are_counted_per_token_with_continuous_usage_and_per_text_chunk_w
         seen += counts[-1]
     assert counts == [0, 1, 1, 1, 1, 0]
     assert [bs._tokens_in(c, 0) for c in (chunk(""), chunk("a"), chunk("", "stop"), {"choices": []})] == [0, 1, 1, 0]
+
+
+def test_a_slower_method_gets_a_larger_share_of_the_ladder_budget() -> None:
+    """Steps last about (warmup + arrivals) / rate and rates scale as 1 / TTFT: blend (0.7 s)
+    before full (3 s) gets 0.7 / 3.7 of the time left, full all that blend leaves."""
+    assert bs.ladder_share(370.0, [0.7, 3.0]) == pytest.approx(70.0)
+    assert bs.ladder_share(300.0, [3.0]) == pytest.approx(300.0)
