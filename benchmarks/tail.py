@@ -135,7 +135,7 @@ def with_risk(r: dict) -> dict:
     (equal up to the rounding of the kept count: the engine's (1 - kept / candidates))."""
     if r.get("shift_left") is None:  # no shift measured here (or recorded before it was): no risk
         return {**r, "risk": None}
-    return {**r, "risk": (1.0 - float(parse_method(r["method"]).blend.ratio)) * r["shift_left"]}
+    return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
 
 
 def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:

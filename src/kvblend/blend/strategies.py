@@ -251,9 +251,9 @@ class ShiftCorrection:
         ks, vs: (residuals (Hkv, m, d), means (Hkv, D, d)) of K (pre-RoPE) and V."""
         hkv = k.shape[0]
         rows_q = (written >= self.question_from).nonzero().squeeze(1)
-        none = torch.zeros(hkv, dtype=torch.bool, device=k.device)
-        if rows_q.numel() == 0:
-            return none, none
+        if rows_q.numel() == 0:  # nothing reads the documents here: the K/V test's shift stands
+            every = torch.ones(hkv, dtype=torch.bool, device=k.device)
+            return every, every
         n = self.tables[layer][0].shape[0]
         # the keys the question reads, the moved ones left out: the rest as cached, the written ones fresh
         static = torch.ones(n, dtype=torch.bool, device=k.device)

@@ -109,7 +109,7 @@ def _modifier(spec: str, name: str) -> dict[str, Any]:
     if name.startswith("vdev"):
         return {"vdev": _floats(name[4:], "the vdev weight", spec)[0] if name[4:] else VDEV_EQUAL}
     raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
-                     "budget, sinksK, shift, shiftkv, shiftq, shiftall or vdev[W]")
+                     "budget, sinksK, shift, shiftq, shiftall, shiftallq or vdev[W]")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
