@@ -10,7 +10,11 @@ prompt, and per layer, K (post-RoPE, where the cache holds it) and V apart, prin
   Σ|full − stale − shift|² (after: what the shift really did to them);
 * ``sample``: the same residual on the shift's sampled tokens (is the sample like the rest?),
   and Σ|fresh − full|² there (how far the blend's own recomputation is from full prefill's);
-* ``loo``: the held-out estimate the test decides on (``ShiftCorrection.errors``).
+* ``loo``: the held-out estimate the test decides on (``ShiftCorrection.errors``);
+* ``attn``: per KV head, the question rows' attention output error against full prefill's over
+  the blend's cache with no shift, the shift, K alone and V alone (the blend's own queries);
+* ``estimated``: the question test's held-out estimates of the same four (``+shiftq``'s
+  ``_question_test``, run here as an observer: the shift stays as the per-document test left it).
 
 The rows are JSON lines (also appended to ``OUT/probe.jsonl`` with ``--out``).
 """

@@ -27,7 +27,9 @@ first, then by score, globally or within per-document budgets (``allocate``).
 ``ShiftCorrection`` moves each document's non-recomputed K/V by the mean fresh - stale
 residual of a uniform sample of its tokens (``shift_samples``, recomputed within the
 budget), at every layer, before attention reads them; tested (``BlendConfig.shift_test``),
-only where that mean lowers the residual of a sampled token held out of it. ``blend_risk``
+only where that mean lowers the residual of a sampled token held out of it, and with
+``BlendConfig.shift_question`` per KV head only where it does not worsen the question rows'
+held-out attention output. ``blend_risk``
 turns what the shift measured into the request's risk (``RequestStats.risk``).
 
 Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
