@@ -1,7 +1,7 @@
 """Does the shift move the tokens it moves toward full prefill's K/V? Per layer, against a full prefill.
 
     PYTHONPATH=src .venv/bin/python benchmarks/shift_probe.py --model qwen2.5-coder-0.5b --ids 62,65 \
-        [--method blend:0.15:q+budget+sinks4+shift] [--out runs/probe]
+        [--method blend:0.15:q+budget+sinks4+shiftq] [--out runs/probe]
 
 Runs one blend of each question with the shift spied on, then a full prefill of the same
 prompt, and per layer, K (post-RoPE, where the cache holds it) and V apart, prints:
@@ -149,8 +149,9 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dataset", default=str(DATA))
     ap.add_argument("--ids", required=True)
-    ap.add_argument("--method", default="blend:0.15:q+budget+sinks4+shift",
-                    help="with +shift the question test only observes (its estimates are recorded)")
+    ap.add_argument("--method", default="blend:0.15:q+budget+sinks4+shiftq",
+                    help="the blend; with +shiftq the question test only observes (its estimates are "
+                         "recorded, the shift is the default's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
