@@ -213,6 +213,36 @@ def test_a_blend_reports_its_risk_and_reuse_none() -> None:
     assert stats("blend", ratio=0.6).risk < risk  # more recomputed: less of reuse's error left
 
 
+def test_a_blend_with_shiftq_runs_the_question_test_on_the_question_rows(monkeypatch) -> None:
+    """Fusion hands the shift the written rows' queries: with ``shift_question`` the test runs
+    at every layer that moves tokens, on the question's rows; without it, never."""
+    import kvblend.blend.strategies as strategies
+
+    made: list[ShiftCorrection] = []
+
+    class Kept(ShiftCorrection):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(strategies, "ShiftCorrection", Kept)
+    eng = Engine(make_loaded())
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(3)]
+    for question in (False, True, True):  # the first stores the documents
+        made.clear()
+        req = Request(documents=docs, question=QUESTION, system="answer .", method="blend",
+                      blend=BlendConfig(shift_question=question))
+        eng.prepare(req)
+        eng.flush()
+    shift = made[-1]
+    assert shift.question_from is not None and len(shift.attn_errors) == len(shift.errors) > 1
+    assert all(float(a.sum()) > 0 for a, _ in shift.attn_errors[1:])  # layer 0's K/V are exact
+    req = Request(documents=docs, question=QUESTION, system="answer .", method="blend", blend=BlendConfig())
+    made.clear()
+    eng.prepare(req)
+    assert made[-1].question_from is None and made[-1].attn_errors == []
+
+
 def _logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
     req = Request(documents=docs, question=QUESTION, system="answer the question .", method=method,
                   blend=BlendConfig(**blend))
