@@ -138,7 +138,8 @@ def attention_errors(L: dict, full, layer: int, n: int) -> dict:
     mask = causal_mask(qp, torch.arange(n))
     ref = attend(q, fk, fv, mask)
     out = {}
-    for name, ks, vs in (("none", False, False), ("both", True, True), ("k_only", True, False), ("v_only", False, True)):
+    choices = (("none", False, False), ("both", True, True), ("k_only", True, False), ("v_only", False, True))
+    for name, ks, vs in choices:
         err = (attend(q, cache(0, ks), cache(1, vs), mask) - ref).pow(2)  # (Tq, Hq*d)
         out[name] = err.view(err.shape[0], fk.shape[0], -1).sum(dim=(0, 2)).tolist()  # per KV head
     return out

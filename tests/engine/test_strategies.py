@@ -184,7 +184,8 @@ def test_the_question_test_keeps_a_shift_the_question_reads() -> None:
     stale_k, after, moved = _question_case([w, w, w], question=True)
     cfg = make_loaded().config
     cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(12))
-    want = stale_k[:, moved] + rope_lib.apply_rope(w.expand(stale_k.shape[0], 5, -1).contiguous(), cos[moved], sin[moved])
+    moved_w = w.expand(stale_k.shape[0], 5, -1).contiguous()
+    want = stale_k[:, moved] + rope_lib.apply_rope(moved_w, cos[moved], sin[moved])
     torch.testing.assert_close(after[:, moved], want, atol=1e-5, rtol=1e-5)
 
 
