@@ -39,7 +39,7 @@ from kvblend.models import DEFAULT_MODEL, load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 DEFAULT = "blend:0.15:q+budget+sinks4+shift"
-SIGNALS = ("risk", "pass_kl", "probe", "shift_left")
+SIGNALS = ("risk", "pass_kl", "probe", "shift_left", "question_left", "question_left_max")
 
 
 def load_ref(engine: Engine, ex, refs: Path, kl_tokens: int) -> Reference:
@@ -91,6 +91,12 @@ class Spy:
             per_layer = [float(a.sum() / b.sum()) for b, a, _ in self.shift.errors if float(b.sum()) > 0]
             out["shift_left_layers"] = statistics.mean(per_layer) if per_layer else None
             out["shift_left_max"] = max(per_layer) if per_layer else None
+        if self.shift is not None and self.shift.attn_errors:  # the question test's held-out estimates
+            none = sum(float(a.sum()) for a, _ in self.shift.attn_errors)
+            left = sum(float(b.sum()) for _, b in self.shift.attn_errors)
+            out["question_left"] = left / none if none > 0 else None
+            per_layer = [float(b.sum() / a.sum()) for a, b in self.shift.attn_errors if float(a.sum()) > 0]
+            out["question_left_max"] = max(per_layer) if per_layer else None
         return out
 
 
@@ -129,7 +135,7 @@ def with_risk(r: dict) -> dict:
     (equal up to the rounding of the kept count: the engine's (1 - kept / candidates))."""
     if r.get("shift_left") is None:  # no shift measured here (or recorded before it was): no risk
         return {**r, "risk": None}
-    return {**r, "risk": (1.0 - float(parse_method(r["method"]).blend.ratio)) * r["shift_left"]}
+    return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
 
 
 def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:

@@ -31,6 +31,7 @@ STRATEGIES = [
     dict(selection="question", shift=True),
     dict(selection="question", budget=True, sinks=2, shift=True),
     dict(selection="question", budget=True, sinks=2, shift=True, shift_test=False),
+    dict(selection="question", budget=True, sinks=2, shift=True, shift_question=True),
     dict(selection="deviation", budget=True, sinks=2, shift=True),
     dict(selection="oracle", budget=True),
 ]
@@ -138,6 +139,56 @@ def test_the_tested_shift_moves_only_documents_whose_residual_is_a_shift(tested:
                                             rel=1e-4)
 
 
+def _question_case(residuals: list[torch.Tensor], question: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Document [0, 8) of a 12-token prompt; its tokens 1, 3, 5 are recomputed with pre-RoPE K
+    residuals ``residuals`` (each (d,), the same on every KV head) and exact V, and the
+    question row 9 reads with queries in RoPE plane 1 (dims 1 and 1 + d/2), so it sees a
+    residual's plane-1 part and not its plane-0 part. Returns (stale K, K after the shift,
+    the moved positions)."""
+    n, written = 12, torch.tensor([1, 3, 5, 9])
+    cfg, cos, sin, stale_k, stale_v, cache = _stale_cache(4, n)
+    hkv, hq, d = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    res = torch.stack(residuals)[None].expand(hkv, -1, -1).contiguous()  # (Hkv, 3, d)
+    fresh_k = torch.cat([stale_k[:, written[:3]] + rope_lib.apply_rope(res, cos[written[:3]], sin[written[:3]]),
+                         stale_k[:, 9:10]], dim=1)
+    q0 = torch.zeros(hq, 4, d)
+    q0[:, 3, 1], q0[:, 3, 1 + d // 2] = 3.0, 2.0
+    q = rope_lib.apply_rope(q0, cos[written], sin[written])
+    shift = ShiftCorrection([(0, 8)], [(cos, sin)], cfg.rope.interleaved, tested=True,
+                            question_from=8 if question else None)
+    shift(cache, 0, written, fresh_k, stale_v[:, written].clone(), q)
+    return stale_k, cache.keys[0].clone(), torch.tensor([0, 2, 4, 6, 7])
+
+
+def test_the_question_test_leaves_a_k_shift_that_passes_on_k_but_moves_the_question_logits_wrong() -> None:
+    """Residuals c + u, c - u, c: c (plane 0) large, so the mean c passes the per-document
+    test (held-out K error (3/2)^2 x 2|u|^2 = 4.5|u|^2 against 3|c|^2 + 2|u|^2), but the question
+    reads only plane 1, where the unshifted logit errors are q.u, -q.u, 0 and a held-out mean
+    makes them 1.5 q.u, -1.5 q.u, 0: moving K by c brings no token nearer what the question
+    reads and the held-out tokens farther. Session 9's shift (per-document test only) moved it."""
+    d = _stale_cache(0)[0].head_dim
+    c, u = torch.zeros(d), torch.zeros(d)
+    c[0], c[d // 2], u[1] = 10.0, 10.0, 1.0
+    stale_k, kv_tested, moved = _question_case([c + u, c - u, c], question=False)
+    assert not torch.allclose(kv_tested[:, moved], stale_k[:, moved])  # the K test alone shifts
+    stale_k, both, moved = _question_case([c + u, c - u, c], question=True)
+    assert torch.equal(both[:, moved], stale_k[:, moved])
+
+
+def test_the_question_test_keeps_a_shift_the_question_reads() -> None:
+    """Every sampled token has the same residual w in the plane the question reads: the
+    held-out mean is exact, so the question test keeps the shift and moves K by w."""
+    d = _stale_cache(0)[0].head_dim
+    w = torch.zeros(d)
+    w[1], w[1 + d // 2] = 0.7, -0.4
+    stale_k, after, moved = _question_case([w, w, w], question=True)
+    cfg = make_loaded().config
+    cos, sin = rope_lib.cos_sin(cfg.rope, torch.arange(12))
+    moved_w = w.expand(stale_k.shape[0], 5, -1).contiguous()
+    want = stale_k[:, moved] + rope_lib.apply_rope(moved_w, cos[moved], sin[moved])
+    torch.testing.assert_close(after[:, moved], want, atol=1e-5, rtol=1e-5)
+
+
 def test_blend_risk_is_the_share_not_recomputed_times_what_the_shift_left() -> None:
     shift = ShiftCorrection([(0, 4), (4, 8)], [], False)
     shift.errors = [(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 4.0]), [0, 1]),  # layer 1: doc 2 not shifted
@@ -161,6 +212,36 @@ def test_a_blend_reports_its_risk_and_reuse_none() -> None:
     assert stats("reuse").risk is None and stats("full").risk is None
     assert stats("blend", shift=False).risk is None  # the risk is measured on the shift's sample
     assert stats("blend", ratio=0.6).risk < risk  # more recomputed: less of reuse's error left
+
+
+def test_a_blend_with_shiftq_runs_the_question_test_on_the_question_rows(monkeypatch) -> None:
+    """Fusion hands the shift the written rows' queries: with ``shift_question`` the test runs
+    at every layer that moves tokens, on the question's rows; without it, never."""
+    import kvblend.blend.strategies as strategies
+
+    made: list[ShiftCorrection] = []
+
+    class Kept(ShiftCorrection):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(strategies, "ShiftCorrection", Kept)
+    eng = Engine(make_loaded())
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(3)]
+    for question in (False, True, True):  # the first stores the documents
+        made.clear()
+        req = Request(documents=docs, question=QUESTION, system="answer .", method="blend",
+                      blend=BlendConfig(shift_question=question))
+        eng.prepare(req)
+        eng.flush()
+    shift = made[-1]
+    assert shift.question_from is not None and len(shift.attn_errors) == len(shift.errors) > 1
+    assert all(float(a.sum()) > 0 for a, _ in shift.attn_errors[1:])  # layer 0's K/V are exact
+    req = Request(documents=docs, question=QUESTION, system="answer .", method="blend", blend=BlendConfig())
+    made.clear()
+    eng.prepare(req)
+    assert made[-1].question_from is None and made[-1].attn_errors == []
 
 
 def _logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
@@ -465,7 +546,10 @@ def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | Non
 
 
 def test_shiftall_names_the_untested_shift_and_the_default_is_tested() -> None:
-    assert BlendConfig().shift_test and BlendConfig().strategy == "question+budget+sinks4+shift"
+    assert BlendConfig().shift_test and not BlendConfig().shift_question
+    assert BlendConfig().strategy == "question+budget+sinks4+shift"
     old = parse_method("blend:0.15:q+budget+sinks4+shiftall").blend
     assert old == replace(BlendConfig(), shift_test=False) and old.strategy == "question+budget+sinks4+shiftall"
+    both = parse_method("blend:0.15:q+budget+sinks4+shiftq").blend  # also tested on what the question reads
+    assert both == replace(BlendConfig(), shift_question=True) and both.strategy == "question+budget+sinks4+shiftq"
     assert parse_method("blend:0.15:q+budget+sinks4+shift").blend == BlendConfig()

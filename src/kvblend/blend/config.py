@@ -14,6 +14,8 @@ CHUNK_PREFIXES = ("bos", "prompt")
 # "oracle" (deviation from a full prefill's KV: a ceiling for the eval harness, costs a prefill).
 SELECTIONS = ("deviation", "question", "oracle")
 MAX_SINKS = 64
+# (shift_test, shift_question) -> the shift's name in a strategy and a method spec's ``+NAME``
+SHIFT_NAMES = {(True, False): "shift", (True, True): "shiftq", (False, False): "shiftall", (False, True): "shiftallq"}
 # The paper's selection with no strategy on top: what ``BlendConfig.cacheblend`` is, and
 # what a method spec that names its selection starts from (``eval.runner.parse_method``).
 PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0}
@@ -42,7 +44,10 @@ class BlendConfig:
     apart) only where it lowers the residual of sampled tokens left out of the mean (a
     held-out test in closed form: ``ShiftCorrection._test``), so the shift does not move a
     document whose residual is not a shift; ``+shiftall`` in a method spec is the untested
-    shift (the default before session 9). The
+    shift (the default before session 9). ``shift_question`` (``+shiftq``; off by default)
+    also tests each KV head's K and V shifts at every layer on the question rows' held-out
+    attention output (``ShiftCorrection._question_test``): it trims Qwen2.5's tail a little
+    and costs SmolLM2 more (docs/results.md, session 10). The
     tokens a selection picks are not a fair sample: their residuals misestimate the rest's
     (on Qwen2.5 shifting by them multiplied reuse's KL several times).
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
@@ -74,6 +79,7 @@ class BlendConfig:
     shift: bool = True
     shift_stride: int = 16
     shift_test: bool = True
+    shift_question: bool = False
     vdev: float = 0.0
 
     @classmethod
@@ -135,7 +141,7 @@ class BlendConfig:
     @property
     def strategy(self) -> str:
         """How tokens are chosen and corrected, e.g. ``deviation`` or ``question+sinks4+shift``."""
-        shift = "shift" if self.shift_test else "shiftall"
+        shift = SHIFT_NAMES[(self.shift_test, self.shift_question)]
         mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + [shift] * self.shift
         return "+".join([self.selection, *mods])
 

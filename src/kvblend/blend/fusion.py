@@ -94,7 +94,8 @@ class FusionPlan:
     pick: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # (scores, pos, k) -> idx
     # (layer, q, K, V, pos) -> None, or the layer's attention output (T, Hq*d) of every active row, used as is
     observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
-    correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    # (cache, layer, written positions, their fresh K, V and queries) -> None
+    correct: Callable[[KVCache, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     reuse_cache: KVCache | None = None  # already holds the prefix and re-rotated chunks: fill it in place
     # (N,) bool, with ``reuse_cache``: tokens of documents without a placed chunk whose K/V that
     # cache holds from an earlier pass; candidates like a placed chunk's tokens
@@ -230,7 +231,7 @@ def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, Fus
     global top-k at a check layer; ``observe`` sees each layer's queries, keys and values (after
     this layer's writes) and may return that layer's attention output for the active rows, which
     is then not computed again;
-    ``correct`` sees fresh K/V before they overwrite the cache. Raises LayerUnavailable
+    ``correct`` sees fresh K/V (and the same rows' queries) before they overwrite the cache. Raises LayerUnavailable
     when a placed chunk cannot hand out a layer (see ``fuse_or_drop``)."""
     if plan.strategy is not None:
         raise ValueError("a plan with a strategy runs through blend.strategies.fuse_planned")
@@ -281,7 +282,7 @@ def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, Fus
             q, k, v = layer.project(h, *active_rope)
             written = active
         if plan.correct is not None:
-            plan.correct(cache, layer_idx, written, k, v)
+            plan.correct(cache, layer_idx, written, k, v, q if written is active else q[:, fresh])
         cache.keys[layer_idx][:, written] = k
         cache.values[layer_idx][:, written] = v
         keys, values = cache.view(layer_idx, n)

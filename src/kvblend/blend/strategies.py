@@ -27,7 +27,9 @@ first, then by score, globally or within per-document budgets (``allocate``).
 ``ShiftCorrection`` moves each document's non-recomputed K/V by the mean fresh - stale
 residual of a uniform sample of its tokens (``shift_samples``, recomputed within the
 budget), at every layer, before attention reads them; tested (``BlendConfig.shift_test``),
-only where that mean lowers the residual of a sampled token held out of it. ``blend_risk``
+only where that mean lowers the residual of a sampled token held out of it, and with
+``BlendConfig.shift_question`` per KV head only where it does not worsen the question rows'
+held-out attention output. ``blend_risk``
 turns what the shift measured into the request's risk (``RequestStats.risk``).
 
 Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
@@ -147,10 +149,18 @@ class ShiftCorrection:
     the same one at every layer of a pass) and the RoPE rows once per table."""
 
     def __init__(self, spans: Sequence[Span], tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 interleaved: bool, samples: torch.Tensor | None = None, tested: bool = False) -> None:
+                 interleaved: bool, samples: torch.Tensor | None = None, tested: bool = False,
+                 question_from: int | None = None) -> None:
         self.spans, self.tables, self.interleaved = list(spans), list(tables), interleaved  # cos/sin per layer
         self.samples = samples  # (N,) bool: only these written tokens' residuals count (None: all)
         self.tested = tested  # shift a (document, KV head, K|V) only where its held-out test says it helps
+        # the first position of the question rows: with it (and their queries), each KV head's K
+        # and V shifts are also tested on what those rows read (``_question_test``)
+        self.question_from = question_from
+        self.max_elements = 1 << 24  # query rows x keys x KV heads per block of the question test
+        # per layer where the question test ran: (Hkv,) its held-out error of the question rows'
+        # attention output unshifted and with the chosen shift
+        self.attn_errors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._written: torch.Tensor | None = None
         self._rows: _ShiftRows | None = None
         self._ropes: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -163,7 +173,10 @@ class ShiftCorrection:
             self._written, self._rows, self._ropes = written, _shift_rows(self.spans, written, self.samples), {}
         return self._rows
 
-    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 q: torch.Tensor | None = None) -> None:
+        """q: (Hq, W, d) post-RoPE queries of the ``written`` rows (the question test reads
+        those at ``question_from`` and after; None: no question test)."""
         r = self._rows_for(written)
         if r is None:
             return
@@ -180,6 +193,10 @@ class ShiftCorrection:
         mean_v = dv.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dv).div_(r.counts)  # (Hkv, D, d)
         mean_k = dk.new_zeros(hkv, r.n_docs, d).index_add_(1, r.doc_of_row, dk).div_(r.counts)  # pre-RoPE
         mean_k, mean_v = self._test(r, dk, mean_k, dv, mean_v)
+        if self.question_from is not None and q is not None:
+            keep_k, keep_v = self._question_test(cache, layer, written, k, v, q, r, (dk, mean_k), (dv, mean_v))
+            mean_k.mul_(keep_k[:, None, None])
+            mean_v.mul_(keep_v[:, None, None])
         shift_k = rope_lib.apply_rope(mean_k[:, r.doc_of_moved], cos_m, sin_m, self.interleaved)  # (Hkv, o, d)
         keys.index_add_(1, r.moved, shift_k.to(keys.dtype))
         values.index_add_(1, r.moved, mean_v[:, r.doc_of_moved].to(values.dtype))
@@ -208,6 +225,101 @@ class ShiftCorrection:
                 mean.mul_(helps[..., None])
         self.errors.append(((errs[0][0] + errs[1][0]) / n, (errs[0][1] + errs[1][1]) / n, r.doc_ids))
         return mean_k, mean_v
+
+
+    def _question_test(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q: torch.Tensor, r: _ShiftRows, ks: tuple[torch.Tensor, torch.Tensor],
+                       vs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Hkv,) bool each: whether K, and V, of each KV head are shifted at this layer, judged
+        on the question rows' attention output (``BlendConfig.shift_question``, ``+shiftq``).
+
+        The K/V error a mean removes is not what the answer reads: a document's K moved by one
+        vector moves all its attention logits together, so the same mean that brings its keys
+        nearer the fresh ones can shift attention mass between documents (Qwen2.5 musique_dev-62:
+        the moved tokens' K error falls at every layer, the question's attention output error
+        against full prefill's rises 2.4x at layer 9 head 1). So each head's four choices (no
+        shift, K, V, both; the means as the per-document test left them) are scored on the
+        question rows (queries at ``question_from`` and after, every query head sharing the KV
+        head) by the squared difference of their attention output from the one where the
+        sampled tokens have their fresh K/V. The sampled tokens stand in for their documents'
+        moved tokens (those left out, each sampled token's logit raised by log(tokens it stands
+        for)), and a sampled token is moved by the mean of its document's other sampled tokens
+        (held out, as in ``_test``). Keys elsewhere keep their cached or fresh K/V. The shift
+        (both) stays unless it scores worse than no shift; then the least of no shift, K alone
+        and V alone (no shift on a tie). Sliding windows are not applied (every question row
+        reads every document). Costs the question rows' attention over the tokens not moved,
+        once per layer, in float32.
+
+        ks, vs: (residuals (Hkv, m, d), means (Hkv, D, d)) of K (pre-RoPE) and V."""
+        hkv = k.shape[0]
+        rows_q = (written >= self.question_from).nonzero().squeeze(1)
+        if rows_q.numel() == 0:  # nothing reads the documents here: the K/V test's shift stands
+            every = torch.ones(hkv, dtype=torch.bool, device=k.device)
+            return every, every
+        n = self.tables[layer][0].shape[0]
+        # the keys the question reads, the moved ones left out: the rest as cached, the written ones fresh
+        static = torch.ones(n, dtype=torch.bool, device=k.device)
+        static[written], static[r.moved] = False, False
+        static_pos = static.nonzero().squeeze(1)
+        key_pos = torch.cat((static_pos, written))  # (S + W,)
+        keys = torch.cat((cache.keys[layer][:, static_pos], k), dim=1).float()  # (Hkv, S + W, d)
+        values = torch.cat((cache.values[layer][:, static_pos], v), dim=1).float()
+        stale_k, stale_v = cache.keys[layer][:, r.pos].float(), cache.values[layer][:, r.pos].float()  # (Hkv, m, d)
+        cols = static_pos.numel() + r.rows  # (m,) the sampled tokens' columns
+        d, hq = keys.shape[2], q.shape[0]
+        qq = q[:, rows_q].float().reshape(hkv, hq // hkv * rows_q.numel(), d)  # (Hkv, R, d)
+        pos_q = written[rows_q].repeat(hq // hkv)  # (R,) each row's position
+        moved = torch.zeros(r.n_docs, device=k.device).index_add_(0, r.doc_of_moved,
+                                                                 torch.ones_like(r.moved, dtype=torch.float32))
+        weight = ((r.counts[:, 0] + moved) / r.counts[:, 0]).log()[r.doc_of_row]  # (m,)
+        cnt = r.counts[r.doc_of_row]  # (m, 1)
+        # the held-out shift of each sampled token: its document's (tested) mean without it
+        loo = [(mean[:, r.doc_of_row] * cnt - res) / (cnt - 1).clamp_min(1)
+               * (mean[:, r.doc_of_row] != 0).any(-1, keepdim=True) for res, mean in (ks, vs)]
+        cos, sin = self.tables[layer]
+        sampled_k = (stale_k, stale_k + rope_lib.apply_rope(loo[0], cos[r.pos].float(), sin[r.pos].float(),
+                                                            self.interleaved))
+        sampled_v = (stale_v, stale_v + loo[1])
+        step = max(1, self.max_elements // (hkv * key_pos.numel()))
+        errs = sum(_attention_errors(qq[:, i : i + step], pos_q[i : i + step], keys, values, key_pos, cols, weight,
+                                     sampled_k, sampled_v) for i in range(0, qq.shape[1], step))
+        self.last_errors = errs  # (4, Hkv): for probes
+        # the shift stays unless it raises the error; then the least of no shift, K alone, V alone
+        best = torch.where(errs[3] <= errs[0], 3, errs[:3].argmin(0))  # (Hkv,)
+        self.attn_errors.append((errs[0], errs.gather(0, best[None])[0]))
+        return (best == 1) | (best == 3), (best == 2) | (best == 3)
+
+
+def _attention_errors(qq: torch.Tensor, pos_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      key_pos: torch.Tensor, cols: torch.Tensor, weight: torch.Tensor,
+                      sampled_k: tuple[torch.Tensor, torch.Tensor], sampled_v: tuple[torch.Tensor, torch.Tensor],
+                      ) -> torch.Tensor:
+    """(4, Hkv): for query rows qq (Hkv, R, d) at positions pos_q (R,), the squared error of
+    their attention output over ``keys``/``values`` (Hkv, S, d, at positions ``key_pos`` (S,);
+    the sampled tokens, columns ``cols`` (m,), fresh there, each of their logits + ``weight``
+    (m,)) when the sampled tokens' K/V are instead (stale, stale) / (shifted K, stale V) /
+    (stale K, shifted V) / (shifted, shifted): ``sampled_k``/``sampled_v`` = (stale, shifted),
+    each (Hkv, m, d)."""
+    d = keys.shape[2]
+    scale = 1.0 / math.sqrt(d)
+    logits = torch.bmm(qq, keys.transpose(1, 2)).mul_(scale)  # (Hkv, R, S)
+    future = key_pos[None, :] > pos_q[:, None]  # (R, S)
+    logits.masked_fill_(future, float("-inf"))
+    logits[:, :, cols] += weight
+    s_logits = [torch.bmm(qq, x.transpose(1, 2)).mul_(scale).add_(weight).masked_fill_(future[:, cols], float("-inf"))
+                for x in sampled_k]  # (Hkv, R, m): stale, shifted
+    top = torch.maximum(logits.amax(-1, keepdim=True), torch.maximum(*s_logits).amax(-1, keepdim=True))
+    e_all = (logits - top).exp_()
+    num, z = torch.bmm(e_all, values), e_all.sum(-1, keepdim=True)
+    target = num / z  # (Hkv, R, d)
+    e_fresh = e_all[:, :, cols]  # (Hkv, R, m): take the fresh sampled tokens out again for the rest
+    rest_num, rest_z = num - torch.bmm(e_fresh, values[:, cols]), z - e_fresh.sum(-1, keepdim=True)
+    errs = []
+    for shift_k, shift_v in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        e_s = (s_logits[shift_k] - top).exp_()
+        out = (rest_num + torch.bmm(e_s, sampled_v[shift_v])) / (rest_z + e_s.sum(-1, keepdim=True))
+        errs.append((out - target).pow(2).sum(dim=(1, 2)))
+    return torch.stack(errs)
 
 
 class _ShiftRows(NamedTuple):
@@ -466,8 +578,9 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     samples, correct = None, None
     if cfg.shift:  # the sample is recomputed at every check (the smallest budget fits it): nested sets
         samples = shift_samples(spans, n, keep, n_cand, cfg.shift_stride, model.device) & is_cand
+        question_from = max((b for _, b in document_spans(plan)), default=n) if cfg.shift_question else None
         correct = ShiftCorrection(spans, model.layer_rope_tables(torch.arange(n, device=model.device)),
-                                  model.cfg.rope.interleaved, samples, cfg.shift_test)
+                                  model.cfg.rope.interleaved, samples, cfg.shift_test, question_from)
     if cfg.selection == "deviation":
         pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         out = yield from fuse_steps(model, replace(base, pick=pick, correct=correct))
@@ -541,13 +654,14 @@ class DeviationProbe:
         self.candidates, self.layer, self.then = candidates, layer, then  # (N,) bool
         self.deviation: torch.Tensor | None = None  # (m,) per written candidate, at ``layer``
 
-    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(self, cache: KVCache, layer: int, written: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 q: torch.Tensor | None = None) -> None:
         if layer == self.layer:
             rows = self.candidates[written]
             stale = cache.values[layer][:, written[rows]]
             self.deviation = (v[:, rows].float() - stale.float()).pow(2).sum(dim=(0, 2))
         if self.then is not None:
-            self.then(cache, layer, written, k, v)
+            self.then(cache, layer, written, k, v, q)
 
 
 def once_stats(probe: DeviationProbe, n_candidates: int, kept: torch.Tensor, spans: Sequence[Span],

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SIGNALS, BlendConfig
+from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SHIFT_NAMES, SIGNALS, BlendConfig
 from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Prepared, Request
 from kvblend.engine.matching import DocumentIndex, IndexedText
@@ -101,16 +101,15 @@ def _modifier(spec: str, name: str) -> dict[str, Any]:
         return {"chunk_prefix": name}
     if name == "budget":
         return {"budget": True}
-    if name == "shift":
-        return {"shift": True, "shift_test": True}
-    if name == "shiftall":
-        return {"shift": True, "shift_test": False}
+    shifts = {name: key for key, name in SHIFT_NAMES.items()}
+    if name in shifts:
+        return {"shift": True, "shift_test": shifts[name][0], "shift_question": shifts[name][1]}
     if name.startswith("sinks") and name[5:].isdigit():
         return {"sinks": int(name[5:])}
     if name.startswith("vdev"):
         return {"vdev": _floats(name[4:], "the vdev weight", spec)[0] if name[4:] else VDEV_EQUAL}
     raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
-                     "budget, sinksK, shift, shiftall or vdev[W]")
+                     "budget, sinksK, shift, shiftq, shiftall, shiftallq or vdev[W]")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
