@@ -374,6 +374,12 @@ def test_a_prefill_within_its_part_is_not_sliced_for_streams_over_theirs() -> No
     assert sched.slice_tokens("heavy") == 40 and sched.slice_tokens(None) == 40  # its own streams / a job
     sched._running = [stream("heavy")] * 2 + [stream("other")]
     assert sched.slice_tokens("light") == 40  # "other" holds 1, within its part of 4/3
+    sched._running = [stream("heavy")]  # heavy within its part of 2 ...
+    assert sched.slice_tokens("light") == 40
+    sched._queue.push("heavy", object())  # ... but asking for more than it is served
+    assert sched.slice_tokens("light") == 1024
+    sched._queue.push("light", object())  # unless light has more waiting too
+    assert sched.slice_tokens("light") == 40
 
 
 def test_a_newcomers_prefill_is_not_paused_by_the_other_tenants_backlog() -> None:

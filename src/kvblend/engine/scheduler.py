@@ -38,8 +38,9 @@ loop turn:
 * runs one *slice* of model work, in this order of priority — the request being
   prefilled, the jobs lane, the background lane (only while no request waits): a full
   prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
-  while nothing decodes (or only streams of tenants over their part of the slots, and the
-  prefill's tenant is within its own), else as many as make the step take about
+  while nothing decodes (or only streams of tenants over their part of the slots or with
+  requests waiting, and the prefill's tenant is within its part with none), else as many
+  as make the step take about
   ``stall_steps`` of the running streams' decode steps (measured) —, a fusion's a group
   of layers holding about as many token-layers;
   a job's step the same; the jobs lane gets every fourth slice even while requests
@@ -945,8 +946,9 @@ class Scheduler:
         """Tokens in the next prefill slice (of ``tenant``'s request; None: other model work):
         ``prefill_chunk_tokens`` while nothing decodes (large: small slices cost a pass over
         the weights each, and would only slow it), or while every decoding stream belongs to
-        a tenant holding more than its fair part of the slots and ``tenant`` holds no more
-        than its own (the streams of a tenant over its part do not slow down one within
+        a tenant holding more than its fair part of the slots or with requests waiting, and
+        ``tenant`` holds no more than its own and has none waiting (``_unguarded``: the
+        streams of a tenant asking for more than its share do not slow down one within
         it); else as many as make the step that carries them take about ``stall_steps``
         decode steps (from the measured step and per-token slice times; at least
         MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady pace
@@ -968,14 +970,18 @@ class Scheduler:
 
     def _unguarded(self, tenant: str | None) -> bool:
         """``tenant``'s prefill need not keep the running streams' pace: it holds no more
-        than its fair part of the slots and every stream's tenant holds more than its own."""
+        than its fair part of the slots and has nothing waiting, and every stream's tenant
+        holds more than its own part or has requests waiting (it asks for more than it is
+        served: its streams' pace yields to a tenant within its share, for at most one
+        ``prefill_chunk_tokens`` step at a time)."""
         if tenant is None:
             return False
         with self._cond:
             held, parts = self._slots()
             streams = {r.handle.tenant for r in self._running}
-        return (tenant not in streams and held[tenant] <= parts.get(tenant, 0.0)
-                and all(held[t] > parts.get(t, 0.0) for t in streams))
+            waiting = {t for t in streams | {tenant} if self._queue.waiting(t)}
+        return (tenant not in streams and tenant not in waiting and held[tenant] <= parts.get(tenant, 0.0)
+                and all(held[t] > parts.get(t, 0.0) or t in waiting for t in streams))
 
     def _measure(self, elapsed: float, decoding: int, forward: Forward | None) -> None:
         """Update the moving averages that size slices: a decode-only step's time, and a
