@@ -317,12 +317,20 @@ def test_a_paused_prefill_can_be_cancelled() -> None:
 
 
 # ----- fair parts of the decode slots ----------------------------------------------------------
+def _wait_for(cond, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the scheduler never reached the state the test needs"
+        time.sleep(0.005)
+
+
 def test_a_tenant_holding_every_slot_parks_a_decode_for_a_waiting_tenant() -> None:
     """Two slots, both decoding long answers of tenant heavy: light's short request is served
     before either heavy stream ends (a heavy decode is parked for it, not waited for), and
     the parked stream resumes to the same tokens it gets alone (its cache and state kept)."""
     eng = Engine(make_loaded())
-    sampling, short = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)
+    # 160 tokens: the stream that is not parked must outlast light's prefill and 3 tokens on any host
+    sampling, short = SamplingParams(max_tokens=160, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)
     heavy = [Request(documents=(), question=f"hello {i}", method="full", tenant="heavy") for i in range(2)]
     light = Request(documents=(), question="hello", method="full", tenant="light")
     want = [eng.generate(r, sampling).token_ids for r in heavy]
@@ -330,8 +338,7 @@ def test_a_tenant_holding_every_slot_parks_a_decode_for_a_waiting_tenant() -> No
     sched = Scheduler(eng, max_running=2, observer=timeline)
     sched.start()
     streams = [sched.submit(r, sampling) for r in heavy]
-    while sum(kind == "first" for kind, _ in timeline.events) < 2:
-        time.sleep(0.005)
+    _wait_for(lambda: sum(kind == "first" for kind, _ in timeline.events) >= 2)
     quick = sched.submit(light, short)
     assert len(quick.result().token_ids) == 3
     assert not any(h.done for h in streams), "light waited for a heavy stream to end"
@@ -344,13 +351,12 @@ def test_a_tenant_within_its_part_parks_nothing() -> None:
     """Slots split evenly: a waiting request of a tenant already at its part waits for a
     slot; nobody is parked (no thrash between two tenants at their parts)."""
     eng = Engine(make_loaded())
-    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=160, ignore_eos=True)
     sched = Scheduler(eng, max_running=2, observer=Timeline())
     sched.start()
     a = sched.submit(Request(documents=(), question="hello a", method="full", tenant="a"), sampling)
     b = sched.submit(Request(documents=(), question="hello b", method="full", tenant="b"), sampling)
-    while sched.num_running < 2 or sched._prefill is not None:
-        time.sleep(0.005)
+    _wait_for(lambda: len(sched._running) == 2)
     third = sched.submit(Request(documents=(), question="hello c", method="full", tenant="b"), sampling)
     parked = []
     while not third.done:

@@ -738,7 +738,8 @@ class Scheduler:
         tenants' prefills would otherwise take turns slice by slice, each finishing in
         twice its time), or it is owed a slot while ``holder`` holds more than its part."""
         waiting_at, holder_at = self._queue.counter(waiting), self._queue.counter(holder)
-        if waiting_at <= holder_at and not self._queue.active(waiting) or waiting_at + PAUSE_QUANTUM_TOKENS < holder_at:
+        newcomer = not self._queue.active(waiting) and waiting_at <= holder_at
+        if newcomer or waiting_at + PAUSE_QUANTUM_TOKENS < holder_at:
             return True
         held, parts = self._slots()
         return waiting != holder and self._owed(waiting, held, parts) and held[holder] > parts.get(holder, 0.0)
