@@ -1,7 +1,7 @@
 """Document-affinity routing against Ray Serve's default router: two model replicas, one run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/cluster.py [--quick] [--docs 32] [--requests 160]
-        [--seconds 150] [--concurrency 4] [--zipf 0.8] [--memory-fraction 0.6]
+    PYTHONPATH=src .venv/bin/python benchmarks/cluster.py [--quick] [--docs 32] [--requests 400]
+        [--seconds 300] [--concurrency 4] [--zipf 0.8] [--memory-fraction 0.6]
 
 Needs the ``cluster`` extra (``pip install kvblend[cluster]``). Starts one local Ray
 instance and, for each router in turn (Ray's default power of two choices, then
@@ -71,9 +71,9 @@ class Plan:
 
     docs: int = 32
     docs_per_request: int = 2
-    requests: int = 160
+    requests: int = 400
     warmup: int = 16
-    seconds: float = 150.0  # per router, after its replicas are ready
+    seconds: float = 300.0  # per router, after its replicas are ready (p95 needs ~60 measured requests)
     concurrency: int = 4
     max_tokens: int = 16
     zipf_s: float = 0.8
@@ -288,9 +288,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--docs", type=int, default=None, help="passages in the pool (default 32)")
     p.add_argument("--docs-per-request", type=int, default=None, help="default 2")
-    p.add_argument("--requests", type=int, default=None, help="requests per router (default 160)")
+    p.add_argument("--requests", type=int, default=None, help="requests per router (default 400)")
     p.add_argument("--warmup", type=int, default=None, help="first requests left out of the figures (default 16)")
-    p.add_argument("--seconds", type=float, default=None, help="per router, once its replicas are ready (default 150)")
+    p.add_argument("--seconds", type=float, default=None, help="per router, once its replicas are ready (default 300)")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop clients (default 4)")
     p.add_argument("--max-tokens", type=int, default=None, help="answer tokens (default 16)")
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of document popularity (default 0.8)")

@@ -88,3 +88,19 @@ def test_a_blend_risk_reaches_the_response_and_the_histogram(tmp_path) -> None:
         m = _scrape(client)
     assert blended["method"] == "blend" and 0.0 <= blended["risk"] < 10.0 and "risk" not in reused
     assert m["kvblend:blend_risk_count"] == 1.0 and m["kvblend:blend_risk_sum"] == pytest.approx(blended["risk"], abs=1e-5)
+
+
+def test_parked_streams_have_a_gauge(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from kvblend.server.app import server_metrics
+
+    engine = Engine(make_loaded(), self_check=False)
+    sched = SimpleNamespace(num_running=3, num_waiting=1, num_background=0, num_jobs=0, num_parked=2, observer=None)
+    metrics = server_metrics("tiny", engine, sched)
+    text = generate_latest(metrics.registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["kvblend:num_requests_parked"] == 2.0 and samples["kvblend:num_requests_running"] == 3.0
+    remote = SimpleNamespace(num_running=1, num_waiting=0, num_background=0, num_jobs=0, observer=None)
+    text = generate_latest(server_metrics("tiny", engine, remote).registry).decode()
+    assert "kvblend:num_requests_parked{" in text  # a stand-in without parking reports 0, not an error

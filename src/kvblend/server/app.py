@@ -134,7 +134,8 @@ def server_metrics(model_id: str, engine: Engine, scheduler: Any) -> ServerMetri
     observer is wrapped so that finished requests feed them."""
     metrics = ServerMetrics(model_id, lambda: scheduler.num_running, lambda: scheduler.num_waiting,
                             lambda: _tier_stats(engine), background=lambda: scheduler.num_background,
-                            cache_usage=lambda: kv_cache_usage(engine.store), jobs=lambda: scheduler.num_jobs)
+                            cache_usage=lambda: kv_cache_usage(engine.store), jobs=lambda: scheduler.num_jobs,
+                            parked=lambda: getattr(scheduler, "num_parked", 0))  # a remote stand-in parks nothing
     scheduler.observer = MetricsObserver(metrics, scheduler.observer)
     return metrics
 

@@ -85,13 +85,16 @@ def kv_cache_usage(store: Any) -> float:
 class ServerMetrics:
     """The app's metrics; ``observe_request`` records one finished request.
 
-    ``running``/``waiting``/``background``: the scheduler's requests decoding, requests
-    queued and background jobs (shadow checks) queued or running; ``cache_usage``: see
+    ``running``/``waiting``/``parked``/``background``: the scheduler's requests decoding,
+    requests queued, decoding requests parked for another tenant's fair part of the slots
+    (vLLM's ``num_requests_swapped``; their cache is kept) and background jobs (shadow
+    checks) queued or running; ``cache_usage``: see
     ``kv_cache_usage``; all read at scrape time."""
 
     def __init__(self, model_name: str, running: Callable[[], float], waiting: Callable[[], float],
                  tier_stats: Callable[[], dict[str, Any]], *, background: Callable[[], float],
-                 cache_usage: Callable[[], float], jobs: Callable[[], float] = lambda: 0.0) -> None:
+                 cache_usage: Callable[[], float], jobs: Callable[[], float] = lambda: 0.0,
+                 parked: Callable[[], float] = lambda: 0.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
@@ -114,6 +117,8 @@ class ServerMetrics:
             model_name).set_function(running)
         Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
             model_name).set_function(waiting)
+        Gauge(P + "num_requests_parked", "Decoding requests set aside, their cache kept, so that another tenant "
+              "gets its fair part of the decode slots", lab, registry=reg).labels(model_name).set_function(parked)
         Gauge(P + "num_background_jobs", "Background jobs (shadow checks) queued or running on the model worker",
               lab, registry=reg).labels(model_name).set_function(background)
         Gauge(P + "num_jobs", "Jobs of the model worker's jobs lane (document precompute, write-back) queued or "
