@@ -320,11 +320,10 @@ class ClusterSettings(_Section):
     resources the ingress needs, to pin it to the node holding ``state_dir`` (the document
     registry) and the retrieval index (``ray start --resources='{"kvblend_ingress": 1}'``
     there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
-    replicas report their resident documents and prefill backlog to the router (which
-    sends a request where backlog + its own prefill work is least); ``load_threshold``:
-    for replicas that report no backlog (an older version), the affinity router sends a
-    request to the less loaded of two replicas instead of the one holding its documents
-    when that one has more than this many requests in flight beyond the least loaded; ``health_check_period_s``: how often Ray checks a replica's
+    replicas report their resident documents to the router; ``load_threshold``: the
+    affinity router sends a request to the less loaded of two replicas instead of the one
+    holding its documents when that one has more than this many requests in flight beyond
+    the least loaded replica; ``health_check_period_s``: how often Ray checks a replica's
     model worker (a dead one is restarted)."""
 
     replicas: int | None = Field(None, ge=1, le=256)

@@ -13,11 +13,8 @@ from kvblend.cluster.affinity import (
     MAX_ROUTE_KEYS,
     ReplicaState,
     ResidentSummary,
-    RouteCost,
     filter_size,
-    normalize_route_cost,
     normalize_route_keys,
-    prefill_work,
     rank_replicas,
     rendezvous_owner,
 )
@@ -206,43 +203,3 @@ def test_route_keys_are_bounded_and_deduplicated() -> None:
     assert normalize_route_keys([["acme/a", 3], ("acme/a", 9), ("acme/b", 1)]) == (("acme/a", 3), ("acme/b", 1))
     assert normalize_route_keys((("acme/a", True),)) is None
     assert normalize_route_keys((("x" * 600, 1),)) is None
-
-
-# --- the work model -----------------------------------------------------------------
-
-
-def test_prefill_work_counts_held_documents_at_the_hit_share() -> None:
-    a, b = keys("acme", 2)
-    cost = RouteCost(30, 0.25)
-    assert prefill_work(((a, 400), (b, 100)), cost, {a}.__contains__) == 30 + 100 + 100
-    assert prefill_work(((a, 400), (b, 100)), cost, lambda k: False) == 530
-    assert prefill_work((), cost, lambda k: True) == 30
-
-
-@pytest.mark.parametrize("bad", [None, (10, 0.1), RouteCost(-1, 0.1), RouteCost(10, 1.5), RouteCost(10, float("nan")),
-                                 RouteCost(2.5, 0.1), RouteCost(10, "0.1"), RouteCost(1 << 30, 0.1)])
-def test_malformed_route_costs_are_refused(bad: object) -> None:
-    assert normalize_route_cost(bad) is None
-    d = keys("acme", 1)[0]
-    replicas = [ReplicaState("a", ResidentSummary.from_keys([d]), 0, 1e6), ReplicaState("b", None, 0, 0.0)]
-    assert rank_replicas(((d, 100),), replicas, cost=bad).reason == "affinity"  # no work model: affinity order
-
-
-def test_equal_backlogs_keep_the_affinity_order_and_the_rendezvous_placement() -> None:
-    ids = ["a", "b", "c"]
-    cost = RouteCost(10, 0.15)
-    idle = [ReplicaState(i, ResidentSummary.from_keys([]), 0, 0.0) for i in ids]
-    for k in keys("acme", 30):  # nothing held: the same replica as without a work model
-        r = rank_replicas(((k, 300),), idle, cost=cost)
-        assert (r.first, r.reason) == (rendezvous_owner(k, ids), "affinity")
-        assert r.work == {i: 310.0 for i in ids}
-
-
-def test_requests_without_documents_go_to_the_least_backlog() -> None:
-    replicas = [ReplicaState(i, None, 0, b) for i, b in (("a", 300.0), ("b", 20.0), ("c", 90.0))]
-    r = rank_replicas((), replicas, cost=RouteCost(50, 0.15), rng=random.Random(3))
-    assert r.ranks == (("b",), ("c", "a")) and r.reason == "no-keys"
-    # one replica without a reported backlog: no work model, power of two as before
-    partial = replicas[:2] + [ReplicaState("c", None, 0, None)]
-    assert rank_replicas((), partial, cost=RouteCost(50, 0.15)).reason == "no-keys"
-    assert len(rank_replicas((), partial, cost=RouteCost(50, 0.15)).ranks[0]) == 2

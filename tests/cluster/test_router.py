@@ -15,9 +15,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (pip install kvblend[
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E402
 
-import time  # noqa: E402
-
-from kvblend.cluster.affinity import ResidentSummary, RouteCost, rendezvous_owner  # noqa: E402
+from kvblend.cluster.affinity import ResidentSummary, rendezvous_owner  # noqa: E402
 from kvblend.cluster.router import DocumentAffinityRouter  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="model", app_name="kvblend")
@@ -50,20 +48,15 @@ class BrokenStats(FakeReplica):
 @dataclass
 class Shaped:
     route_keys: Any
-    route_cost: Any = None
 
 
 def stats(keys: list[str], waiting: int = 0, running: int = 0) -> dict[str, Any]:
     return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": waiting, "running": running}
 
 
-def with_backlog(s: dict[str, Any], backlog: Any, at: Any = None) -> dict[str, Any]:
-    return {**s, "backlog": backlog, "at": time.time() if at is None else at}
-
-
-def pending(route_keys: Any = None, *, arg: Any = "unset", cost: Any = None) -> PendingRequest:
+def pending(route_keys: Any = None, *, arg: Any = "unset") -> PendingRequest:
     rid = uuid.uuid4().hex
-    args = [Shaped(route_keys, cost)] if arg == "unset" else ([] if arg is None else [arg])
+    args = [Shaped(route_keys)] if arg == "unset" else ([] if arg is None else [arg])
     return PendingRequest(args=args, kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
 
 
@@ -158,55 +151,4 @@ def test_unknown_router_options_are_refused() -> None:
             make_router([], imbalanced_threshold=3)
         with pytest.raises(ValueError, match="non-negative"):
             make_router([], load_threshold=-1)
-    run(main())
-
-
-BLEND = RouteCost(20, 0.15)  # 20 tokens outside the documents; a held document costs 15 % of its tokens
-
-
-def test_a_backlog_sends_a_request_away_only_once_it_costs_more_than_computing_the_documents() -> None:
-    async def main(backlog: float) -> str:
-        holder = FakeReplica("r1", stats=with_backlog(stats([DOC_A]), backlog), max_ongoing=50)
-        router = make_router([holder, FakeReplica("r2", stats=with_backlog(stats([]), 0.0))])
-        return await route(router, pending(((DOC_A, 500),), cost=BLEND))
-
-    # on r1: backlog + 20 + 75; on r2: 520
-    assert run(main(400.0)) == "r1"
-    assert run(main(430.0)) == "r2"
-
-
-def test_work_routed_since_a_report_counts_until_the_next_one() -> None:
-    async def main() -> None:
-        r1 = FakeReplica("r1", stats=with_backlog(stats([DOC_A]), 0.0, time.time() - 1), max_ongoing=50)
-        r2 = FakeReplica("r2", stats=with_backlog(stats([]), 0.0, time.time() - 1), max_ongoing=50)
-        router = make_router([r1, r2])
-        landed = [await route(router, pending(((DOC_A, 500),), cost=BLEND)) for _ in range(7)]
-        # r1's backlog grows by 95 a request: 5 x 95 + 95 > 520 sends the sixth to r2,
-        # whose own backlog (520) then makes r1 (475 + 95) the cheaper again
-        assert landed == ["r1"] * 5 + ["r2", "r1"]
-        assert router.decisions == {"affinity": 6, "load": 1}
-        r1.stats = with_backlog(stats([DOC_A]), 0.0)  # a report after those requests: they are in it
-        r2.stats = with_backlog(stats([]), 0.0)
-        assert await route(router, pending(((DOC_A, 500),), cost=BLEND)) == "r1"
-        assert router._routed_since("r1", r1.stats["at"]) == pytest.approx(95.0)  # only the newest
-    run(main())
-
-
-def test_full_prefill_goes_to_the_least_backlog_whatever_is_held() -> None:
-    async def main() -> None:
-        r1 = FakeReplica("r1", stats=with_backlog(stats([DOC_A]), 10.0), max_ongoing=50)
-        router = make_router([r1, FakeReplica("r2", stats=with_backlog(stats([]), 0.0))])
-        assert await route(router, pending(((DOC_A, 500),), cost=RouteCost(20, 1.0))) == "r2"
-    run(main())
-
-
-@pytest.mark.parametrize("bad", [float("nan"), -1.0, "lots", None, float("inf")])
-def test_a_malformed_backlog_falls_back_to_the_affinity_order(bad: Any) -> None:
-    async def main() -> None:
-        r1 = FakeReplica("r1", stats=with_backlog(stats([DOC_A]), bad), max_ongoing=50)
-        router = make_router([r1, FakeReplica("r2", stats=with_backlog(stats([]), 0.0))])
-        assert await route(router, pending(((DOC_A, 500),), cost=BLEND)) == "r1"
-        assert router.decisions == {"affinity": 1}
-        r1.stats = with_backlog(stats([DOC_A]), 5000.0, at=float("nan"))  # an unusable clock: the same
-        assert await route(router, pending(((DOC_A, 500),), cost=BLEND)) == "r1"
     run(main())

@@ -11,26 +11,14 @@ knows about each replica and maps the answer back onto Ray's replica objects.
   on that replica, recomputed, never a wrong answer), so exactness buys nothing.
 - :func:`rendezvous_owner` — highest-random-weight hashing of a key over replica ids:
   when a replica joins or leaves, only the keys it wins or held move (~1/N of them).
-- :func:`prefill_work` — what a request's prefill costs on a replica, in token computations:
-  the prompt outside its documents, each document it does not hold in memory whole, and
-  the ``hit_share`` (the blend's recompute ratio) of each one it holds. The replica sums
-  it over the requests it has not started answering (its backlog, in its routing stats);
-  the router computes it for the request it places.
 - :func:`rank_replicas` — the ranking. Each replica scores the document tokens it holds
   (per its summary) plus the tokens of the documents no replica holds whose rendezvous
-  owner it is, so a document's first computation lands where later requests for it go:
-  that is the *affinity order*. When every replica reports its backlog and the request
-  says what it costs (``RouteCost``), the request goes to the replica where it would be
-  answered first — least backlog plus its own prefill work there, ties in affinity order —
-  so it leaves the replica holding its documents only when that replica's queue costs more
-  than computing the documents elsewhere. Without those figures (an older replica, a
-  malformed report) the affinity order holds until the best replica's load exceeds the
-  least loaded one's by more than ``load_threshold`` requests; with nothing to score, the
-  choice is power of two choices (two random replicas, the less loaded first).
+  owner it is, so a document's first computation lands where later requests for it go.
+  When the best replica's load exceeds the least loaded one's by more than
+  ``load_threshold`` requests, or there is nothing to score, the choice is power of two
+  choices (two random replicas, the less loaded first).
 
-Knobs: the summary's ``fp_rate`` (replica side) and, for replicas that report no backlog,
-the router's ``load_threshold``. The work model has none: its only figure, the hit share,
-is the request's own recompute ratio.
+Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_threshold``.
 Keys carry the tenant (``store.keys.ChunkKey``: the tenant is hashed into the digest and
 prefixes it), so two tenants' identical documents are different keys and routing one
 tenant's request depends on nothing another tenant stored.
@@ -44,7 +32,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 DEFAULT_FP_RATE = 0.01
 MIN_BITS = 64
@@ -169,70 +157,25 @@ def rendezvous_owner(key: str, replicas: Iterable[str]) -> str | None:
 
 
 @dataclass(frozen=True)
-class RouteCost:
-    """What a request's prefill computes wherever it runs: ``other_tokens``, the prompt
-    outside its documents (always computed), and ``hit_share``, the share of a document's
-    tokens still computed where a replica holds it in memory (the blend's recompute ratio;
-    1 for full prefill, 0 for plain reuse)."""
-
-    other_tokens: int
-    hit_share: float
-
-
-def normalize_route_cost(cost: object) -> RouteCost | None:
-    """``cost`` if it is a ``RouteCost`` with ``other_tokens`` an int in 0..MAX_DOC_TOKENS and
-    ``hit_share`` a number in [0, 1]; else None (the request is ranked without a work model)."""
-    if not isinstance(cost, RouteCost):
-        return None
-    other, share = cost.other_tokens, cost.hit_share
-    if type(other) is not int or not 0 <= other <= MAX_DOC_TOKENS:
-        return None
-    if type(share) not in (int, float) or not 0.0 <= share <= 1.0:  # NaN fails both comparisons
-        return None
-    return cost
-
-
-def prefill_work(route_keys: Sequence[tuple[str, int]], cost: RouteCost, holds: Callable[[str], bool]) -> float:
-    """Token computations of a request's prefill on a replica whose memory tier holds the
-    documents for which ``holds(key)`` is true (see the module docstring)."""
-    return cost.other_tokens + sum(tokens * (cost.hit_share if holds(key) else 1.0) for key, tokens in route_keys)
-
-
-@dataclass(frozen=True)
 class ReplicaState:
     """What the router knows of one replica: ``summary`` None when its stats are missing or
-    unusable; ``load`` its queued + running requests, None when unknown; ``backlog`` the
-    prefill work (``prefill_work`` summed) of the requests it has not started answering,
-    as it last reported plus what was routed to it since, None when it reports none."""
+    unusable; ``load`` its queued + running requests, None when unknown."""
 
     id: str
     summary: ResidentSummary | None = None
     load: int | None = None
-    backlog: float | None = None
-
-    def holds(self, key: str) -> bool:
-        """Whether this replica's usable summary claims ``key`` (False without one)."""
-        return _usable(self.summary) and key in self.summary  # type: ignore[operator]
-
-
-def _usable(summary: ResidentSummary | None) -> bool:
-    return summary is not None and summary.expected_fp_rate <= MAX_TRUSTED_FP
 
 
 @dataclass(frozen=True)
 class Ranking:
     """Replica ids in ranks, most preferred first (the router tries rank 0, then rank 1,
     ...; within a rank Ray takes the least loaded). ``reason``: ``affinity`` (document
-    tokens decided), ``load`` (a backlog, or an imbalance over the threshold, sent it
-    away from the affinity order's first), ``no-keys`` (nothing to score), ``empty`` (no
-    replicas). ``scores``: document tokens per replica id. ``work``: the request's own
-    prefill work on each replica (with a work model only), which the router adds to the
-    chosen replica's backlog until that replica reports again."""
+    tokens decided), ``load`` (imbalance over the threshold), ``no-keys`` (nothing to
+    score), ``empty`` (no replicas). ``scores``: document tokens per replica id."""
 
     ranks: tuple[tuple[str, ...], ...]
     reason: str
     scores: Mapping[str, int] = field(default_factory=dict)
-    work: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def first(self) -> str | None:
@@ -268,8 +211,9 @@ def document_scores(
     ids = [r.id for r in replicas]
     held = dict.fromkeys(ids, 0)
     scores = dict.fromkeys(ids, 0)
+    usable = [r for r in replicas if r.summary is not None and r.summary.expected_fp_rate <= MAX_TRUSTED_FP]
     for key, tokens in route_keys:
-        holders = [r.id for r in replicas if r.holds(key)]
+        holders = [r.id for r in usable if key in r.summary]  # type: ignore[operator]
         for rid in holders:
             held[rid] += tokens
             scores[rid] += tokens
@@ -292,67 +236,32 @@ def rank_replicas(
     route_keys: object,
     replicas: Sequence[ReplicaState],
     *,
-    cost: object = None,
     load_threshold: int = DEFAULT_LOAD_THRESHOLD,
     rng: random.Random | None = None,
 ) -> Ranking:
     """Rank ``replicas`` for a request needing ``route_keys`` (see the module docstring).
 
-    Affinity order: highest score first (ties: more tokens held, then the rendezvous
-    weight of the request's largest document: never load, so that the same documents
-    choose the same replica every time). With a usable ``cost`` (``RouteCost``) and every
-    replica's ``backlog`` known, rank 0 is the replica of least backlog + ``prefill_work``
-    (ties in affinity order; without document keys, in random order), rank 1 the next two.
-    Otherwise rank 0 is the affinity order's first and rank 1 the next two, and the answer
-    is power of two choices when ``route_keys`` is absent or malformed, every score is 0,
-    or the best replica's load exceeds the lowest known load by more than
-    ``load_threshold``. Never raises on what the replicas report."""
+    Affinity: rank 0 is the replica of highest score (ties: more tokens held, then the
+    rendezvous weight of the request's largest document: never load, so that the same
+    documents choose the same replica every time), rank 1 the next two. Falls back to
+    power of two choices when ``route_keys`` is absent or malformed, every score is 0, or
+    the best replica's load exceeds the lowest known load by more than ``load_threshold``.
+    Never raises on what the replicas report."""
     if not replicas:
         return Ranking((), "empty")
     keys = normalize_route_keys(route_keys)
-    cost = normalize_route_cost(cost)
-    if cost is not None and keys is not None and all(r.backlog is not None for r in replicas):
-        return _rank_by_work(keys, cost, replicas, rng)
     if not keys:
         return Ranking((power_of_two(replicas, rng),), "no-keys")
     scores, held = document_scores(keys, replicas)
-    order = _affinity_order(keys, replicas, scores, held)
+    anchor = max(keys, key=lambda kt: (kt[1], kt[0]))[0]
+    order = sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], -rendezvous_weight(anchor, r.id), r.id))
     best = order[0]
     if scores[best.id] == 0:
         return Ranking((power_of_two(replicas, rng),), "no-keys", scores)
     if _overloaded(best, replicas, load_threshold):
         return Ranking((power_of_two(replicas, rng),), "load", scores)
-    return Ranking(_top(order), "affinity", scores)
-
-
-def _affinity_order(keys: Sequence[tuple[str, int]], replicas: Sequence[ReplicaState], scores: Mapping[str, int],
-                    held: Mapping[str, int]) -> list[ReplicaState]:
-    anchor = max(keys, key=lambda kt: (kt[1], kt[0]))[0]
-    return sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], -rendezvous_weight(anchor, r.id), r.id))
-
-
-def _top(order: Sequence[ReplicaState]) -> tuple[tuple[str, ...], ...]:
     rest = tuple(r.id for r in order[1:3])
-    return ((order[0].id,), rest) if rest else ((order[0].id,),)
-
-
-def _rank_by_work(keys: Sequence[tuple[str, int]], cost: RouteCost, replicas: Sequence[ReplicaState],
-                  rng: random.Random | None) -> Ranking:
-    """Least backlog + own prefill work first; ties in affinity order (see ``rank_replicas``)."""
-    work = {r.id: prefill_work(keys, cost, r.holds) for r in replicas}
-    scores, held = document_scores(keys, replicas) if keys else ({}, {})
-    if keys and max(scores.values()) > 0:
-        order = _affinity_order(keys, replicas, scores, held)
-        reason = "affinity"
-    else:
-        order = list(replicas)
-        (rng or random).shuffle(order)
-        reason = "no-keys"
-    first = order[0].id
-    order.sort(key=lambda r: r.backlog + work[r.id])  # type: ignore[operator]  # stable: ties keep that order
-    if order[0].id != first and reason == "affinity":
-        reason = "load"
-    return Ranking(_top(order), reason, scores, work)
+    return Ranking(((best.id,), rest) if rest else ((best.id,),), "affinity", scores)
 
 
 def _overloaded(best: ReplicaState, replicas: Sequence[ReplicaState], threshold: int) -> bool:

@@ -24,16 +24,9 @@ import asyncio
 import logging
 import math
 import threading
-import time
 from typing import Any
 
-from kvblend.cluster.affinity import (
-    ResidentSummary,
-    RouteCost,
-    normalize_route_cost,
-    normalize_route_keys,
-    prefill_work,
-)
+from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
 from kvblend.cluster.wire import INTERNAL, Accepted, DocumentCall, Ended, ModelCall, WireError, to_wire
 from kvblend.engine.scheduler import DrainingError
@@ -70,7 +63,6 @@ class ModelReplica:
         self.metrics = server_metrics(settings.model_id, self.engine, self.scheduler)
         self.scheduler.start()
         self.pusher = MetricsPusher(self.replica, self.metrics.registry, settings.cluster.routing_stats_period_s)
-        self.backlog = Backlog()
         self._closed = threading.Event()
         log.info("model replica %s ready", self.replica)
 
@@ -81,17 +73,14 @@ class ModelReplica:
         except Exception as exc:  # noqa: BLE001 - refusals go back as data
             yield Ended(0.0, self._wire(exc))
             return
-        self.backlog.add(handle, call)
         yield Accepted(self.replica)
         try:
             async for item in handle.aevents():
-                self.backlog.started(handle)  # its stats or first token: its prefill is done
                 yield item
         except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
             yield Ended(handle.queue_s, to_wire(exc))
             return
         finally:
-            self.backlog.started(handle)
             if not handle.done:  # the call was cancelled (client gone): free the slot
                 handle.cancel()
         yield Ended(handle.queue_s)
@@ -132,15 +121,12 @@ class ModelReplica:
             raise RuntimeError(f"replica {self.replica}: the model worker has stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int,
-        "backlog": float, "at": float}``: the chunk keys the memory tier holds (every
-        tenant's: a key names its tenant), the queue, and the prefill work of the requests
-        not answering yet (``Backlog``) at wall-clock time ``at``."""
+        """``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int}``: the
+        chunk keys the memory tier holds (every tenant's: a key names its tenant)."""
         tier = memory_tier(self.engine.store)
         keys = [str(k) for k in tier.resident_keys()] if tier is not None else []
-        self.backlog.resident = frozenset(keys)
         return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": self.scheduler.num_waiting,
-                "running": self.scheduler.num_running, "backlog": self.backlog.total(), "at": time.time()}
+                "running": self.scheduler.num_running}
 
     def __del__(self) -> None:
         """Ray Serve's graceful shutdown: drain the scheduler, flush write-back, close."""
@@ -155,36 +141,6 @@ class ModelReplica:
             self.engine.close()
 
 
-class Backlog:
-    """The prefill work (``cluster.affinity.prefill_work``) of this replica's requests that
-    have not started answering: each counted from its arrival to its first item (stats or
-    token) or its end, valued against the memory tier's keys as of the last routing
-    report (``resident``: the router's view of this replica too). Thread-safe."""
-
-    def __init__(self) -> None:
-        self.resident: frozenset[str] = frozenset()
-        self._work: dict[int, float] = {}
-        self._lock = threading.Lock()
-
-    def add(self, handle: object, call: ModelCall) -> None:
-        cost = normalize_route_cost(call.route_cost)
-        keys = normalize_route_keys(call.route_keys)
-        if cost is None or keys is None:  # a caller that sent no cost: count its documents whole
-            cost, keys = cost or RouteCost(0, 1.0), keys or ()
-        resident = self.resident
-        work = prefill_work(keys, cost, resident.__contains__)
-        with self._lock:
-            self._work[id(handle)] = work
-
-    def started(self, handle: object) -> None:
-        with self._lock:
-            self._work.pop(id(handle), None)
-
-    def total(self) -> float:
-        with self._lock:
-            return float(sum(self._work.values()))
-
-
 def max_ongoing(settings: Settings) -> int:
     """Calls one model replica takes at once: its scheduler's running and queued requests
     and its jobs lane, so that the scheduler (fair queue, 429s) does the queueing."""
@@ -196,4 +152,4 @@ def replica_threads(settings: Settings) -> int:
     return max(1, math.floor(settings.cluster.replica_cpus + 0.5))
 
 
-__all__ = ["Backlog", "ModelReplica", "max_ongoing", "memory_tier"]
+__all__ = ["ModelReplica", "max_ongoing", "memory_tier"]

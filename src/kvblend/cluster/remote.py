@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvblend.cluster.affinity import RouteCost
 from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, RouteKeys, WireError, rebuild
 from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import DrainingError, SchedulerObserver, WorkerDeadError
@@ -38,23 +37,6 @@ def route_keys(engine: Engine, request: Request) -> RouteKeys:
         return ()
     ctx = engine.key_context(engine.chunk_prefix(request, layout), request.tenant)
     return tuple((str(chunk_key(ids, ctx)), len(ids)) for ids in layout.docs)
-
-
-def route_cost(engine: Engine, request: Request) -> RouteCost:
-    """What ``request``'s prefill computes besides its documents, and the share of a held
-    document it still computes: its blend ratio (the largest of a schedule; ``r_min`` for
-    'auto', the least the controller picks), 0 for plain reuse, 1 for full and prefix
-    prefill (a prefix cache reuses a document only at the prompt's start)."""
-    layout = request.layout if request.layout is not None else engine.layout(request)
-    other = len(layout.ids) - sum(len(d) for d in layout.docs)
-    if request.method == "reuse":
-        share = 0.0
-    elif request.method in ("full", "prefix"):
-        share = 1.0
-    else:
-        cfg = request.blend
-        share = cfg.r_min if cfg.auto else max(cfg.ratios)
-    return RouteCost(other, float(share))
 
 
 def _lost(exc: BaseException) -> WorkerDeadError:
@@ -190,7 +172,7 @@ class RemoteScheduler:
         DrainingError while this ingress drains; the replica's refusals as raised there."""
         if self._draining:
             raise DrainingError("the server is shutting down and takes no new requests")
-        call = ModelCall(route_keys(self.engine, request), request, sampling, route_cost(self.engine, request))
+        call = ModelCall(route_keys(self.engine, request), request, sampling)
         with self._idle:
             self._in_flight += 1
         handle = RemoteHandle(request, self._stream.generate.remote(call), self)
@@ -251,4 +233,4 @@ def watch_replicas(scheduler: RemoteScheduler, app: str, deployment: str, period
     return thread
 
 
-__all__ = ["RemoteHandle", "RemoteScheduler", "route_cost", "route_keys", "running_replicas", "watch_replicas"]
+__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys", "running_replicas", "watch_replicas"]

@@ -4,8 +4,7 @@ The first positional argument of every model-deployment method the ingress calls
 ``ModelCall`` or a ``DocumentCall``; both carry ``route_keys``: one ``(chunk key string,
 token count)`` per document (the key string is ``store.keys.ChunkKey``'s ``tenant/digest``,
 so the tenant is part of it), which the request router reads
-(``pending_request.args[0].route_keys``); a ``ModelCall`` also carries ``route_cost``
-(``cluster.affinity.RouteCost``: what its prefill computes besides its documents).
+(``pending_request.args[0].route_keys``).
 
 A streamed request answers ``Accepted`` once the replica's scheduler queued it, then the
 scheduler's items (``StreamEvent``, ``RequestStats``) as they come, then ``Ended``. Errors
@@ -19,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvblend import errors as kvblend_errors
-from kvblend.cluster.affinity import RouteCost
 from kvblend.engine import scheduler as sched
 from kvblend.engine.request import Request
 from kvblend.generation.sampling import SamplingParams
@@ -34,7 +32,6 @@ class ModelCall:
     route_keys: RouteKeys
     request: Request
     sampling: SamplingParams
-    route_cost: RouteCost | None = None
 
 
 @dataclass(frozen=True)
