@@ -220,16 +220,16 @@ async def drive(url: str, bodies: list[dict], plan: Plan) -> tuple[list[Outcome]
 
 
 def run_phase(router: str, settings_overrides: dict, bodies: list[dict], passages: list[tuple[int, ...]],
-              plan: Plan, load_threshold: int | None = None) -> Phase:
+              plan: Plan, load_factor: float | None = None) -> Phase:
     """Start the application with ``router``, drive it, shut Serve down (Ray stays up).
-    ``load_threshold``: the affinity router's ``cluster.load_threshold`` (None: the default)."""
+    ``load_factor``: the affinity router's ``cluster.load_factor`` (None: the default)."""
     from kvblend.cluster.app import shutdown, start_local, wait_ready
     from kvblend.settings import Settings
 
     port = free_port()
-    threshold = {} if load_threshold is None else {"load_threshold": load_threshold}
+    bound = {} if load_factor is None else {"load_factor": load_factor}
     settings = Settings.load(**settings_overrides, port=port, cluster={"router": router, "replica_cpus": 1.0,
-                                                                       "ingress_cpus": 0.5, **threshold})
+                                                                       "ingress_cpus": 0.5, **bound})
     t = time.perf_counter()
     running = start_local(settings, replicas=REPLICAS, router=router)
     try:
@@ -299,8 +299,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--routers", type=lambda s: s.split(","), default=list(ROUTERS),
                    help="comma-separated subset of default,affinity, in the order run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--load-threshold", type=int, default=None,
-                   help="the affinity router's cluster.load_threshold (default: the setting's default)")
+    p.add_argument("--load-factor", type=float, default=None,
+                   help="the affinity router's cluster.load_factor (default: the setting's default)")
     args = p.parse_args(argv)
     if not args.routers or set(args.routers) - set(ROUTERS):
         p.error(f"--routers takes a comma-separated subset of {','.join(ROUTERS)}")
@@ -347,14 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvblend-cluster-bench-") as tmp:
             for router in args.routers:
                 overrides = settings_for(args.model, memory_bytes, str(Path(tmp) / router))
-                phases[router] = run_phase(router, overrides, bodies, passages, plan, args.load_threshold)
+                phases[router] = run_phase(router, overrides, bodies, passages, plan, args.load_factor)
                 print(json.dumps(nan_to_none({"phase": phases[router].figures(plan.warmup)})), flush=True)
     finally:
         import ray
 
         ray.shutdown()
     out = result(phases, plan)
-    out.update(model=args.model, quick=args.quick, load_threshold=args.load_threshold, plan=dataclasses.asdict(plan),
+    out.update(model=args.model, quick=args.quick, load_factor=args.load_factor, plan=dataclasses.asdict(plan),
                pool_tokens=pool_tokens,
                memory_bytes=memory_bytes, wall_s=round(time.perf_counter() - t, 1))
     print(json.dumps(nan_to_none(out)))

@@ -320,10 +320,10 @@ class ClusterSettings(_Section):
     resources the ingress needs, to pin it to the node holding ``state_dir`` (the document
     registry) and the retrieval index (``ray start --resources='{"kvblend_ingress": 1}'``
     there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
-    replicas report their resident documents to the router; ``load_threshold``: the
-    affinity router sends a request to the less loaded of two replicas instead of the one
-    holding its documents when that one has more than this many requests in flight beyond
-    the least loaded replica; ``health_check_period_s``: how often Ray checks a replica's
+    replicas report their resident documents to the router; ``load_factor``: the affinity
+    router's load bound: a replica takes a request only while its requests in flight stay
+    under this multiple of the mean (rounded up), else the request goes to the replica next
+    in its documents' order (consistent hashing with bounded loads; 1.0: least loaded); ``health_check_period_s``: how often Ray checks a replica's
     model worker (a dead one is restarted)."""
 
     replicas: int | None = Field(None, ge=1, le=256)
@@ -334,7 +334,7 @@ class ClusterSettings(_Section):
     ingress_cpus: float = Field(0.5, ge=0, le=1024, allow_inf_nan=False)
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     routing_stats_period_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
-    load_threshold: int = Field(4, ge=0, le=1 << 16)
+    load_factor: float = Field(1.25, ge=1.0, le=64.0, allow_inf_nan=False)
     health_check_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
 
 

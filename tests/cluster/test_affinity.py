@@ -14,6 +14,7 @@ from kvblend.cluster.affinity import (
     ReplicaState,
     ResidentSummary,
     filter_size,
+    load_cap,
     normalize_route_keys,
     rank_replicas,
     rendezvous_owner,
@@ -158,24 +159,47 @@ def test_ties_are_broken_by_the_documents_not_by_load() -> None:
     request = ((x, 256), (y, 256))  # 256 tokens placed on each replica: a tie
     firsts = {
         rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)]).first
-        for load_a, load_b in ((0, 3), (3, 0), (1, 1), (None, 2))
+        for load_a, load_b in ((0, 1), (1, 0), (1, 1), (None, 1))  # all under the load bound
     }
     assert firsts == {rendezvous_owner(max(x, y), ids)}  # the same replica whatever the loads
 
 
-def test_load_imbalance_over_the_threshold_falls_back_to_power_of_two() -> None:
+def test_a_replica_at_the_load_bound_hands_the_request_to_the_next_in_affinity_order() -> None:
     d = keys("acme", 1)[0]
-    holds, empty = ResidentSummary.from_keys([d]), ResidentSummary.from_keys([])
+    e = keys("acme", 2)[1]
+    holds, holds_e = ResidentSummary.from_keys([d]), ResidentSummary.from_keys([e])
+    request = ((d, 100), (e, 50))  # affinity order: a (100 tokens held), b (50), c (none)
 
-    def states(load_a: int) -> list[ReplicaState]:
-        return [ReplicaState("a", holds, load_a), ReplicaState("b", empty, 1)]
+    def states(load_a: int, load_b: int = 1) -> list[ReplicaState]:
+        return [ReplicaState("a", holds, load_a), ReplicaState("b", holds_e, load_b), ReplicaState("c", None, 0)]
 
-    assert rank_replicas(((d, 100),), states(5), load_threshold=4).first == "a"  # 5 - 1 = 4: within
-    r = rank_replicas(((d, 100),), states(6), load_threshold=4, rng=random.Random(0))
-    assert r.reason == "load" and r.ranks == (("b", "a"),)  # the less loaded first
-    assert rank_replicas(((d, 100),), states(6), load_threshold=5).reason == "affinity"
-    # unknown loads never trigger the fallback
+    # 3 replicas, loads a + b + 0 (+1 this request): the bound is ceil(1.25 x (a + b + 1) / 3)
+    assert load_cap(states(2), 1.25) == 2 and load_cap(states(1), 1.25) == 2
+    r = rank_replicas(request, states(1))
+    assert (r.first, r.reason) == ("a", "affinity")  # 1 < 2: a takes it
+    r = rank_replicas(request, states(2))
+    assert (r.reason, r.ranks) == ("load", (("b",), ("a", "c")))  # a at the bound: the next in order
+    assert rank_replicas(request, states(2), load_factor=2.0).first == "a"  # ceil(2 x 4 / 3) = 3
+    assert rank_replicas(request, states(3, load_b=3)).first == "c"  # cap ceil(1.25 x 7 / 3) = 3: a and b at it
+    # unknown loads are never bounded, and no known load means no bound
     assert rank_replicas(((d, 100),), [ReplicaState("a", holds), ReplicaState("b", None, 0)]).first == "a"
+    assert load_cap([ReplicaState("a", holds), ReplicaState("b")], 1.25) is None
+
+
+def test_the_least_loaded_replica_is_always_under_the_bound() -> None:
+    rng = random.Random(5)
+    ks = keys("acme", 8)
+    for _ in range(300):
+        n = rng.randint(1, 5)
+        states = [ReplicaState(f"r{i}", ResidentSummary.from_keys(rng.sample(ks, 3)), rng.randint(0, 9)) for i in range(n)]
+        factor = rng.choice((1.0, 1.25, 2.0))
+        cap = load_cap(states, factor)
+        assert min(s.load for s in states) < cap
+        r = rank_replicas(((rng.choice(ks), 50),), states, load_factor=factor)
+        chosen = next(s for s in states if s.id == r.first)
+        assert chosen.load < cap
+        if factor == 1.0:  # the bound is the mean: least loaded, affinity breaking ties
+            assert chosen.load <= -(-(sum(s.load for s in states) + 1) // n) - 1
 
 
 def test_requests_without_usable_keys_go_by_load() -> None:

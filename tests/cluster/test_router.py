@@ -109,14 +109,19 @@ def test_a_full_preferred_replica_hands_over_to_the_next_rank() -> None:
     run(main())
 
 
-def test_load_imbalance_sends_the_request_to_the_less_loaded_replica() -> None:
+def test_a_holder_over_the_load_bound_sends_the_request_to_the_next_replica() -> None:
     async def main() -> None:
         holder = FakeReplica("r1", stats=stats([DOC_A], waiting=6), queue_len=6, max_ongoing=50)
-        router = make_router([holder, FakeReplica("r2", stats=stats([]))], load_threshold=4)
+        router = make_router([holder, FakeReplica("r2", stats=stats([]))], load_factor=1.25)
         await asyncio.sleep(0)  # let update_replicas' probe fill the queue-length cache
         await asyncio.sleep(0.05)
         assert await route(router, pending(((DOC_A, 500),))) == "r2"
         assert router.decisions["load"] == 1
+        # 2 against 1 in flight: the bound is ceil(1.25 x 4 / 2) = 3, so the holder keeps it
+        holder = FakeReplica("r1", stats=stats([DOC_A]), queue_len=2, max_ongoing=50)
+        router = make_router([holder, FakeReplica("r2", stats=stats([]), queue_len=1)])
+        await asyncio.sleep(0.05)
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"
     run(main())
 
 
@@ -147,8 +152,9 @@ def test_requests_without_route_keys_use_power_of_two(arg: Any) -> None:
 
 def test_unknown_router_options_are_refused() -> None:
     async def main() -> None:
-        with pytest.raises(ValueError, match="load_threshold"):
-            make_router([], imbalanced_threshold=3)
-        with pytest.raises(ValueError, match="non-negative"):
-            make_router([], load_threshold=-1)
+        with pytest.raises(ValueError, match="load_factor"):
+            make_router([], load_threshold=3)
+        for bad in (0.5, float("nan"), "2", 100.0):
+            with pytest.raises(ValueError, match=r"in \[1, 64\]"):
+                make_router([], load_factor=bad)
     run(main())

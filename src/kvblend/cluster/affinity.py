@@ -13,12 +13,19 @@ knows about each replica and maps the answer back onto Ray's replica objects.
   when a replica joins or leaves, only the keys it wins or held move (~1/N of them).
 - :func:`rank_replicas` — the ranking. Each replica scores the document tokens it holds
   (per its summary) plus the tokens of the documents no replica holds whose rendezvous
-  owner it is, so a document's first computation lands where later requests for it go.
-  When the best replica's load exceeds the least loaded one's by more than
-  ``load_threshold`` requests, or there is nothing to score, the choice is power of two
-  choices (two random replicas, the less loaded first).
+  owner it is, so a document's first computation lands where later requests for it go:
+  the *affinity order*. Loads are bounded as in consistent hashing with bounded loads
+  (Mirrokni, Thorup and Zadimoghaddam, SODA '18): no replica takes a request that would
+  put it above ``load_factor`` x the mean load (requests in flight, this one included,
+  rounded up), so the request goes to the first replica in affinity order under that
+  cap. A popular document then spills to the replica next in its order and is held by
+  both, while the rest stay where they are: the memory tiers keep their split of the
+  documents and no replica's queue grows past the bound. With nothing to score, the
+  choice is power of two choices (two random replicas, the less loaded first).
 
-Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_threshold``.
+Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_factor`` (1.25
+by default, the paper's and production users' usual choice; 1.0 is least-loaded routing
+with affinity breaking ties only).
 Keys carry the tenant (``store.keys.ChunkKey``: the tenant is hashed into the digest and
 prefixes it), so two tenants' identical documents are different keys and routing one
 tenant's request depends on nothing another tenant stored.
@@ -43,7 +50,8 @@ SUMMARY_VERSION = 1
 # positive is treated as absent: a saturated filter would claim every document.
 MAX_TRUSTED_FP = 0.25
 
-DEFAULT_LOAD_THRESHOLD = 4
+DEFAULT_LOAD_FACTOR = 1.25
+MAX_LOAD_FACTOR = 64.0
 MAX_ROUTE_KEYS = 256  # documents considered per request (a request's document count is bounded before this)
 MAX_KEY_CHARS = 512
 MAX_DOC_TOKENS = 1 << 24
@@ -170,8 +178,9 @@ class ReplicaState:
 class Ranking:
     """Replica ids in ranks, most preferred first (the router tries rank 0, then rank 1,
     ...; within a rank Ray takes the least loaded). ``reason``: ``affinity`` (document
-    tokens decided), ``load`` (imbalance over the threshold), ``no-keys`` (nothing to
-    score), ``empty`` (no replicas). ``scores``: document tokens per replica id."""
+    tokens decided), ``load`` (the load bound sent it past the affinity order's first),
+    ``no-keys`` (nothing to score), ``empty`` (no replicas). ``scores``: document tokens
+    per replica id."""
 
     ranks: tuple[tuple[str, ...], ...]
     reason: str
@@ -236,17 +245,17 @@ def rank_replicas(
     route_keys: object,
     replicas: Sequence[ReplicaState],
     *,
-    load_threshold: int = DEFAULT_LOAD_THRESHOLD,
+    load_factor: float = DEFAULT_LOAD_FACTOR,
     rng: random.Random | None = None,
 ) -> Ranking:
     """Rank ``replicas`` for a request needing ``route_keys`` (see the module docstring).
 
-    Affinity: rank 0 is the replica of highest score (ties: more tokens held, then the
-    rendezvous weight of the request's largest document: never load, so that the same
-    documents choose the same replica every time), rank 1 the next two. Falls back to
-    power of two choices when ``route_keys`` is absent or malformed, every score is 0, or
-    the best replica's load exceeds the lowest known load by more than ``load_threshold``.
-    Never raises on what the replicas report."""
+    Affinity order: highest score first (ties: more tokens held, then the rendezvous
+    weight of the request's largest document: never load, so that the same documents
+    choose the same replica every time). Rank 0 is the first replica in that order whose
+    load is under ``load_cap`` (a replica of unknown load is under it), rank 1 the next
+    two in that order. Power of two choices when ``route_keys`` is absent or malformed or
+    every score is 0. Never raises on what the replicas report."""
     if not replicas:
         return Ranking((), "empty")
     keys = normalize_route_keys(route_keys)
@@ -255,15 +264,23 @@ def rank_replicas(
     scores, held = document_scores(keys, replicas)
     anchor = max(keys, key=lambda kt: (kt[1], kt[0]))[0]
     order = sorted(replicas, key=lambda r: (-scores[r.id], -held[r.id], -rendezvous_weight(anchor, r.id), r.id))
-    best = order[0]
-    if scores[best.id] == 0:
+    if scores[order[0].id] == 0:
         return Ranking((power_of_two(replicas, rng),), "no-keys", scores)
-    if _overloaded(best, replicas, load_threshold):
+    cap = load_cap(replicas, load_factor)
+    chosen = next((r for r in order if cap is None or r.load is None or r.load < cap), None)
+    if chosen is None:  # unreachable (the least loaded is under the mean), kept for safety
         return Ranking((power_of_two(replicas, rng),), "load", scores)
-    rest = tuple(r.id for r in order[1:3])
-    return Ranking(((best.id,), rest) if rest else ((best.id,),), "affinity", scores)
+    rest = tuple(r.id for r in order if r is not chosen)[:2]
+    reason = "affinity" if chosen is order[0] else "load"
+    return Ranking(((chosen.id,), rest) if rest else ((chosen.id,),), reason, scores)
 
 
-def _overloaded(best: ReplicaState, replicas: Sequence[ReplicaState], threshold: int) -> bool:
+def load_cap(replicas: Sequence[ReplicaState], load_factor: float) -> int | None:
+    """The most requests a replica may hold before taking one more: it takes the request
+    only while its load + 1 <= ceil(load_factor x (the known loads + 1) / replicas), i.e.
+    load < that bound. None when no load is known (no bound). ``load_factor`` >= 1, so the
+    least loaded replica is always under it."""
     known = [r.load for r in replicas if r.load is not None]
-    return best.load is not None and bool(known) and best.load - min(known) > threshold
+    if not known:
+        return None
+    return math.ceil(load_factor * (sum(known) + 1) / len(replicas))

@@ -61,7 +61,7 @@ def build_application(settings: Settings, *, replicas: int, router: str = "affin
         from kvblend.cluster.router import DocumentAffinityRouter
 
         routing["request_router_class"] = DocumentAffinityRouter
-        routing["request_router_kwargs"] = {"load_threshold": c.load_threshold}
+        routing["request_router_kwargs"] = {"load_factor": c.load_factor}
     model = serve.deployment(ModelReplica).options(
         name=MODEL_DEPLOYMENT, num_replicas=replicas,
         ray_actor_options={"num_cpus": replica_cpus if replica_cpus is not None else c.replica_cpus},

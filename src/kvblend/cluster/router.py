@@ -5,7 +5,7 @@ Configured on the model deployment::
 
     RequestRouterConfig(
         request_router_class=DocumentAffinityRouter,
-        request_router_kwargs={"load_threshold": 4},
+        request_router_kwargs={"load_factor": 1.25},
         request_routing_stats_period_s=2.0,
     )
 
@@ -33,7 +33,8 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvblend.cluster.affinity import (
-    DEFAULT_LOAD_THRESHOLD,
+    DEFAULT_LOAD_FACTOR,
+    MAX_LOAD_FACTOR,
     Ranking,
     ReplicaState,
     ResidentSummary,
@@ -70,24 +71,24 @@ def stats_load(stats: Any) -> int | None:
 class DocumentAffinityRouter(RequestRouter):
     """Ranks replicas by the request's document tokens they hold (see the module docstring).
 
-    ``initialize_state(load_threshold=4)``: how many more queued + running requests than
-    the least loaded replica the preferred one may have before the request goes to power
-    of two choices instead. ``decisions`` counts the ranking reasons (``affinity``,
+    ``initialize_state(load_factor=1.25)``: the load bound (``affinity.load_cap``): a
+    replica takes a request only while its queued + running requests stay under
+    ``load_factor`` x the mean, else the request goes to the next replica in affinity order. ``decisions`` counts the ranking reasons (``affinity``,
     ``load``, ``no-keys``, ``error``) seen by this router instance.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._load_threshold = DEFAULT_LOAD_THRESHOLD
+        self._load_factor = DEFAULT_LOAD_FACTOR
         self._summaries: dict[str, tuple[object, ResidentSummary | None]] = {}
         self.decisions: Counter[str] = Counter()
 
-    def initialize_state(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, **kwargs: Any) -> None:
+    def initialize_state(self, load_factor: float = DEFAULT_LOAD_FACTOR, **kwargs: Any) -> None:
         if kwargs:
-            raise ValueError(f"DocumentAffinityRouter takes only load_threshold; got {sorted(kwargs)}")
-        if type(load_threshold) is not int or load_threshold < 0:
-            raise ValueError(f"load_threshold must be a non-negative int; got {load_threshold!r}")
-        self._load_threshold = load_threshold
+            raise ValueError(f"DocumentAffinityRouter takes only load_factor; got {sorted(kwargs)}")
+        if type(load_factor) not in (int, float) or not 1.0 <= load_factor <= MAX_LOAD_FACTOR:
+            raise ValueError(f"load_factor must be a number in [1, {MAX_LOAD_FACTOR:g}]; got {load_factor!r}")
+        self._load_factor = float(load_factor)
 
     async def choose_replicas(
         self,
@@ -107,7 +108,7 @@ class DocumentAffinityRouter(RequestRouter):
     def _rank(self, pending_request: Optional[PendingRequest], replicas: List[RunningReplica]) -> Ranking:
         try:
             states = [self._state(r) for r in replicas]
-            return rank_replicas(request_route_keys(pending_request), states, load_threshold=self._load_threshold)
+            return rank_replicas(request_route_keys(pending_request), states, load_factor=self._load_factor)
         except Exception:
             logger.exception("document-affinity ranking failed; routing by load")
             fallback = [ReplicaState(r.replica_id.unique_id) for r in replicas]
