@@ -104,6 +104,8 @@ class Outcome:
     docs: list[tuple[str, int]] = field(default_factory=list)
     detail: str = ""
     replica: str | None = None  # the model replica that answered (the kvblend block's "replica")
+    sent_s: float = math.nan  # when it was sent, from the phase's start
+    block: dict = field(default_factory=dict)  # the usage chunk's kvblend block (--dump)
 
 
 # ----- one request ---------------------------------------------------------------------------
@@ -150,7 +152,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, sent: float) -> Outcome
     if not done or block is None or first is None:
         return Outcome("lost", detail="the stream ended without a token, usage or [DONE]")
     docs = [(d["source"], int(d["tokens"])) for d in block.get("documents", [])]
-    return Outcome("ok", first - sent, docs, replica=block.get("replica"))
+    return Outcome("ok", first - sent, docs, replica=block.get("replica"), block=block)
 
 
 # ----- one router ----------------------------------------------------------------------------
@@ -211,7 +213,8 @@ async def drive(url: str, bodies: list[dict], plan: Plan) -> tuple[list[Outcome]
             for i in queue:
                 if time.perf_counter() - start > plan.seconds:
                     return
-                outcomes[i] = await send(client, bodies[i], plan.request_timeout_s)
+                sent = time.perf_counter() - start
+                outcomes[i] = dataclasses.replace(await send(client, bodies[i], plan.request_timeout_s), sent_s=sent)
         await asyncio.gather(*(client_loop() for _ in range(plan.concurrency)))
     wall = time.perf_counter() - start
     # clients take requests in order and stop together at the deadline: the sent ones are a prefix
@@ -263,6 +266,14 @@ def settings_for(model: str, memory_bytes: int, state_dir: str) -> dict:
 
 
 # ----- the run -------------------------------------------------------------------------------
+def dump(path: str, phase: Phase) -> None:
+    """Append ``phase``'s requests, one JSON line each (router, order, passages, outcome)."""
+    with open(path, "a") as f:
+        for i, (o, docs) in enumerate(zip(phase.outcomes, phase.passages)):
+            f.write(json.dumps(nan_to_none({"router": phase.router, "i": i, "passages": list(docs),
+                                            **dataclasses.asdict(o)})) + "\n")
+
+
 def result(phases: dict[str, Phase], plan: Plan) -> dict:
     figs = {r: p.figures(plan.warmup) for r, p in phases.items()}
     a, d = figs.get("affinity", {}), figs.get("default", {})
@@ -299,6 +310,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--routers", type=lambda s: s.split(","), default=list(ROUTERS),
                    help="comma-separated subset of default,affinity, in the order run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", default=None, help="write every request's outcome (JSON lines) to this file")
     p.add_argument("--load-factor", type=float, default=None,
                    help="the affinity router's cluster.load_factor (default: the setting's default)")
     args = p.parse_args(argv)
@@ -349,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = settings_for(args.model, memory_bytes, str(Path(tmp) / router))
                 phases[router] = run_phase(router, overrides, bodies, passages, plan, args.load_factor)
                 print(json.dumps(nan_to_none({"phase": phases[router].figures(plan.warmup)})), flush=True)
+                if args.dump:
+                    dump(args.dump, phases[router])
     finally:
         import ray
 

@@ -321,8 +321,8 @@ class ClusterSettings(_Section):
     registry) and the retrieval index (``ray start --resources='{"kvblend_ingress": 1}'``
     there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
     replicas report their resident documents to the router; ``load_factor``: the affinity
-    router's load bound: a replica takes a request only while its requests in flight stay
-    under this multiple of the mean (rounded up), else the request goes to the replica next
+    router's load bound: a replica takes a request only while its requests not answering
+    yet (queued or in prefill) stay under this multiple of the mean (rounded up), else the request goes to the replica next
     in its documents' order (consistent hashing with bounded loads; 1.0: least loaded); ``health_check_period_s``: how often Ray checks a replica's
     model worker (a dead one is restarted)."""
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+import asyncio
+
 from kvblend.cluster.affinity import ResidentSummary
-from kvblend.cluster.model import ModelReplica
+from kvblend.cluster.model import ModelReplica, Unanswered
+from kvblend.cluster.remote import route_keys
+from kvblend.cluster.wire import Accepted, ModelCall
 from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import Scheduler
 from kvblend.generation import SamplingParams
@@ -17,6 +21,7 @@ from tests.conftest import make_loaded
 def _replica(scheduler: Scheduler) -> ModelReplica:
     replica = object.__new__(ModelReplica)  # the hooks read only these (no Serve replica context here)
     replica.replica, replica.engine, replica.scheduler = "r1", scheduler.engine, scheduler
+    replica.unanswered = Unanswered()
     return replica
 
 
@@ -54,3 +59,31 @@ def test_health_check_fails_once_the_supervisor_gives_up(monkeypatch) -> None:
     assert not sched.alive
     with pytest.raises(RuntimeError, match="model worker has stopped"):
         replica.check_health()
+
+
+def test_a_request_counts_as_unanswered_from_arrival_to_its_first_item() -> None:
+    engine = Engine(make_loaded())
+    sched = Scheduler(engine, max_running=2)
+    sched.start()
+    try:
+        replica = _replica(sched)
+        request = Request(documents=[tuple(range(5, 45))], question="what?", tenant="acme")
+        call = ModelCall(route_keys(engine, request), request, SamplingParams(max_tokens=3, ignore_eos=True))
+
+        async def main() -> list[int]:
+            seen = [replica.record_routing_stats()["unanswered"]]
+            a, b = replica.generate(call), replica.generate(call)
+            assert isinstance(await a.__anext__(), Accepted) and isinstance(await b.__anext__(), Accepted)
+            seen.append(replica.record_routing_stats()["unanswered"])  # both queued or in prefill
+            await a.__anext__()  # a's stats: its prefill is done; it decodes now
+            seen.append(replica.record_routing_stats()["unanswered"])
+            await b.aclose()  # b's client left before its first item
+            seen.append(replica.record_routing_stats()["unanswered"])
+            async for _ in a:
+                pass
+            return seen
+
+        assert asyncio.run(main()) == [0, 2, 1, 0]
+        assert replica.record_routing_stats()["at"] > 0
+    finally:
+        sched.drain(5)

@@ -4,6 +4,7 @@ instance): requests go through ``_choose_replica_for_request``, the call Ray's h
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,8 @@ class Shaped:
     route_keys: Any
 
 
-def stats(keys: list[str], waiting: int = 0, running: int = 0) -> dict[str, Any]:
-    return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": waiting, "running": running}
+def stats(keys: list[str], waiting: int = 0, running: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": waiting, "running": running, **extra}
 
 
 def pending(route_keys: Any = None, *, arg: Any = "unset") -> PendingRequest:
@@ -157,4 +158,33 @@ def test_unknown_router_options_are_refused() -> None:
         for bad in (0.5, float("nan"), "2", 100.0):
             with pytest.raises(ValueError, match=r"in \[1, 64\]"):
                 make_router([], load_factor=bad)
+    run(main())
+
+
+def test_the_load_bounded_is_requests_not_answering_yet_not_streams_decoding() -> None:
+    async def main() -> None:
+        # the holder runs 6 requests (Ray counts them all) but 5 of them decode: 1 unanswered
+        holder = FakeReplica("r1", stats=stats([DOC_A], running=6, unanswered=1, at=time.time()), queue_len=6,
+                             max_ongoing=50)
+        other = FakeReplica("r2", stats=stats([], unanswered=0, at=time.time()))
+        router = make_router([holder, other])
+        await asyncio.sleep(0.05)
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"  # 1 < ceil(1.25 x 2 / 2) = 2
+        # that request counts on r1 until r1 reports again: 2 unanswered now, the next goes to r2
+        assert await route(router, pending(((DOC_A, 500),))) == "r2"
+        assert router.decisions == {"affinity": 1, "load": 1}
+        holder.stats = stats([DOC_A], unanswered=0, at=time.time())  # a report after both: it covers them
+        other.stats = stats([], unanswered=0, at=time.time())
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"
+    run(main())
+
+
+@pytest.mark.parametrize("bad", [{"unanswered": -1, "at": 1.0}, {"unanswered": "2", "at": 1.0},
+                                 {"unanswered": 2, "at": float("nan")}, {"unanswered": 2}, {"unanswered": 1.5, "at": 1.0}])
+def test_a_malformed_unanswered_report_falls_back_to_rays_queue_length(bad: dict) -> None:
+    async def main() -> None:
+        holder = FakeReplica("r1", stats={**stats([DOC_A]), **bad}, queue_len=6, max_ongoing=50)
+        router = make_router([holder, FakeReplica("r2", stats=stats([]))])
+        await asyncio.sleep(0.05)
+        assert await route(router, pending(((DOC_A, 500),))) == "r2"  # Ray's 6 in flight: over the bound
     run(main())

@@ -16,8 +16,8 @@ knows about each replica and maps the answer back onto Ray's replica objects.
   owner it is, so a document's first computation lands where later requests for it go:
   the *affinity order*. Loads are bounded as in consistent hashing with bounded loads
   (Mirrokni, Thorup and Zadimoghaddam, SODA '18): no replica takes a request that would
-  put it above ``load_factor`` x the mean load (requests in flight, this one included,
-  rounded up), so the request goes to the first replica in affinity order under that
+  put it above ``load_factor`` x the mean load (the router's measure: requests not
+  answering yet; this one included, rounded up), so the request goes to the first replica in affinity order under that
   cap. A popular document then spills to the replica next in its order and is held by
   both, while the rest stay where they are: the memory tiers keep their split of the
   documents and no replica's queue grows past the bound. With nothing to score, the
@@ -167,7 +167,8 @@ def rendezvous_owner(key: str, replicas: Iterable[str]) -> str | None:
 @dataclass(frozen=True)
 class ReplicaState:
     """What the router knows of one replica: ``summary`` None when its stats are missing or
-    unusable; ``load`` its queued + running requests, None when unknown."""
+    unusable; ``load`` the requests it has not started answering (or, without a report of
+    those, its requests in flight), None when unknown."""
 
     id: str
     summary: ResidentSummary | None = None

@@ -13,7 +13,8 @@ returns this replica's id, or a ``WireError``.
 
 Ray Serve calls ``check_health`` (raises once the scheduler's supervisor gave up, so Ray
 replaces the replica) and ``record_routing_stats`` (the resident chunk keys of the memory
-tier as a ``cluster.affinity.ResidentSummary``, and the queue, for the request router).
+tier as a ``cluster.affinity.ResidentSummary``, the queue, and the requests not answering
+yet, for the request router).
 Replicas push their Prometheus exposition to the ``cluster.metrics`` board for the
 ingress's ``/metrics``.
 """
@@ -24,6 +25,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
@@ -63,6 +65,7 @@ class ModelReplica:
         self.metrics = server_metrics(settings.model_id, self.engine, self.scheduler)
         self.scheduler.start()
         self.pusher = MetricsPusher(self.replica, self.metrics.registry, settings.cluster.routing_stats_period_s)
+        self.unanswered = Unanswered()
         self._closed = threading.Event()
         log.info("model replica %s ready", self.replica)
 
@@ -73,14 +76,17 @@ class ModelReplica:
         except Exception as exc:  # noqa: BLE001 - refusals go back as data
             yield Ended(0.0, self._wire(exc))
             return
-        yield Accepted(self.replica)
+        self.unanswered.add(handle)
         try:
+            yield Accepted(self.replica)  # inside the try: a call cancelled here cancels the request too
             async for item in handle.aevents():
+                self.unanswered.discard(handle)  # its stats or first token: its prefill is done
                 yield item
         except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
             yield Ended(handle.queue_s, to_wire(exc))
             return
         finally:
+            self.unanswered.discard(handle)
             if not handle.done:  # the call was cancelled (client gone): free the slot
                 handle.cancel()
         yield Ended(handle.queue_s)
@@ -121,12 +127,14 @@ class ModelReplica:
             raise RuntimeError(f"replica {self.replica}: the model worker has stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int}``: the
-        chunk keys the memory tier holds (every tenant's: a key names its tenant)."""
+        """``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int,
+        "unanswered": int, "at": float}``: the chunk keys the memory tier holds (every
+        tenant's: a key names its tenant), the scheduler's queue, and the requests not
+        answering yet (queued or in prefill: ``Unanswered``) at wall-clock time ``at``."""
         tier = memory_tier(self.engine.store)
         keys = [str(k) for k in tier.resident_keys()] if tier is not None else []
         return {"resident": ResidentSummary.from_keys(keys).to_dict(), "waiting": self.scheduler.num_waiting,
-                "running": self.scheduler.num_running}
+                "running": self.scheduler.num_running, "unanswered": len(self.unanswered), "at": time.time()}
 
     def __del__(self) -> None:
         """Ray Serve's graceful shutdown: drain the scheduler, flush write-back, close."""
@@ -141,6 +149,29 @@ class ModelReplica:
             self.engine.close()
 
 
+class Unanswered:
+    """The requests this replica has taken and not started answering: each from its
+    arrival to its first item (its stats or first token) or its end. That is the load the
+    router bounds: a request waits for the prefills ahead of it, while the streams already
+    decoding cost a new prefill little. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, handle: object) -> None:
+        with self._lock:
+            self._ids.add(id(handle))
+
+    def discard(self, handle: object) -> None:
+        with self._lock:
+            self._ids.discard(id(handle))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+
 def max_ongoing(settings: Settings) -> int:
     """Calls one model replica takes at once: its scheduler's running and queued requests
     and its jobs lane, so that the scheduler (fair queue, 429s) does the queueing."""
@@ -152,4 +183,4 @@ def replica_threads(settings: Settings) -> int:
     return max(1, math.floor(settings.cluster.replica_cpus + 0.5))
 
 
-__all__ = ["ModelReplica", "max_ongoing", "memory_tier"]
+__all__ = ["ModelReplica", "Unanswered", "max_ongoing", "memory_tier"]

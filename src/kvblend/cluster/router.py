@@ -14,10 +14,17 @@ What it reads:
 - the request: ``pending_request.args[0].route_keys`` — ``((chunk key, tokens), ...)``, one
   pair per document, keys ``tenant/digest`` (absent or malformed: power of two choices);
 - each replica's ``routing_stats``, what the model deployment's ``record_routing_stats``
-  returns: ``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int}``.
-  Missing or malformed stats leave that replica without a summary (it still owns its
-  rendezvous share of unheld documents); its load then comes from Ray's queue-length
-  cache, or is unknown.
+  returns: ``{"resident": ResidentSummary.to_dict(), "waiting": int, "running": int,
+  "unanswered": int, "at": float}``. Missing or malformed stats leave that replica
+  without a summary (it still owns its rendezvous share of unheld documents).
+
+A replica's load, which the ranking bounds, is its requests not answering yet (queued or
+in prefill: a new request waits for those, while streams already decoding cost its
+prefill little): the ``unanswered`` it reported at wall-clock time ``at``, plus the
+requests this router sent it since (a replica reports every ``routing_stats_period_s``;
+requests other ingresses sent show at the next report). Records of sent requests go once
+a report covers them, after ``ROUTED_TTL_S`` at the latest. Without a usable report the
+load is Ray's count of the replica's requests in flight, or unknown.
 
 The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
 Ray's replica objects to ``ReplicaState`` and back, and never raises from routing: an
@@ -27,8 +34,10 @@ unexpected error is logged and the request goes to power of two choices.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from typing import Any, List, Optional
+import math
+import time
+from collections import Counter, OrderedDict
+from typing import Any, List, NamedTuple, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -45,6 +54,13 @@ from kvblend.cluster.affinity import (
 logger = logging.getLogger(__name__)
 
 MAX_REPORTED_LOAD = 1 << 20
+ROUTED_TTL_S = 60.0  # a sent request counts on its replica's load at most this long unreported
+MAX_ROUTED = 4096  # sent requests remembered (oldest dropped first)
+
+
+class _Sent(NamedTuple):
+    replica: str
+    at: float
 
 
 def request_route_keys(pending_request: Optional[PendingRequest]) -> object:
@@ -54,6 +70,19 @@ def request_route_keys(pending_request: Optional[PendingRequest]) -> object:
         return getattr(args[0], "route_keys", None) if args else None
     except Exception:  # an argument whose attribute access fails routes by load
         return None
+
+
+def stats_unanswered(stats: Any) -> tuple[int, float] | None:
+    """``(unanswered, at)`` from a replica's routing stats; None unless ``unanswered`` is an
+    int in 0..MAX_REPORTED_LOAD and ``at`` a finite number."""
+    if not isinstance(stats, dict):
+        return None
+    count, at = stats.get("unanswered"), stats.get("at")
+    if type(count) is not int or not 0 <= count <= MAX_REPORTED_LOAD:
+        return None
+    if type(at) not in (int, float) or not math.isfinite(at):
+        return None
+    return count, float(at)
 
 
 def stats_load(stats: Any) -> int | None:
@@ -72,7 +101,7 @@ class DocumentAffinityRouter(RequestRouter):
     """Ranks replicas by the request's document tokens they hold (see the module docstring).
 
     ``initialize_state(load_factor=1.25)``: the load bound (``affinity.load_cap``): a
-    replica takes a request only while its queued + running requests stay under
+    replica takes a request only while its load (see the module docstring) stays under
     ``load_factor`` x the mean, else the request goes to the next replica in affinity order. ``decisions`` counts the ranking reasons (``affinity``,
     ``load``, ``no-keys``, ``error``) seen by this router instance.
     """
@@ -81,6 +110,7 @@ class DocumentAffinityRouter(RequestRouter):
         super().__init__(*args, **kwargs)
         self._load_factor = DEFAULT_LOAD_FACTOR
         self._summaries: dict[str, tuple[object, ResidentSummary | None]] = {}
+        self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self.decisions: Counter[str] = Counter()
 
     def initialize_state(self, load_factor: float = DEFAULT_LOAD_FACTOR, **kwargs: Any) -> None:
@@ -103,10 +133,12 @@ class DocumentAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranking = self._rank(pending_request, candidate_replicas)
         self.decisions[ranking.reason] += 1
+        self._remember(pending_request, ranking.first)
         return [[by_id[rid] for rid in rank if rid in by_id] for rank in ranking.ranks]
 
     def _rank(self, pending_request: Optional[PendingRequest], replicas: List[RunningReplica]) -> Ranking:
         try:
+            self._forget(time.time())
             states = [self._state(r) for r in replicas]
             return rank_replicas(request_route_keys(pending_request), states, load_factor=self._load_factor)
         except Exception:
@@ -121,9 +153,32 @@ class DocumentAffinityRouter(RequestRouter):
         except Exception:
             stats = None
         stats = stats if isinstance(stats, dict) else {}
-        load = self._replica_queue_len_cache.get(replica.replica_id)
-        load = load if load is not None else stats_load(stats)
+        reported = stats_unanswered(stats)
+        if reported is not None:
+            load = reported[0] + self._sent_since(rid, reported[1])
+        else:
+            load = self._replica_queue_len_cache.get(replica.replica_id)
+            load = load if load is not None else stats_load(stats)
         return ReplicaState(rid, self._summary(rid, stats.get("resident")), load)
+
+    # -- requests sent since a replica's last report
+    def _remember(self, pending_request: Optional[PendingRequest], replica: str | None) -> None:
+        """Count the request on the replica it goes to (rank 0; a retry replaces the
+        record, so a request counts once)."""
+        if pending_request is None or replica is None:
+            return
+        key = _request_id(pending_request)
+        self._sent.pop(key, None)
+        self._sent[key] = _Sent(replica, time.time())
+        while len(self._sent) > MAX_ROUTED:
+            self._sent.popitem(last=False)
+
+    def _sent_since(self, rid: str, at: float) -> int:
+        return sum(1 for s in self._sent.values() if s.replica == rid and s.at > at)
+
+    def _forget(self, now: float) -> None:
+        while self._sent and now - next(iter(self._sent.values())).at > ROUTED_TTL_S:
+            self._sent.popitem(last=False)
 
     def _summary(self, rid: str, resident: object) -> ResidentSummary | None:
         """The replica's parsed summary, parsed again only when its stats object changed."""
@@ -144,3 +199,12 @@ class DocumentAffinityRouter(RequestRouter):
         live = {r.replica_id.unique_id for r in replicas}
         for rid in [rid for rid in self._summaries if rid not in live]:
             del self._summaries[rid]
+        for key in [k for k, s in self._sent.items() if s.replica not in live]:
+            del self._sent[key]
+
+
+def _request_id(pending_request: PendingRequest) -> str:
+    try:
+        return str(pending_request.metadata.internal_request_id)
+    except Exception:  # a request without Ray's metadata: count it by object
+        return f"obj-{id(pending_request)}"
