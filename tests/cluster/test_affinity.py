@@ -158,7 +158,7 @@ def test_ties_are_broken_by_the_documents_not_by_load() -> None:
     x, y = next((x, y) for x, y in zip(ks, ks[1:]) if rendezvous_owner(x, ids) != rendezvous_owner(y, ids))
     request = ((x, 256), (y, 256))  # 256 tokens placed on each replica: a tie
     firsts = {
-        rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)]).first
+        rank_replicas(request, [ReplicaState("a", None, load_a), ReplicaState("b", None, load_b)], load_factor=2.0).first
         for load_a, load_b in ((0, 1), (1, 0), (1, 1), (None, 1))  # all under the load bound
     }
     assert firsts == {rendezvous_owner(max(x, y), ids)}  # the same replica whatever the loads
@@ -175,15 +175,18 @@ def test_a_replica_at_the_load_bound_hands_the_request_to_the_next_in_affinity_o
 
     # 3 replicas, loads a + b + 0 (+1 this request): the bound is ceil(1.25 x (a + b + 1) / 3)
     assert load_cap(states(2), 1.25) == 2 and load_cap(states(1), 1.25) == 2
-    r = rank_replicas(request, states(1))
+    r = rank_replicas(request, states(1), load_factor=1.25)
     assert (r.first, r.reason) == ("a", "affinity")  # 1 < 2: a takes it
-    r = rank_replicas(request, states(2))
+    r = rank_replicas(request, states(2), load_factor=1.25)
     assert (r.reason, r.ranks) == ("load", (("b",), ("a", "c")))  # a at the bound: the next in order
     assert rank_replicas(request, states(2), load_factor=2.0).first == "a"  # ceil(2 x 4 / 3) = 3
-    assert rank_replicas(request, states(3, load_b=3)).first == "c"  # cap ceil(1.25 x 7 / 3) = 3: a and b at it
+    assert rank_replicas(request, states(3, load_b=3), load_factor=1.25).first == "c"  # cap ceil(1.25 x 7 / 3) = 3: a and b at it
     # unknown loads are never bounded, and no known load means no bound
     assert rank_replicas(((d, 100),), [ReplicaState("a", holds), ReplicaState("b", None, 0)]).first == "a"
     assert load_cap([ReplicaState("a", holds), ReplicaState("b")], 1.25) is None
+    # 1.0: least loaded first, the affinity order deciding among the least
+    assert rank_replicas(request, states(1), load_factor=1.0).first == "c"  # loads 1, 1, 0: cap ceil(3 / 3) = 1
+    assert rank_replicas(request, states(0, load_b=0), load_factor=1.0).first == "a"
 
 
 def test_the_least_loaded_replica_is_always_under_the_bound() -> None:

@@ -120,7 +120,7 @@ def test_a_holder_over_the_load_bound_sends_the_request_to_the_next_replica() ->
         assert router.decisions["load"] == 1
         # 2 against 1 in flight: the bound is ceil(1.25 x 4 / 2) = 3, so the holder keeps it
         holder = FakeReplica("r1", stats=stats([DOC_A]), queue_len=2, max_ongoing=50)
-        router = make_router([holder, FakeReplica("r2", stats=stats([]), queue_len=1)])
+        router = make_router([holder, FakeReplica("r2", stats=stats([]), queue_len=1)], load_factor=1.25)
         await asyncio.sleep(0.05)
         assert await route(router, pending(((DOC_A, 500),))) == "r1"
     run(main())
@@ -167,7 +167,7 @@ def test_the_load_bounded_is_requests_not_answering_yet_not_streams_decoding() -
         holder = FakeReplica("r1", stats=stats([DOC_A], running=6, unanswered=1, at=time.time()), queue_len=6,
                              max_ongoing=50)
         other = FakeReplica("r2", stats=stats([], unanswered=0, at=time.time()))
-        router = make_router([holder, other])
+        router = make_router([holder, other], load_factor=1.25)
         await asyncio.sleep(0.05)
         assert await route(router, pending(((DOC_A, 500),))) == "r1"  # 1 < ceil(1.25 x 2 / 2) = 2
         # that request counts on r1 until r1 reports again: 2 unanswered now, the next goes to r2
@@ -187,4 +187,28 @@ def test_a_malformed_unanswered_report_falls_back_to_rays_queue_length(bad: dict
         router = make_router([holder, FakeReplica("r2", stats=stats([]))])
         await asyncio.sleep(0.05)
         assert await route(router, pending(((DOC_A, 500),))) == "r2"  # Ray's 6 in flight: over the bound
+    run(main())
+
+
+def test_at_load_factor_1_a_request_waits_behind_no_prefill_that_another_replica_would_spare_it() -> None:
+    async def main() -> None:
+        holder = FakeReplica("r1", stats=stats([DOC_A], running=5, unanswered=1, at=time.time()), max_ongoing=50)
+        other = FakeReplica("r2", stats=stats([], unanswered=0, at=time.time()))
+        router = make_router([holder, other], load_factor=1.0)
+        assert await route(router, pending(((DOC_A, 500),))) == "r2"  # r1 has a prefill ahead, r2 none
+        # both have one unanswered now (r2: the request just sent): a tie, decided by the documents
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"
+    run(main())
+
+
+def test_a_request_that_ended_no_longer_counts_before_the_next_report() -> None:
+    async def main() -> None:
+        holder = FakeReplica("r1", stats=stats([DOC_A], unanswered=0, at=time.time()), max_ongoing=50)
+        router = make_router([holder, FakeReplica("r2", stats=stats([], unanswered=0, at=time.time()))],
+                             load_factor=1.0)  # the tightest bound: one stale count would move it
+        for _ in range(3):  # one after another, each ended before the next: all on the holder
+            pr = pending(((DOC_A, 500),))
+            assert await route(router, pr) == "r1"
+            router.on_request_completed(holder.replica_id, pr.metadata.internal_request_id)
+        assert not router._sent
     run(main())

@@ -23,9 +23,14 @@ knows about each replica and maps the answer back onto Ray's replica objects.
   documents and no replica's queue grows past the bound. With nothing to score, the
   choice is power of two choices (two random replicas, the less loaded first).
 
-Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_factor`` (1.25
-by default, the paper's and production users' usual choice; 1.0 is least-loaded routing
-with affinity breaking ties only).
+Knobs: the summary's ``fp_rate`` (replica side) and the router's ``load_factor``. The
+default 1.25, the paper's usual choice, lets a replica run one request or so ahead of the
+mean, which keeps documents sticky and tolerates a load figure one request stale (a
+router learns of answers from reports and ends, not at once). 1.0 sends a request to the
+replica holding its documents only while no other replica has fewer requests waiting for
+their first token: a shorter tail, fewer memory hits (docs/results.md, issue #22: with 2
+replicas and 4 clients, 1.25 gave 1.3-1.7x Ray's router's memory hit rate and ~1.2x its
+p95 TTFT; 1.0 gave 1.16x and 0.96x).
 Keys carry the tenant (``store.keys.ChunkKey``: the tenant is hashed into the digest and
 prefixes it), so two tenants' identical documents are different keys and routing one
 tenant's request depends on nothing another tenant stored.

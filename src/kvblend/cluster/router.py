@@ -23,7 +23,8 @@ in prefill: a new request waits for those, while streams already decoding cost i
 prefill little): the ``unanswered`` it reported at wall-clock time ``at``, plus the
 requests this router sent it since (a replica reports every ``routing_stats_period_s``;
 requests other ingresses sent show at the next report). Records of sent requests go once
-a report covers them, after ``ROUTED_TTL_S`` at the latest. Without a usable report the
+a report covers them or the request ends (``on_request_completed``), after
+``ROUTED_TTL_S`` at the latest. Without a usable report the
 load is Ray's count of the replica's requests in flight, or unknown.
 
 The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
@@ -172,6 +173,15 @@ class DocumentAffinityRouter(RequestRouter):
         self._sent[key] = _Sent(replica, time.time())
         while len(self._sent) > MAX_ROUTED:
             self._sent.popitem(last=False)
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        """Ray's hook when a request ends on a replica: it is answered, whatever the next
+        report says (a request that ends before its replica reports again would count on
+        it until then, and requests sent one after another would all look unanswered)."""
+        try:
+            super().on_request_completed(replica_id, internal_request_id)
+        finally:
+            self._sent.pop(str(internal_request_id), None)
 
     def _sent_since(self, rid: str, at: float) -> int:
         return sum(1 for s in self._sent.values() if s.replica == rid and s.at > at)
