@@ -1,7 +1,8 @@
 """Document-affinity routing against Ray Serve's default router: two model replicas, one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/cluster.py [--quick] [--docs 32] [--requests 400]
-        [--seconds 300] [--concurrency 4] [--zipf 0.8] [--memory-fraction 0.6]
+        [--seconds 300] [--concurrency 4] [--zipf 0.8] [--memory-fraction 0.6] [--load-factor F]
+        [--dump FILE]
 
 Needs the ``cluster`` extra (``pip install kvblend[cluster]``). Starts one local Ray
 instance and, for each router in turn (Ray's default power of two choices, then
@@ -33,7 +34,9 @@ default router tends to 2). Ends with
 one JSON line: ``affinity_hit_rate``, ``default_hit_rate``, ``affinity_p95_ttft_s``,
 ``default_p95_ttft_s``, ``lost_requests`` (both phases), the ratios (``hit_rate_ratio``
 = affinity / default, goal >= 1.5; ``p95_ttft_ratio`` = affinity / default, goal < 1),
-and each phase's figures. Timings on a shared host drift: read the ratios.
+and each phase's figures. Timings on a shared host drift: read the ratios. ``--dump FILE``
+appends every request's outcome (passages, TTFT, replica, its ``kvblend`` block: queue,
+prefill and misses) as JSON lines, to see what the slow requests waited for.
 """
 
 from __future__ import annotations

@@ -73,3 +73,16 @@ def test_plans_must_not_fit_one_replica_but_fit_two() -> None:
     with pytest.raises(ValueError):
         bc.Plan(requests=10, warmup=10)
     assert bc.Plan.quick().requests < bc.Plan().requests
+
+
+def test_dump_writes_each_request_with_its_passages_and_block(tmp_path) -> None:
+    import json
+
+    phase = _make("affinity", [("ok", "r1", ["memory"], (3, 5)), ("lost", None, [], (1,))])
+    phase.outcomes[0].block.update({"queue_s": 2.5, "doc_misses": 0})
+    path = tmp_path / "dump.jsonl"
+    bc.dump(str(path), phase)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["router"], r["i"], r["passages"], r["status"]) for r in rows] == [
+        ("affinity", 0, [3, 5], "ok"), ("affinity", 1, [1], "lost")]
+    assert rows[0]["block"]["queue_s"] == 2.5 and rows[0]["ttft_s"] == 1.0 and rows[1]["sent_s"] is None  # NaN: not sent timed
