@@ -16,9 +16,9 @@ knows about each replica and maps the answer back onto Ray's replica objects.
   owner it is, so a document's first computation lands where later requests for it go:
   the *affinity order*. Loads are bounded as in consistent hashing with bounded loads
   (Mirrokni, Thorup and Zadimoghaddam, SODA '18): no replica takes a request that would
-  put it above ``load_factor`` x the mean load (the router's measure: requests not
-  answering yet; this one included, rounded up), so the request goes to the first replica in affinity order under that
-  cap. A popular document then spills to the replica next in its order and is held by
+  put it above ``load_factor`` x the mean load (the router's measure, requests not
+  answering yet; this one included; rounded up), so the request goes to the first
+  replica in affinity order under that cap. A popular document then spills to the replica next in its order and is held by
   both, while the rest stay where they are: the memory tiers keep their split of the
   documents and no replica's queue grows past the bound. With nothing to score, the
   choice is power of two choices (two random replicas, the less loaded first).

@@ -24,8 +24,8 @@ prefill little): the ``unanswered`` it reported at wall-clock time ``at``, plus 
 requests this router sent it since (a replica reports every ``routing_stats_period_s``;
 requests other ingresses sent show at the next report). Records of sent requests go once
 a report covers them or the request ends (``on_request_completed``), after
-``ROUTED_TTL_S`` at the latest. Without a usable report the
-load is Ray's count of the replica's requests in flight, or unknown.
+``ROUTED_TTL_S`` at the latest. Without a usable report the load is Ray's count of the
+replica's requests in flight, or unknown.
 
 The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
 Ray's replica objects to ``ReplicaState`` and back, and never raises from routing: an
@@ -103,8 +103,9 @@ class DocumentAffinityRouter(RequestRouter):
 
     ``initialize_state(load_factor=1.25)``: the load bound (``affinity.load_cap``): a
     replica takes a request only while its load (see the module docstring) stays under
-    ``load_factor`` x the mean, else the request goes to the next replica in affinity order. ``decisions`` counts the ranking reasons (``affinity``,
-    ``load``, ``no-keys``, ``error``) seen by this router instance.
+    ``load_factor`` x the mean, else the request goes to the next replica in affinity
+    order. ``decisions`` counts the ranking reasons (``affinity``, ``load``,
+    ``no-keys``, ``error``) seen by this router instance.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
