@@ -61,13 +61,14 @@ class Spy:
     the question pass's logits (full reuse) and the shift's per-layer residuals."""
 
     def __init__(self) -> None:
-        self.reuse_logits, self.shift = None, None
+        self.reuse_logits, self.shift, self.scores = None, None, None
         real_q, real_shift = strategies.question_scores_steps, strategies.ShiftCorrection
         spy = self
 
         def question_scores_steps(model, plan):
             scores, out = yield from real_q(model, plan)
             spy.reuse_logits = out.logits.clone()
+            spy.scores = scores[strategies._candidate_mask(plan, plan.ids.shape[0], model.device)].clone()
             return scores, out
 
         class ShiftSpy(real_shift):
@@ -78,10 +79,16 @@ class Spy:
         strategies.question_scores_steps, strategies.ShiftCorrection = question_scores_steps, ShiftSpy
 
     def reset(self) -> None:
-        self.reuse_logits, self.shift = None, None
+        self.reuse_logits, self.shift, self.scores = None, None, None
 
     def signals(self, logits: torch.Tensor) -> dict:
         out = {}
+        if self.scores is not None and self.scores.numel():  # how spread the question's attention mass is
+            s = self.scores.float().clamp_min(0).sort(descending=True).values
+            cum = s.cumsum(0) / s.sum()
+            n = s.numel()
+            out["cover15"] = float(cum[max(0, round(0.15 * n) - 1)])
+            out["need"] = {str(share): (int((cum < share).sum()) + 1) / n for share in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)}
         if self.reuse_logits is not None:  # disagreement between the passes at the prompt's last token
             out["pass_kl"] = kl_divergence(logits, self.reuse_logits)
         if self.shift is not None and self.shift.errors:
