@@ -11,11 +11,14 @@ prompt, and KL(full || method) averaged over those positions; only the KL is com
 (no 32-token answer, no gold NLL), so a method costs its prepare and 8 forced tokens.
 Full prefill's reference (answer ids and logits) is kept under ``OUT/refs`` and reused by
 later runs. Each (question, method) is one JSON line in ``OUT/records.jsonl`` (a rerun
-skips those done), with the request's blend risk (`RequestStats.risk`) when it has one.
+skips those done), with the request's blend risk (`RequestStats.risk`) when it has one and,
+for a question-selected blend, how spread the question's attention over the documents is
+(``cover15``: the share of its mass on the top 15 % of candidates; ``need``: the fraction of
+candidates that holds each share, what ``+coverS`` would keep).
 
 ``--report`` prints, per method, the per-question ratio KL / reuse's KL (mean of the KL
 over questions divided by reuse's mean, median / p90 / max of per-question ratios, the
-number of questions worse than reuse), and the risk signal's AUC at separating questions
+number of questions worse than reuse, the mean recomputed fraction), and the risk signal's AUC at separating questions
 whose ratio is above 0.5 (`--risk-method`, default the engine's default blend).
 """
 
@@ -61,13 +64,14 @@ class Spy:
     the question pass's logits (full reuse) and the shift's per-layer residuals."""
 
     def __init__(self) -> None:
-        self.reuse_logits, self.shift = None, None
+        self.reuse_logits, self.shift, self.scores = None, None, None
         real_q, real_shift = strategies.question_scores_steps, strategies.ShiftCorrection
         spy = self
 
         def question_scores_steps(model, plan):
             scores, out = yield from real_q(model, plan)
             spy.reuse_logits = out.logits.clone()
+            spy.scores = scores[strategies._candidate_mask(plan, plan.ids.shape[0], model.device)].clone()
             return scores, out
 
         class ShiftSpy(real_shift):
@@ -78,10 +82,16 @@ class Spy:
         strategies.question_scores_steps, strategies.ShiftCorrection = question_scores_steps, ShiftSpy
 
     def reset(self) -> None:
-        self.reuse_logits, self.shift = None, None
+        self.reuse_logits, self.shift, self.scores = None, None, None
 
     def signals(self, logits: torch.Tensor) -> dict:
         out = {}
+        if self.scores is not None and self.scores.numel():  # how spread the question's attention mass is
+            s = self.scores.float().clamp_min(0).sort(descending=True).values
+            cum = s.cumsum(0) / s.sum()
+            n = s.numel()
+            out["cover15"] = float(cum[max(0, round(0.15 * n) - 1)])
+            out["need"] = {str(share): (int((cum < share).sum()) + 1) / n for share in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)}
         if self.reuse_logits is not None:  # disagreement between the passes at the prompt's last token
             out["pass_kl"] = kl_divergence(logits, self.reuse_logits)
         if self.shift is not None and self.shift.errors:
@@ -190,7 +200,8 @@ def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
         line = {"method": method, "n": len(common), "kl": round(statistics.mean(rows[i]["kl"] for i in common), 4),
                 "mean_ratio": round(mean_ratio, 3), "median_ratio": round(statistics.median(ratios), 3),
                 "p90_ratio": round(p90, 3), "max_ratio": round(ratios[-1], 3),
-                "worse_than_reuse": sum(x > 1 for x in ratios), "above_0_5": sum(x > 0.5 for x in ratios)}
+                "worse_than_reuse": sum(x > 1 for x in ratios), "above_0_5": sum(x > 0.5 for x in ratios),
+                "recompute_frac": round(statistics.mean(rows[i]["recompute_frac"] for i in common), 3)}
         ratios_of = {i: rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common}
         bad = [ratios_of[i] > 0.5 for i in common]
         for key in SIGNALS:  # over the questions whose record has the signal

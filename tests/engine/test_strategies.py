@@ -14,7 +14,7 @@ from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
 from kvblend.blend.strategies import (
-    QuestionScores, ShiftCorrection, allocate, blend_risk, choose, question_scores, shift_samples,
+    QuestionScores, ShiftCorrection, allocate, blend_risk, choose, covering_count, question_scores, shift_samples,
 )
 from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, Request
@@ -34,6 +34,8 @@ STRATEGIES = [
     dict(selection="question", budget=True, sinks=2, shift=True, shift_question=True),
     dict(selection="deviation", budget=True, sinks=2, shift=True),
     dict(selection="oracle", budget=True),
+    dict(selection="question", cover=0.9),  # ratio 0 recomputes nothing, whatever the share
+    dict(selection="question", budget=True, sinks=2, shift=True, cover=0.9),
 ]
 
 
@@ -85,6 +87,44 @@ def test_choose_takes_sinks_first_and_keeps_within_document_budgets() -> None:
     assert pos[sinks].tolist() == [10, 20, 28, 29]
     budget = choose(scores, pos, 6, spans, replace(plain, budget=True, budget_floor=1.0))
     assert pos[budget].tolist() == [10, 11, 12, 27, 28, 29]  # 3 + 3 by the floor, top by score in each
+
+
+def test_covering_count_is_the_fewest_tokens_that_hold_the_share() -> None:
+    scores = torch.tensor([1.0, 5.0, 1.0, -2.0, 1.0, 1.0, 1.0])  # mass 10 (a negative score counts 0)
+    assert covering_count(scores, 0.5) == 1  # the 5 alone holds half
+    assert covering_count(scores, 0.51) == 2
+    assert covering_count(scores, 0.9) == 5
+    assert covering_count(scores, 1.0) == 6  # every positive score; the negative one is never needed
+    assert covering_count(scores, 0.0) == 0 and covering_count(torch.zeros(4), 0.5) == 0
+
+
+def test_cover_keeps_at_least_the_tokens_holding_the_share_of_the_question_attention(monkeypatch) -> None:
+    # a question that spreads its attention gets more tokens than the ratio's, enough that the
+    # recomputed ones hold the share; one whose ratio already covers it keeps the ratio's count
+    import kvblend.blend.strategies as strategies
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = strategies.choose
+    monkeypatch.setattr(strategies, "choose", lambda scores, *a, **kw: seen.append(
+        (scores, out := real(scores, *a, **kw))) or out)
+    eng = Engine(make_loaded(num_hidden_layers=3))
+    _logits(eng, "blend")
+    eng.flush()
+
+    def kept(**blend) -> tuple[int, float, int]:
+        seen.clear()
+        st = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                                 blend=BlendConfig(**{**PLAIN_STRATEGY, "selection": "question", **blend}))).stats
+        (scores, chosen), = seen
+        return int(chosen.numel()), float(scores[chosen].sum() / scores.sum()), st.candidates
+
+    n, held, cand = kept(ratio=0.1)
+    assert n == round(0.1 * cand) and held < 0.9  # the ratio alone leaves the share uncovered
+    n, held, _ = kept(ratio=0.1, cover=0.9)
+    assert held >= 0.9 and n > round(0.1 * cand)
+    assert kept(ratio=0.1, cover=0.9, budget=True, sinks=2, shift=True)[0] == n  # the count, whatever spends it
+    assert kept(ratio=0.95, cover=0.9)[0] == round(0.95 * cand)  # never below the ratio's
+    assert parse_method("blend:0.1:q+cover0.9").blend.cover == 0.9
 
 
 def _stale_cache(seed: int, n: int = 12):

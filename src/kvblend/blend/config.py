@@ -18,7 +18,7 @@ MAX_SINKS = 64
 SHIFT_NAMES = {(True, False): "shift", (True, True): "shiftq", (False, False): "shiftall", (False, True): "shiftallq"}
 # The paper's selection with no strategy on top: what ``BlendConfig.cacheblend`` is, and
 # what a method spec that names its selection starts from (``eval.runner.parse_method``).
-PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0}
+PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0, "cover": 0.0}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class BlendConfig:
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the
     question-attention score's rank within its document + ``vdev`` x the layer-1 V
     deviation's rank within its document (ranks scaled to [0, 1]); 0.5 weighs them equally.
+    ``cover`` (question and oracle selection; 0 = off; deviation selection ignores it): the
+    kept count is at least the fewest candidates whose scores hold this share of all the
+    candidates' score mass (for ``question``, the question's attention over the documents),
+    and never below ``ratio``'s: a request whose question spreads its attention recomputes
+    more, one that looks at a few tokens what ``ratio`` says. Ratio 0 still recomputes
+    nothing (``strategies.covering_count``; ``+coverS`` in a method spec).
     ``question`` and ``oracle`` select once, with the last ratio of the schedule (check
     layers, schedule and signal are deviation's knobs).
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
@@ -81,6 +87,7 @@ class BlendConfig:
     shift_test: bool = True
     shift_question: bool = False
     vdev: float = 0.0
+    cover: float = 0.0
 
     @classmethod
     def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
@@ -135,6 +142,8 @@ class BlendConfig:
             raise InvalidRequestError(f"shift_stride must be within [2, 4096], got {self.shift_stride}")
         if not 0.0 <= self.vdev <= 1.0:
             raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}")
+        if not 0.0 <= self.cover <= 1.0:
+            raise InvalidRequestError(f"cover must be within [0, 1], got {self.cover}")
         if self.vdev and self.selection != "question":
             raise InvalidRequestError("vdev (the V-deviation hybrid) combines with question selection only")
 
@@ -143,6 +152,7 @@ class BlendConfig:
         """How tokens are chosen and corrected, e.g. ``deviation`` or ``question+sinks4+shift``."""
         shift = SHIFT_NAMES[(self.shift_test, self.shift_question)]
         mods = ["budget"] * self.budget + [f"sinks{self.sinks}"] * bool(self.sinks) + [shift] * self.shift
+        mods += [f"cover{self.cover:g}"] * bool(self.cover)
         return "+".join([self.selection, *mods])
 
     @property

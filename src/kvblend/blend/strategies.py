@@ -91,6 +91,17 @@ def allocate(total: int, sizes: Sequence[int], weights: Sequence[float], floor: 
     return out
 
 
+def covering_count(scores: torch.Tensor, share: float) -> int:
+    """The fewest of the candidates whose ``scores`` (T,) sum to at least ``share`` of all
+    of theirs (negative scores count 0): 0 for share 0 or no mass, T for share 1."""
+    s = scores.float().clamp_min(0).sort(descending=True).values
+    total = float(s.sum())
+    if share <= 0 or total <= 0:
+        return 0
+    below = s.cumsum(0) < share * total * (1 - 1e-6)  # (T,) prefixes still short of the share
+    return min(int(below.sum()) + 1, s.numel())
+
+
 def shift_samples(spans: Sequence[Span], n: int, keep: int, n_cand: int, stride: int,
                   device: torch.device) -> torch.Tensor:
     """(N,) bool: the uniform sample on which ``ShiftCorrection`` estimates each document's
@@ -596,6 +607,8 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
             return reused
     else:
         scores, reused = oracle_scores(model, plan), None
+    if cfg.cover and keep:  # at least the tokens holding cfg.cover of the score mass (the sample stays ratio's)
+        keep = max(keep, covering_count(scores[pos], cfg.cover))
     ranked, mass = scores[pos], None
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked

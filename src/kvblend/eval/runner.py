@@ -96,7 +96,8 @@ VDEV_EQUAL = 0.5  # ``+vdev``: question attention and V deviation weigh the same
 
 def _modifier(spec: str, name: str) -> dict[str, Any]:
     """One ``+NAME`` as BlendConfig fields: a chunk prefix, ``budget``, ``sinksK``, ``shift``
-    or ``vdev[W]`` (the V-deviation hybrid, weight W of the deviation's rank, default 0.5)."""
+    ``vdev[W]`` (the V-deviation hybrid, weight W of the deviation's rank, default 0.5) or
+    ``coverS`` (keep at least the tokens covering share S of the question's attention)."""
     if name in CHUNK_PREFIXES:
         return {"chunk_prefix": name}
     if name == "budget":
@@ -106,10 +107,12 @@ def _modifier(spec: str, name: str) -> dict[str, Any]:
         return {"shift": True, "shift_test": shifts[name][0], "shift_question": shifts[name][1]}
     if name.startswith("sinks") and name[5:].isdigit():
         return {"sinks": int(name[5:])}
+    if name.startswith("cover") and name[5:]:
+        return {"cover": _floats(name[5:], "the cover share", spec)[0]}
     if name.startswith("vdev"):
         return {"vdev": _floats(name[4:], "the vdev weight", spec)[0] if name[4:] else VDEV_EQUAL}
     raise ValueError(f"method {spec!r}: '+' takes a chunk prefix ({', '.join(CHUNK_PREFIXES)}), "
-                     "budget, sinksK, shift, shiftq, shiftall, shiftallq or vdev[W]")
+                     "budget, sinksK, shift, shiftq, shiftall, shiftallq, vdev[W] or coverS")
 
 
 def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
@@ -129,7 +132,8 @@ def parse_method(spec: str, base: BlendConfig | None = None) -> MethodSpec:
     (correct the tokens not recomputed, per document where a held-out test says it helps;
     ``+shiftall``: always, as before session 9), ``+vdev`` (with ``q``: rank question attention and
     layer-1 V deviation within each document and average the ranks; ``+vdev0.3`` weighs the
-    deviation 0.3), e.g. ``blend:0.15:q+budget+sinks4+shift``, ``blend:0.15:q+vdev``.
+    deviation 0.3), ``+cover0.8`` (with ``q``: recompute at least the fewest tokens that
+    hold 0.8 of the question's attention over the documents), e.g. ``blend:0.15:q+budget+sinks4+shift``, ``blend:0.15:q+vdev``.
     Modifiers apply after the selection, whatever their order in the spec.
     """
     from kvblend.errors import InvalidRequestError
