@@ -322,9 +322,10 @@ class ClusterSettings(_Section):
     there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
     replicas report their resident documents to the router; ``load_factor``: the affinity
     router's load bound: a replica takes a request only while its requests not answering
-    yet (queued or in prefill) stay under this multiple of the mean (rounded up), else the request goes to the replica next
-    in its documents' order (consistent hashing with bounded loads; 1.0: least loaded, a
-    shorter tail and fewer memory hits); ``health_check_period_s``: how often Ray checks a replica's
+    yet (queued or in prefill) stay under this multiple of the mean (rounded up), else the
+    request goes to the replica next in its documents' order (consistent hashing with
+    bounded loads; 1.0: none above the mean, of two replicas the less loaded: a shorter
+    tail and fewer memory hits); ``health_check_period_s``: how often Ray checks a replica's
     model worker (a dead one is restarted)."""
 
     replicas: int | None = Field(None, ge=1, le=256)
