@@ -230,7 +230,11 @@ class SchedulerSettings(_Section):
     their decode steps (a fusion runs about as many token-layers): the largest gap a running
     stream sees is about that multiple of its pace, and a long prompt arriving beside streams
     takes about 1 + 1/(max_stall_steps - 1) its time alone on a device where a decode step is
-    mostly a pass over the weights (a CPU; less on a GPU). ``max_jobs`` bounds the jobs lane (document precompute,
+    mostly a pass over the weights (a CPU; less on a GPU). ``interleave``: how a prefill keeps
+    that pace — "slices", small forwards riding in the decode step's pass (Sarathi-Serve), or
+    "layers", larger chunks run a few layers per turn between decode-only steps; "auto" takes
+    layers on a CPU (a pass there has a fixed cost small slices never amortise) and slices
+    elsewhere. ``max_jobs`` bounds the jobs lane (document precompute,
     write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
     low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
     tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
@@ -242,6 +246,7 @@ class SchedulerSettings(_Section):
     max_background: int = Field(16, ge=0, le=4096)
     prefill_chunk_tokens: int | None = Field(1024, ge=1, le=1 << 20)
     max_stall_steps: float = Field(3.0, gt=1, le=1000, allow_inf_nan=False)
+    interleave: Literal["auto", "layers", "slices"] = "auto"
     max_jobs: int = Field(32, ge=1, le=4096)
     decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

@@ -18,6 +18,7 @@ from kvblend.engine.scheduler import (
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError, NonFiniteLogitsError
 from kvblend.generation import SamplingParams
+from kvblend.generation.chunked import InPlace
 from tests.conftest import make_loaded
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -370,7 +371,8 @@ def test_slices_beside_streams_are_sized_to_the_stall_asked_for() -> None:
     """A step carrying a slice should take about ``stall_steps`` decode steps: (g - 1) d / c
     tokens, from the measured decode step d and per-token slice time c, grown at most 2x."""
     def sized(stall_steps: float, last: int) -> int:
-        sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=1024, stall_steps=stall_steps)
+        sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=1024, stall_steps=stall_steps,
+                          interleave="slices")
         sched._running = [object()]  # a stream decodes
         sched._decode_s, sched._token_s, sched._last_slice = 0.07, 0.0035, last
         return sched.slice_tokens()
@@ -379,3 +381,45 @@ def test_slices_beside_streams_are_sized_to_the_stall_asked_for() -> None:
     assert sized(5.0, 20) == 40  # one step's measure cannot make a long stall at once
     with pytest.raises(ValueError, match="stall_steps"):
         Scheduler(Engine(make_loaded()), stall_steps=1.0)
+
+
+def test_in_place_work_beside_streams_stops_before_the_turn_is_spent(monkeypatch) -> None:
+    """Beside a decoding stream, in-place work stops before its next step (predicted to take
+    what the last one did) would pass (stall_steps - 1) decode steps, but always makes one
+    step; without streams, ``prefill_chunk_tokens`` token-layers per layer bound a turn. The
+    chunk asked for next fills about a third of the turn, at the measured cost of a layer."""
+    from kvblend.models.transformer import LayerDone
+
+    now, units = [0.0], [0]
+    monkeypatch.setattr(scheduler_mod, "_clock", lambda: now[0])
+
+    def work(seconds: float):
+        while True:
+            now[0] += seconds
+            units[0] += 1
+            yield LayerDone(10, inner=True)
+
+    def turn(sched: Scheduler, seconds: float) -> int:
+        units[0] = 0
+        assert sched._advance(scheduler_mod._Task(work(seconds)))[0] is None
+        return units[0]
+
+    sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=64, stall_steps=3.0, interleave="layers")
+    layers = len(sched.engine.model.layers)
+    sched._running = [object()]  # a stream decodes
+    assert turn(sched, 0.01) == -(-64 * layers // 10)  # no decode step measured yet: 64 token-layers per layer
+    assert sched.slice_tokens() == InPlace(64)  # nor the turn: the first chunk's size
+    sched._decode_s = 0.05  # the turn's in-place budget: (3 - 1) x 50 ms
+    assert sched.slice_tokens() == InPlace(int(0.1 / (3 * 0.001)))  # a layer measured at 10 ms per 10 tokens
+    assert turn(sched, 0.03) == 3  # 90 ms; a fourth step would end at 120
+    assert turn(sched, 0.15) == 1  # a step longer than the budget still runs, alone
+    sched._running = []
+    assert turn(sched, 0.03) == -(-64 * layers // 10)  # nothing decodes: the token-layer bound
+    assert sched.slice_tokens() == 64
+
+
+def test_interleave_auto_runs_in_place_on_a_cpu() -> None:
+    assert Scheduler(Engine(make_loaded())).in_place
+    assert not Scheduler(Engine(make_loaded()), interleave="slices").in_place
+    with pytest.raises(ValueError, match="interleave"):
+        Scheduler(Engine(make_loaded()), interleave="sideways")

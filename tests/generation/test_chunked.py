@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from kvblend.generation.chunked import Forward, chunk_size, forward_chunks, run_steps
+from kvblend.generation.chunked import Forward, InPlace, chunk_size, forward_chunks, run_steps
+from kvblend.models.transformer import LayerDone
 from tests.conftest import make_loaded
 
 
@@ -86,3 +87,42 @@ def test_run_steps_drives_a_forward_alone() -> None:
     got = run_steps(forward_chunks(model, ids, model.new_cache(21), 8), model)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
     assert chunk_size(model, 21, None) == 21  # None: one slice
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_in_place_chunks_equal_one_shot_and_yield_each_layer(arch: str) -> None:
+    """A size callable answering ``InPlace(n)`` runs those n tokens here, layer by layer (a
+    ``LayerDone`` per layer, the first and last flagged not inner: they also embed and make
+    logits), mixed freely with ``Forward`` slices; logits and cache equal one forward's."""
+    model = _model(arch)
+    layers = len(model.layers)
+    ids = _ids(model, 37, 5)  # (37,)
+    one = model.new_cache(40)
+    want = model(ids, one, logits_for="all")  # (37, V)
+    asks = iter([InPlace(5), 7, InPlace(11), InPlace(40)])  # 5 in place, 7 by the driver, 11 + 14 in place
+    cache = model.new_cache(40)
+    gen = forward_chunks(model, ids, cache, lambda: next(asks), logits_for="all")
+    units, forwards, reply = [], 0, None
+    while True:
+        try:
+            step = gen.send(reply)
+        except StopIteration as stop:
+            got = stop.value
+            break
+        reply = None
+        if isinstance(step, Forward):
+            forwards += 1
+            reply = model(step.ids, step.cache, step.logits_for)
+        else:
+            assert isinstance(step, LayerDone)
+            units.append((int(step), step.inner))
+    assert forwards == 1
+    assert units == [(n, 0 < i < layers - 1) for n in (5, 11, 14) for i in range(layers)]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert cache.length == 37
+    for layer in range(layers):
+        for a, b in zip(cache.view(layer), one.view(layer)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=0)
+    last = model.new_cache(40)  # run alone (run_steps), in place throughout
+    got_last = run_steps(forward_chunks(model, ids, last, lambda: InPlace(16)), model)
+    assert torch.allclose(got_last, want[-1:], atol=1e-4, rtol=0)

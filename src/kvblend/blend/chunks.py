@@ -6,7 +6,7 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from kvblend.generation.chunked import Forward, SliceSize, forward_chunks, run_steps
+from kvblend.generation.chunked import SliceSize, Steps, forward_chunks, run_steps
 from kvblend.models.transformer import Transformer
 from kvblend.store.chunk import ChunkKV
 
@@ -18,7 +18,7 @@ def compute_chunk_kv(model: Transformer, chunk_prefix: Sequence[int], doc_ids: S
 
 @torch.inference_mode()
 def compute_chunk_steps(model: Transformer, chunk_prefix: Sequence[int], doc_ids: Sequence[int],
-                        slice_tokens: SliceSize = None) -> Generator[Forward, torch.Tensor, ChunkKV]:
+                        slice_tokens: SliceSize = None) -> Steps:
     """Prefill ``chunk_prefix + doc_ids`` and keep the document's K/V for every layer; a step
     generator of forward slices of at most ``slice_tokens`` (None: one).
 

@@ -36,13 +36,15 @@ loop turn:
   state; nothing recomputed) and the slot goes to the waiting tenant; parked decodes
   rejoin the batch, oldest first, as slots free up;
 * runs one *slice* of model work, in this order of priority — the request being
-  prefilled, the jobs lane, the background lane (only while no request waits): a full
-  prefill's slice is a ``Forward`` of ``slice_tokens()`` tokens — ``prefill_chunk_tokens``
-  while nothing decodes (or only streams of tenants over their part of the slots or with
-  requests waiting, and the prefill's tenant is within its part with none), else as many
-  as make the step take about
-  ``stall_steps`` of the running streams' decode steps (measured) —, a fusion's a group
-  of layers holding about as many token-layers;
+  prefilled, the jobs lane, the background lane (only while no request waits). A full
+  prefill's slice (``slice_tokens()``) is a ``Forward`` of ``prefill_chunk_tokens`` while
+  nothing decodes (or only streams of tenants over their part of the slots or with
+  requests waiting, and the prefill's tenant is within its part with none); beside
+  streams it keeps their pace, so that a turn takes about ``stall_steps`` of their decode
+  steps (measured), in one of two ways (``interleave``): a small ``Forward`` riding in the
+  decode step's pass (slices), or an ``InPlace`` chunk run here layer by layer until the
+  turn's time is spent (layers, the CPU's choice: a pass there has a large fixed cost that
+  small slices never amortise). A fusion's slice is a group of its layers, bounded alike;
   a job's step the same; the jobs lane gets every fourth slice even while requests
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
@@ -93,9 +95,10 @@ from kvblend.engine.fair import FairQueue, TenantShare
 from kvblend.engine.request import Request, RequestStats, Result, result_of
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.generation.batch import DecodeSlot, forward_batch
-from kvblend.generation.chunked import Forward, Steps
+from kvblend.generation.chunked import Forward, InPlace, Steps
 from kvblend.generation.sampling import SamplingParams
 from kvblend.generation.stream import StreamEvent
+from kvblend.models.transformer import LayerDone
 from kvblend.store.writeback import ComputeRefused
 
 log = logging.getLogger(__name__)
@@ -360,10 +363,14 @@ RESTART_WINDOW_S = 60.0  # ... within this many seconds
 JOB_EVERY = 4  # the jobs lane gets at least every JOB_EVERY-th slice while requests prefill
 DEFAULT_CHUNK_TOKENS = 1024  # nothing decodes: slices only bound how long a cancel or a job waits
 FIRST_SLICE_TOKENS = 64  # streams decode but no step was measured yet
+FIRST_LAYERED_TOKENS = 256  # an in-place chunk beside streams before a layer of one was measured
 MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weights than it saves
 # a prefill in progress steps aside for a tenant with work in flight only once that tenant
 # is this many (weighted) tokens behind: VTC's own fairness bound is a batch's worth of tokens
 PAUSE_QUANTUM_TOKENS = 1024.0
+INTERLEAVE_MODES = ("auto", "layers", "slices")
+UNITS_PER_TURN = 3  # an in-place chunk is sized so that about this many of its layers fill a turn
+_clock = time.perf_counter  # the in-place budget's clock (tests drive it)
 DEFAULT_STALL_STEPS = 3.0  # while streams decode, a step with a slice takes about this many decode steps
 EWMA = 0.3
 
@@ -386,11 +393,14 @@ class Scheduler:
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
                  prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
                  shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
-                 stall_steps: float = DEFAULT_STALL_STEPS) -> None:
+                 stall_steps: float = DEFAULT_STALL_STEPS, interleave: str = "auto") -> None:
         _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
         if not 1.0 < stall_steps < float("inf"):
             raise ValueError(f"stall_steps must be a number > 1, got {stall_steps}")
         self.stall_steps = stall_steps
+        if interleave not in INTERLEAVE_MODES:
+            raise ValueError(f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, got {interleave!r}")
+        self.in_place = interleave == "layers" or (interleave == "auto" and engine.model.device.type == "cpu")
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
@@ -418,6 +428,7 @@ class Scheduler:
         self._decode_s: float | None = None  # moving average of a decode-only step
         self._token_s: float | None = None  # moving average of a prefill slice's seconds per token
         self._last_slice = FIRST_SLICE_TOKENS  # tokens of the last slice run beside decoding streams
+        self._layer_s: float | None = None  # moving average of an in-place prefill layer's seconds per token
 
     # -- state
     @property
@@ -820,18 +831,28 @@ class Scheduler:
         return None
 
     def _advance(self, task: _Task) -> tuple[Forward | None, int]:
-        """Step ``task`` until it asks for a forward, or its in-place work reaches the slice
+        """Step ``task`` until it asks for a forward, or its in-place work reaches the turn's
         budget; the forward (None: none) and the token-layers done in place, over the layer
-        count. Raises StopIteration with the task's value when it ends."""
+        count. Raises StopIteration with the task's value when it ends.
+
+        The budget: while streams decode at a pace this task must keep (``_paced``), in-place
+        work stops before the next step would pass ``stall_steps - 1`` decode steps (each
+        step is predicted to take what the last one did), so the turn with the decode step
+        after it takes about ``stall_steps``; otherwise ``prefill_chunk_tokens`` token-layers
+        per layer bound how long a cancel or a job waits."""
         if task.held is not None:
             forward, task.held = task.held, None
             return forward, 0
         layers = len(self.engine.model.layers)
         tenant = task.handle.tenant if isinstance(task, _Prefill) else None
-        budget = (self.slice_tokens(tenant) or 1 << 62) * layers
-        done = 0
+        limit_s = self._turn_limit_s(tenant)
+        budget = (FIRST_SLICE_TOKENS if self._paced(tenant) and limit_s is None
+                  else self.prefill_chunk_tokens or 1 << 62) * layers
+        done, spent = 0, 0.0
         while True:
+            t = _clock()
             step = task.steps.send(task.reply)
+            took = _clock() - t
             task.reply = None
             if isinstance(step, Forward):
                 if done:
@@ -841,8 +862,18 @@ class Scheduler:
             if step is None:
                 return None, done // layers
             done += int(step)
-            if done >= budget:
+            spent += took
+            if isinstance(step, LayerDone) and step.inner and step > 0:
+                self._layer_s = _ewma(self._layer_s, took / int(step))
+            if done >= budget or (limit_s is not None and spent + took > limit_s):
                 return None, done // layers
+
+    def _turn_limit_s(self, tenant: str | None) -> float | None:
+        """Seconds of in-place work one turn may take beside streams that ``tenant``'s work
+        must keep pace with (None: no limit, or no decode step measured yet)."""
+        if self._decode_s is None or not self._paced(tenant):
+            return None
+        return (self.stall_steps - 1.0) * self._decode_s
 
     def _completed(self, task: _Task, value: Any) -> None:
         if isinstance(task, _Prefill):
@@ -943,31 +974,48 @@ class Scheduler:
                 outs.append(exc)
         return outs
 
-    def slice_tokens(self, tenant: str | None = None) -> int | None:
-        """Tokens in the next prefill slice (of ``tenant``'s request; None: other model work):
-        ``prefill_chunk_tokens`` while nothing decodes (large: small slices cost a pass over
-        the weights each, and would only slow it), or while every decoding stream belongs to
-        a tenant holding more than its fair part of the slots or with requests waiting, and
-        ``tenant`` holds no more than its own and has none waiting (``_unguarded``: the
-        streams of a tenant asking for more than its share do not slow down one within
-        it); else as many as make the step that carries them take about ``stall_steps``
-        decode steps (from the measured step and per-token slice times; at least
-        MIN_SLICE_TOKENS), so a running stream's gaps stay that multiple of its steady pace
-        whatever the device. None: no slicing.
+    def slice_tokens(self, tenant: str | None = None) -> int | InPlace | None:
+        """The next prefill slice (of ``tenant``'s request; None: other model work), as
+        ``forward_chunks`` asks: ``prefill_chunk_tokens`` while nothing decodes (large: small
+        slices cost a pass over the weights each, and would only slow it), or while every
+        decoding stream belongs to a tenant holding more than its fair part of the slots or
+        with requests waiting, and ``tenant`` holds no more than its own and has none waiting
+        (``_unguarded``: the streams of a tenant asking for more than its share do not slow
+        down one within it). Else the prefill keeps the streams' pace: a step (or a turn)
+        that carries it takes about ``stall_steps`` of their decode steps, so a running
+        stream's gaps stay that multiple of its steady pace whatever the device. None: no
+        slicing.
 
-        The trade-off this sets: a step costs about a decode step d (a pass over the
-        weights) plus c per slice token, so a gap of g decode steps allows slices of
-        (g - 1) d / c tokens, and an N-token prefill beside streams pays N / slice extra
-        passes: its TTFT over alone is about 1 + 1 / (g - 1) where d dominates c x slice
+        Two ways to keep the pace, by ``interleave``. *Slices* (Sarathi-Serve; "slices", and
+        "auto" off the CPU): a ``Forward`` of as many tokens as fit, run in the same pass as
+        the decode tokens. A step costs about a decode step d plus c per slice token, so a
+        gap of g decode steps allows (g - 1) d / c tokens. *In place* ("layers", and "auto"
+        on a CPU): ``InPlace`` chunks sized so that a layer of one takes about a third of
+        the turn, run layer by layer until the turn's time is spent (``_advance``), then a
+        decode-only step. On a CPU a pass costs a fixed ~d (the weights, once per forward:
+        measured 84-87 ms for 1 token, 171-180 ms for 16 at 2k-6k tokens of context, for
+        82 ms per decode step) plus the tokens' work, and a small slice never amortises it:
+        16-token slices ran at 1.7x the per-token cost of a 256-token chunk. Either way an
+        N-token prefill beside streams takes about g / (g - 1) its time alone at best
         (``benchmarks/interference.py --stall-steps`` measures both)."""
         top = self.prefill_chunk_tokens
-        if top is None or not self._running or self._unguarded(tenant):
+        if not self._paced(tenant):
             return top
+        if self.in_place:
+            limit_s = self._turn_limit_s(tenant)
+            if limit_s is None or self._layer_s is None:  # not measured yet
+                return InPlace(min(top, FIRST_LAYERED_TOKENS))
+            fit = int(limit_s / (UNITS_PER_TURN * self._layer_s))
+            return InPlace(max(min(MIN_SLICE_TOKENS, top), min(top, fit)))
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)
         fit = int((self.stall_steps - 1.0) * self._decode_s / max(self._token_s, 1e-9))
         fit = min(fit, 2 * self._last_slice)  # grow at most 2x a slice: one noisy measure cannot make a long stall
         return max(min(MIN_SLICE_TOKENS, top), min(top, fit))
+
+    def _paced(self, tenant: str | None) -> bool:
+        """Streams decode, and ``tenant``'s work (None: a job's) must keep their pace."""
+        return self.prefill_chunk_tokens is not None and bool(self._running) and not self._unguarded(tenant)
 
     def _unguarded(self, tenant: str | None) -> bool:
         """``tenant``'s prefill need not keep the running streams' pace: it holds no more

@@ -18,6 +18,12 @@ with ``logits_for="last"``, every token's (T, V) with ``"all"``. Causal attentio
 the slices' results those of one forward (up to float rounding: ≤ 1e-4 on logits,
 tested), except under dynamic NTK RoPE past its window, whose frequencies depend on the
 sequence length: such a forward runs in one slice.
+
+A slice can also be run *in place*: when the size callable answers ``InPlace(n)``, the
+next n tokens run here through ``Transformer.forward_steps``, which yields a ``LayerDone``
+after each layer, so the driver can run other work (the running streams' decode steps)
+between two layers of one large chunk instead of in the same pass as a small slice.
+Which is cheaper is the device's: see ``kvblend.engine.scheduler``.
 """
 
 from __future__ import annotations
@@ -70,15 +76,23 @@ def chunk_size(model: Transformer, end: int, chunk_tokens: int | None) -> int:
     return chunk_tokens
 
 
-SliceSize = Union[int, None, Callable[[], int]]
+class InPlace(NamedTuple):
+    """A size callable's answer: run the next ``tokens`` tokens here, layer by layer (each
+    layer yielded as token-layers done in place), not as a ``Forward`` for the driver."""
+
+    tokens: int
+
+
+SliceSize = Union[int, None, Callable[[], Union[int, InPlace]]]
 
 
 def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_tokens: SliceSize,
-                   logits_for: str = "last") -> Generator[Forward, torch.Tensor, torch.Tensor]:
-    """Append ``ids`` (T,) to ``cache`` in ``Forward`` steps of at most ``chunk_tokens``
-    (None: one step; a callable: asked before each slice, so the driver can size slices
-    to what it measures); returns the logits one ``model(ids, cache, logits_for)`` would.
-    ``model`` only sizes the slices: the driver runs them."""
+                   logits_for: str = "last") -> Generator[Step, Any, torch.Tensor]:
+    """Append ``ids`` (T,) to ``cache`` in steps of at most ``chunk_tokens`` (None: one step;
+    a callable: asked before each slice, so the driver can size slices to what it measures,
+    and answering ``InPlace(n)`` to have the next n tokens run here layer by layer); returns
+    the logits one ``model(ids, cache, logits_for)`` would. A ``Forward`` slice is run by
+    the driver; an in-place one by ``model`` here."""
     if logits_for not in ("last", "all", "none"):
         raise ValueError(f"logits_for must be 'last', 'all' or 'none', got {logits_for!r}")
     n = ids.shape[0]
@@ -87,10 +101,16 @@ def forward_chunks(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk_
     rows: list[torch.Tensor] = []
     start = 0
     while start < n:
-        size = chunk_size(model, cache.length + n - start, chunk_tokens() if callable(chunk_tokens) else chunk_tokens)
+        asked = chunk_tokens() if callable(chunk_tokens) else chunk_tokens
+        here = isinstance(asked, InPlace)
+        size = chunk_size(model, cache.length + n - start, asked.tokens if here else asked)
         last = start + size >= n
         which = logits_for if logits_for == "all" or last else "none"
-        out = yield Forward(ids[start : start + size], cache, which)  # (1, V), (t, V) or empty
+        piece = ids[start : start + size]
+        if here:
+            out = yield from model.forward_steps(piece, cache, which)
+        else:
+            out = yield Forward(piece, cache, which)  # (1, V), (t, V) or empty
         start += size
         if which != "none":
             rows.append(out)

@@ -19,6 +19,7 @@ with ``layer.window``.
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,21 @@ from kvblend.models.kv_cache import KVCache
 # Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
 # 0.92-0.96x the time of one (3072, 2I) pass; blocks of 512 gained nothing.
 MLP_BLOCK_TOKENS = 1024
+
+
+class LayerDone(int):
+    """What ``Transformer.forward_steps`` yields after each layer: the tokens that layer just
+    ran (an ``int``: step drivers count it as that many token-layers of work done in place),
+    and ``inner``: whether the step was that layer alone (not the first layer, which also
+    embeds and plans, nor the last, which also computes logits), so its time measures a
+    layer's cost."""
+
+    inner: bool
+
+    def __new__(cls, tokens: int, inner: bool = False) -> LayerDone:
+        done = super().__new__(cls, tokens)
+        done.inner = inner
+        return done
 
 
 class Linear(nn.Module):
@@ -242,13 +258,26 @@ class Transformer(nn.Module):
         c = self.cfg
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_for: str = "last") -> torch.Tensor:
         """Append ``ids`` (T,) after the cache's current contents and run every layer.
 
         Positions continue from ``cache.length``. The cache is extended in place.
         ``logits_for``: "last" -> (1, V), "all" -> (T, V), "none" -> empty tensor.
         """
+        steps = self.forward_steps(ids, cache, logits_for)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    @torch.inference_mode()
+    def forward_steps(self, ids: torch.Tensor, cache: KVCache,
+                      logits_for: str = "last") -> Generator[LayerDone, None, torch.Tensor]:
+        """``forward`` as a generator that yields ``LayerDone(T)`` after each layer and returns
+        its logits, so that the model's owner can run other work (a decode step) between two
+        layers of one large chunk. Layer i's keys and values are in the cache once it yields;
+        ``cache.length`` moves only at the end, so nothing else may write this cache between."""
         start, n = cache.length, ids.shape[0]
         self._check_context(start + n)
         positions = torch.arange(start, start + n, device=self.device)
@@ -267,8 +296,12 @@ class Transformer(nn.Module):
                     plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
                                                          heads_per_kv=self.cfg.heads_per_kv)
                 h = layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
+            if i < last:
+                yield LayerDone(n, inner=i > 0)
         cache.length = start + n
-        return self._select_logits(h, logits_for)
+        out = self._select_logits(h, logits_for)
+        yield LayerDone(n)
+        return out
 
     def sees_all(self, n_keys: int) -> bool:
         """Whether the last layer's query at position n_keys - 1 sees every key (no sliding
