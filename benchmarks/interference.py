@@ -1,7 +1,7 @@
 """Interference between tenants on one `kvblend serve`: stalls, long prefills, fairness.
 
     .venv/bin/python benchmarks/interference.py [--quick] [--model smollm2-135m] [--threads N]
-        [--stall-steps G] [--gap-only]
+        [--stall-steps G] [--interleave auto|layers|slices] [--gap-only]
 
 Starts the real server (`python -m kvblend serve` on 127.0.0.1, memory tier, API keys for
 the tenants a, b, heavy, light and probe) and drives it with httpx over SSE; every phase
@@ -27,7 +27,9 @@ a chunk: ``continuous_usage_stats``, so tokens without text are timed too).
    other on a device where a decode step is mostly a pass over the weights:
    ``--stall-steps G`` sets the server's ``scheduler.max_stall_steps`` (a step carrying a
    slice takes about G decode steps, so the gap ratio is about G and the TTFT ratio about
-   1 + 1/(G - 1)); ``--gap-only`` runs this phase alone, to trace that frontier.
+   1 + 1/(G - 1)); ``--interleave`` sets how the prefill keeps that pace (the
+   server's ``scheduler.interleave``); ``--gap-only`` runs this phase alone, to trace
+   that frontier.
 2. Fairness. Light's unloaded TTFT: the median of sequential requests of
    ``fair_prompt_tokens`` tokens, ``fair_max_tokens`` answer tokens, alone. The server's
    sustainable rate: tenant probe keeps ``max_running`` requests of that shape in flight
@@ -407,10 +409,14 @@ def _rounded(x: object) -> object:
     return x
 
 
-def server_settings(max_running: int, max_queued: int, stall_steps: float | None = None) -> dict:
+def server_settings(max_running: int, max_queued: int, stall_steps: float | None = None,
+                    interleave: str | None = None) -> dict:
     """Keys for every tenant, a small queue, answers up to the context (the stream is long);
-    ``stall_steps``: the server's ``scheduler.max_stall_steps`` (None: its default)."""
+    ``stall_steps``, ``interleave``: the server's ``scheduler.max_stall_steps`` and
+    ``scheduler.interleave`` (None: its default)."""
     stall = {} if stall_steps is None else {"max_stall_steps": stall_steps}
+    if interleave is not None:
+        stall["interleave"] = interleave
     return {"api_keys": {key: tenant for tenant, key in KEYS.items()},
             "scheduler": {"max_running": max_running, "max_queued": max_queued, "request_deadline_s": 600, **stall},
             "limits": {"max_tokens": 1 << 20}, "store": {"tiers": ["memory"]}, "log_level": "warning",
@@ -430,6 +436,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS)")
     p.add_argument("--stall-steps", type=float, default=None,
                    help="the server's scheduler.max_stall_steps (default: the server's default)")
+    p.add_argument("--interleave", choices=("auto", "layers", "slices"), default=None,
+                   help="the server's scheduler.interleave (default: the server's default)")
     p.add_argument("--gap-only", action="store_true", help="phase 1 only (the stall / long-TTFT trade-off)")
     args = p.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
@@ -446,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = Prompts(load_tokenizer(args.model), args.seed)
     print(f"model {args.model}; {os.cpu_count()} CPUs; long prompts {plan.long_tokens} tokens", flush=True)
     t = time.perf_counter()
-    config = server_settings(args.max_running, args.max_queued, args.stall_steps)
+    config = server_settings(args.max_running, args.max_queued, args.stall_steps, args.interleave)
     with running_server(args.model, config, timeout_s=600, threads=args.threads) as url:
         out = asyncio.run(run(url, plan, args, prompts))
     out.update(model=args.model, quick=args.quick, server_threads=args.threads, stall_steps=args.stall_steps,
-               plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
+               interleave=args.interleave,               plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
     print(json.dumps(out))
     return 0
 
