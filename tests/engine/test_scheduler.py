@@ -387,7 +387,7 @@ def test_in_place_work_beside_streams_stops_before_the_turn_is_spent(monkeypatch
     """Beside a decoding stream, in-place work stops before its next step (predicted to take
     what the last one did) would pass (stall_steps - 1) decode steps, but always makes one
     step; without streams, ``prefill_chunk_tokens`` token-layers per layer bound a turn. The
-    chunk asked for next fills about a third of the turn, at the measured cost of a layer."""
+    chunk asked for next has layers of about a fifth of the turn, at their measured cost."""
     from kvblend.models.transformer import LayerDone
 
     now, units = [0.0], [0]
@@ -410,7 +410,7 @@ def test_in_place_work_beside_streams_stops_before_the_turn_is_spent(monkeypatch
     assert turn(sched, 0.01) == -(-64 * layers // 10)  # no decode step measured yet: 64 token-layers per layer
     assert sched.slice_tokens() == InPlace(64)  # nor the turn: the first chunk's size
     sched._decode_s = 0.05  # the turn's in-place budget: (3 - 1) x 50 ms
-    assert sched.slice_tokens() == InPlace(int(0.1 / (3 * 0.001)))  # a layer measured at 10 ms per 10 tokens
+    assert sched.slice_tokens() == InPlace(int(0.1 / (scheduler_mod.UNITS_PER_TURN * 0.001)))  # a layer measured at 10 ms per 10 tokens
     assert turn(sched, 0.03) == 3  # 90 ms; a fourth step would end at 120
     assert turn(sched, 0.15) == 1  # a step longer than the budget still runs, alone
     sched._running = []

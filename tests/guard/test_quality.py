@@ -13,12 +13,12 @@ import torch
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
-from kvblend.engine.scheduler import Scheduler
+from kvblend.engine.scheduler import UNITS_PER_TURN, Scheduler
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
 from kvblend.guard import quality
 from kvblend.guard.quality import GuardConfig, QualityGuard, ShadowRunner, serve
-from kvblend.generation.chunked import Forward
+from kvblend.generation.chunked import Forward, InPlace
 from kvblend.guard.shadow import ShadowResult, shadow_check, shadow_steps
 from kvblend.store.keys import chunk_key
 from tests.conftest import make_loaded
@@ -224,6 +224,23 @@ def test_shadow_checks_on_the_worker_never_change_the_served_answer(eng: Engine)
     assert all(j is not None and j.tokens == len(r.token_ids) for j, r in zip(judged, results))
     assert runner.ok == len(QUESTIONS) and runner.failed == runner.dropped == 0
     assert guard.state("tiny-llama", "default").samples == len(QUESTIONS)
+
+
+def test_a_shadow_checks_slices_keep_the_running_streams_pace(eng: Engine) -> None:
+    """A check is background work: while streams decode, its slices are no larger than the
+    scheduler's pace allows (a 256-token slice beside a stream was a gap of ~12 decode
+    steps on a CPU), and never larger than its own ``chunk_tokens``."""
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1))
+    runner = ShadowRunner(guard, Scheduler(eng, prefill_chunk_tokens=1024, interleave="slices"), chunk_tokens=256)
+    sched = runner.scheduler
+    assert runner.slice_size() == 256  # nothing decodes
+    sched._running = [object()]  # a stream decodes: the scheduler's measured pace
+    sched._decode_s, sched._token_s, sched._last_slice = 0.07, 0.0035, 10_000
+    assert runner.slice_size() == 40
+    sched.in_place, sched._layer_s = True, 0.0002
+    assert runner.slice_size() == InPlace(int(0.14 / (UNITS_PER_TURN * 0.0002)))  # under its own 256 tokens...
+    sched._layer_s = 0.00001
+    assert runner.slice_size() == InPlace(256)  # ... and never over
 
 
 def test_shadow_steps_in_small_chunks_judge_as_one_pass(eng: Engine) -> None:

@@ -52,6 +52,7 @@ from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.engine.scheduler import Scheduler
 from kvblend.generation import SamplingParams
+from kvblend.generation.chunked import InPlace
 from kvblend.guard.shadow import DEFAULT_CHUNK_TOKENS, ShadowResult, first_score, shadow_check, shadow_steps
 
 log = logging.getLogger("kvblend.guard")
@@ -314,7 +315,8 @@ class ShadowRunner:
     requests are checked first. More, or any the scheduler's lane
     refuses (full, draining), are dropped and counted in ``dropped``, as are checks the
     scheduler drops on drain. A failing check is counted in ``failed`` and logged (by the
-    scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill.
+    scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill, and
+    while streams decode the scheduler's pace bounds it too (``slice_size``).
     The Future ``submit`` returns resolves to the ``ShadowResult`` (None when the check
     failed) or is cancelled (dropped), on the scheduler's worker thread."""
 
@@ -332,6 +334,15 @@ class ShadowRunner:
         self._pending = 0
         self._lock = threading.Lock()
 
+    def slice_size(self) -> int | InPlace:
+        """A check's next slice: at most ``chunk_tokens``, and no more than the scheduler's
+        pace allows while streams decode (a check is background work: it must not stall
+        them longer than a prefill may)."""
+        paced = self.scheduler.slice_tokens(None)
+        if isinstance(paced, InPlace):
+            return InPlace(min(paced.tokens, self.chunk_tokens))
+        return self.chunk_tokens if paced is None else min(paced, self.chunk_tokens)
+
     @property
     def drawn_limit(self) -> int:
         """Pending checks a drawn (not risky) check may join: half of ``max_pending``, at least 1."""
@@ -345,7 +356,7 @@ class ShadowRunner:
                 self.dropped += 1
                 return None
             self._pending += 1
-        steps = shadow_steps(self.scheduler.engine, request, served, probe, self.chunk_tokens)
+        steps = shadow_steps(self.scheduler.engine, request, served, probe, self.slice_size)
         job = self.scheduler.submit_background(steps, name=f"shadow check (tenant {request.tenant})")
         if job is None:
             with self._lock:

@@ -42,7 +42,7 @@ from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams, collect, stream_from
-from kvblend.generation.chunked import forward_chunks, run_steps
+from kvblend.generation.chunked import SliceSize, forward_chunks, run_steps
 from kvblend.models.kv_cache import KVCache
 
 BLENDED = ("reuse", "blend")
@@ -70,7 +70,8 @@ class _Prompt(NamedTuple):
     stats: RequestStats | None  # the engine's stats (blended prompts); None for the chunked full prefill
 
 
-def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[Any, Any, _Prompt]:
+def _full_prompt(engine: Engine, request: Request, extra: int,
+                 chunk_tokens: SliceSize) -> Generator[Any, Any, _Prompt]:
     """Full prefill of the request's prompt, ``chunk_tokens`` per step, into a fresh cache
     with room for ``extra`` more tokens (what ``Engine.prepare`` of a full request builds)."""
     layout = engine.layout(request)
@@ -83,14 +84,16 @@ def _full_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int
     return _Prompt(cache, logits[0], None)
 
 
-def _engine_prompt(engine: Engine, request: Request, extra: int, chunk_tokens: int) -> Generator[Any, Any, _Prompt]:
+def _engine_prompt(engine: Engine, request: Request, extra: int,
+                   chunk_tokens: SliceSize) -> Generator[Any, Any, _Prompt]:
     """The request's prompt by its own method, through ``Engine.prepare_steps``."""
     prepared = yield from engine.prepare_steps(request, extra_capacity=extra, slice_tokens=chunk_tokens)
     return _Prompt(prepared.cache, prepared.logits, prepared.stats)
 
 
 def _teacher_forced(engine: Engine, prompt: Generator[Any, Any, _Prompt], answer: list[int], own_answer: bool,
-                    chunk_tokens: int) -> Generator[Any, Any, tuple[torch.Tensor, RequestStats | None, str | None]]:
+                    chunk_tokens: SliceSize,
+                    ) -> Generator[Any, Any, tuple[torch.Tensor, RequestStats | None, str | None]]:
     """Next-token logits (T, V) before each of ``answer``'s T tokens, the prompt built by
     ``prompt`` and then fed the answer's tokens; the prompt's stats; and, with
     ``own_answer``, the prompt's own greedy answer of up to T tokens, decoded first from
@@ -129,10 +132,11 @@ def _roles(request: Request, probe: Request | None) -> tuple[Request, Request, b
 
 @torch.inference_mode()
 def shadow_steps(engine: Engine, request: Request, served: Result, probe: Request | None = None,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Steps:
-    """The shadow check of ``request`` as a job of small steps (see the module doc);
+                 chunk_tokens: SliceSize = DEFAULT_CHUNK_TOKENS) -> Steps:
+    """The shadow check of ``request`` as a job of small steps (see the module doc; a
+    callable ``chunk_tokens`` is asked before each slice, as ``forward_chunks`` does);
     raises (on the first ``next()``) what ``shadow_check`` raises."""
-    if chunk_tokens < 1:
+    if isinstance(chunk_tokens, int) and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     full_req, blended_req, served_blended = _roles(request, probe)
     answer = list(served.token_ids)
