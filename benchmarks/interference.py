@@ -25,8 +25,8 @@ a chunk: ``continuous_usage_stats``, so tokens without text are timed too).
    ``long_ttft_over_unloaded`` is the largest of the long requests' TTFT under that
    load over the same length's unloaded TTFT (goal <= 1.3). The two pull against each
    other on a device where a decode step is mostly a pass over the weights:
-   ``--stall-steps G`` sets the server's ``scheduler.max_stall_steps`` (a step carrying a
-   slice takes about G decode steps, so the gap ratio is about G and the TTFT ratio about
+   ``--stall-steps G`` sets the server's ``scheduler.max_stall_steps`` (a turn carrying
+   prefill work takes about G decode steps, so the gap ratio is about G and the TTFT ratio about
    1 + 1/(G - 1)); ``--interleave`` sets how the prefill keeps that pace (the
    server's ``scheduler.interleave``); ``--gap-only`` runs this phase alone, to trace
    that frontier.
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     with running_server(args.model, config, timeout_s=600, threads=args.threads) as url:
         out = asyncio.run(run(url, plan, args, prompts))
     out.update(model=args.model, quick=args.quick, server_threads=args.threads, stall_steps=args.stall_steps,
-               interleave=args.interleave,               plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
+               interleave=args.interleave, plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
     print(json.dumps(out))
     return 0
 

@@ -225,9 +225,9 @@ class TenantSettings(_Section):
 
 class SchedulerSettings(_Section):
     """The model worker (``kvblend.engine.scheduler``). ``prefill_chunk_tokens``: the largest
-    prefill slice run between two decode steps; null runs each prefill whole. While streams
-    decode, slices are sized so that a step carrying one takes about ``max_stall_steps`` of
-    their decode steps (a fusion runs about as many token-layers): the largest gap a running
+    prefill slice (or chunk run layer by layer); null runs each prefill whole. While streams
+    decode, prefill and fusion work is cut so that a turn carrying it takes about
+    ``max_stall_steps`` of their decode steps: the largest gap a running
     stream sees is about that multiple of its pace, and a long prompt arriving beside streams
     takes about 1 + 1/(max_stall_steps - 1) its time alone on a device where a decode step is
     mostly a pass over the weights (a CPU; less on a GPU). ``interleave``: how a prefill keeps

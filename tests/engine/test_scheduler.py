@@ -13,7 +13,7 @@ import torch
 from kvblend.engine import Engine, Request, RequestStats
 from kvblend.engine import scheduler as scheduler_mod
 from kvblend.engine.scheduler import (
-    DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, Scheduler,
+    DeadlineExceededError, DrainingError, Outcome, QueueFullError, RequestCancelledError, RequestHandle, Scheduler,
     SchedulerObserver, WorkerDeadError,
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError, NonFiniteLogitsError
@@ -393,29 +393,76 @@ def test_in_place_work_beside_streams_stops_before_the_turn_is_spent(monkeypatch
     now, units = [0.0], [0]
     monkeypatch.setattr(scheduler_mod, "_clock", lambda: now[0])
 
-    def work(seconds: float):
+    def work(seconds: float, outer_s: float | None = None):
+        """Layers of 10 tokens taking ``seconds``; with ``outer_s``, every other one is a
+        first or last layer (not inner: it also embeds or makes logits) taking that."""
         while True:
-            now[0] += seconds
+            inner = outer_s is None or units[0] % 2 == 1
+            now[0] += seconds if inner else outer_s
             units[0] += 1
-            yield LayerDone(10, inner=True)
+            yield LayerDone(10, inner=inner)
 
-    def turn(sched: Scheduler, seconds: float) -> int:
+    def turn(sched: Scheduler, seconds: float, outer_s: float | None = None) -> int:
         units[0] = 0
-        assert sched._advance(scheduler_mod._Task(work(seconds)))[0] is None
+        assert sched._advance(scheduler_mod._Task(work(seconds, outer_s))) is None
         return units[0]
 
-    sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=64, stall_steps=3.0, interleave="layers")
+    sched = Scheduler(Engine(make_loaded()), prefill_chunk_tokens=128, stall_steps=3.0, interleave="layers")
     layers = len(sched.engine.model.layers)
     sched._running = [object()]  # a stream decodes
-    assert turn(sched, 0.01) == -(-64 * layers // 10)  # no decode step measured yet: 64 token-layers per layer
-    assert sched.slice_tokens() == InPlace(64)  # nor the turn: the first chunk's size
+    assert turn(sched, 0.01, outer_s=0.5) == -(-64 * layers // 10)  # no decode step measured: 64 token-layers per layer
+    assert sched._layer_s == pytest.approx(0.001)  # the inner layers' cost only
+    assert sched.slice_tokens() == InPlace(128)  # nor the turn: the first chunk's size
     sched._decode_s = 0.05  # the turn's in-place budget: (3 - 1) x 50 ms
-    assert sched.slice_tokens() == InPlace(int(0.1 / (scheduler_mod.UNITS_PER_TURN * 0.001)))  # a layer measured at 10 ms per 10 tokens
+    assert sched.slice_tokens() == InPlace(int(0.1 / (scheduler_mod.UNITS_PER_TURN * 0.001)))
     assert turn(sched, 0.03) == 3  # 90 ms; a fourth step would end at 120
     assert turn(sched, 0.15) == 1  # a step longer than the budget still runs, alone
     sched._running = []
-    assert turn(sched, 0.03) == -(-64 * layers // 10)  # nothing decodes: the token-layer bound
-    assert sched.slice_tokens() == 64
+    assert turn(sched, 0.03) == -(-128 * layers // 10)  # nothing decodes: 128 token-layers per layer
+    assert sched.slice_tokens() == 128
+
+
+def test_a_prefill_is_charged_its_in_place_work_to_the_fraction_and_in_its_last_turn(monkeypatch) -> None:
+    """The fair queue counts a prefill's in-place layers as token-layers over the layer count,
+    fractions kept, and the layers of the turn in which the prefill ends count too."""
+    from kvblend.models.transformer import LayerDone
+
+    sched = Scheduler(Engine(make_loaded()), interleave="layers")
+    layers = len(sched.engine.model.layers)
+    assert layers > 1
+
+    def work():
+        for _ in range(3):
+            yield LayerDone(1, inner=True)
+        yield None  # other work in place: the turn ends here
+        yield LayerDone(1, inner=True)
+        return "prepared"
+
+    task = scheduler_mod._Prefill(RequestHandle(Request(question="q", tenant="t"), SamplingParams(), None), work())
+    ended = []
+    monkeypatch.setattr(sched, "_completed", lambda t, value: ended.append(value))
+    sched._prefill = task
+    assert sched._slice() == (None, task)
+    assert sched.tenant_counter("t") == pytest.approx(3 / layers)
+    assert sched._slice() == (None, None) and ended == ["prepared"]
+    assert sched.tenant_counter("t") == pytest.approx(4 / layers)
+
+
+def test_closing_a_prefill_between_two_layers_leaves_its_cache_as_before() -> None:
+    """A request cancelled or failed between two layers of an in-place chunk: the cache's
+    length never moved, and prefilling again from it equals one forward."""
+    from kvblend.generation.chunked import forward_chunks
+
+    model = make_loaded().model
+    ids = torch.randint(3, model.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(3))  # (20,)
+    cache = model.new_cache(20)
+    model(ids[:8], cache, logits_for="none")
+    steps = forward_chunks(model, ids[8:], cache, lambda: InPlace(6))
+    next(steps)  # one layer of the first chunk done
+    steps.close()
+    assert cache.length == 8
+    want = model(ids, model.new_cache(20))
+    assert torch.allclose(model(ids[8:], cache), want, atol=1e-4, rtol=0)
 
 
 def test_interleave_auto_runs_in_place_on_a_cpu() -> None:

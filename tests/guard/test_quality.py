@@ -13,6 +13,7 @@ import torch
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
+from kvblend.engine.request import Result
 from kvblend.engine.scheduler import UNITS_PER_TURN, Scheduler
 from kvblend.errors import InvalidRequestError
 from kvblend.generation import SamplingParams
@@ -226,7 +227,7 @@ def test_shadow_checks_on_the_worker_never_change_the_served_answer(eng: Engine)
     assert guard.state("tiny-llama", "default").samples == len(QUESTIONS)
 
 
-def test_a_shadow_checks_slices_keep_the_running_streams_pace(eng: Engine) -> None:
+def test_a_shadow_checks_slices_keep_the_running_streams_pace(eng: Engine, monkeypatch) -> None:
     """A check is background work: while streams decode, its slices are no larger than the
     scheduler's pace allows (a 256-token slice beside a stream was a gap of ~12 decode
     steps on a CPU), and never larger than its own ``chunk_tokens``."""
@@ -241,6 +242,10 @@ def test_a_shadow_checks_slices_keep_the_running_streams_pace(eng: Engine) -> No
     assert runner.slice_size() == InPlace(int(0.14 / (UNITS_PER_TURN * 0.0002)))  # under its own 256 tokens...
     sched._layer_s = 0.00001
     assert runner.slice_size() == InPlace(256)  # ... and never over
+    seen = []
+    monkeypatch.setattr(quality, "shadow_steps", lambda *args: seen.append(args[-1]) or iter(()))
+    runner.submit(request(method="blend", tenant="default"), Result("", [], "stop", None), None)
+    assert seen == [runner.slice_size]  # the check asks before each slice
 
 
 def test_shadow_steps_in_small_chunks_judge_as_one_pass(eng: Engine) -> None:

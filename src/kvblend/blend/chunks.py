@@ -20,7 +20,8 @@ def compute_chunk_kv(model: Transformer, chunk_prefix: Sequence[int], doc_ids: S
 def compute_chunk_steps(model: Transformer, chunk_prefix: Sequence[int], doc_ids: Sequence[int],
                         slice_tokens: SliceSize = None) -> Steps:
     """Prefill ``chunk_prefix + doc_ids`` and keep the document's K/V for every layer; a step
-    generator of forward slices of at most ``slice_tokens`` (None: one).
+    generator of forward slices of at most ``slice_tokens`` (None: one; a callable is asked
+    per slice and may answer ``InPlace``: see ``forward_chunks``).
 
     The prefix (e.g. BOS) is what the model always sees first, so the document's first
     token is not mistaken for an attention sink. Keys are post-RoPE at positions

@@ -496,8 +496,9 @@ class Engine:
                       slice_tokens: SliceSize = None) -> Generator[Any, Any, Prepared]:
         """``prepare`` as a step generator (``generation.chunked``) for the model's owner to
         interleave with other work: a full prefill as ``Forward`` slices of at most
-        ``slice_tokens`` tokens (None: one; a callable: asked per slice), a fusion as one step
-        per layer of each pass.
+        ``slice_tokens`` tokens (None: one; a callable: asked per slice, and answering
+        ``InPlace`` to have a chunk run here a step per layer), a fusion as one step per
+        layer of each pass.
         The result equals ``prepare``'s (slices: up to float rounding)."""
         with self._gate.admit():
             return (yield from self._prepare(request, extra_capacity, slice_tokens))

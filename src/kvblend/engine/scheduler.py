@@ -48,9 +48,9 @@ loop turn:
   a job's step the same; the jobs lane gets every fourth slice even while requests
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
-  of every running request and the slice's ``Forward``, if any: chunked prefill
-  piggybacking decodes (Sarathi-Serve), so a long prompt delays running streams by one
-  slice per turn, never by its whole prefill;
+  of every running request and the slice's ``Forward``, if any (slices: chunked prefill
+  piggybacking decodes, Sarathi-Serve; layers: a decode-only step after the layers run in
+  place), so a long prompt delays running streams by one turn, never by its whole prefill;
 * samples each running request's next token (``DecodeSlot``: the same rules as
   ``Engine.stream``).
 
@@ -301,12 +301,14 @@ class _Running(NamedTuple):
 class _Task:
     """A step generator being run a slice at a time (``_Scheduler._slice``): ``reply`` is
     what its last step gets back, ``held`` a Forward it asked for that waits for the next
-    turn (a slice that already did work in place does not also run a forward)."""
+    turn (a slice that already did work in place does not also run a forward), ``done`` the
+    tokens' worth of in-place work (token-layers over layers) not charged yet."""
 
     def __init__(self, steps: Steps) -> None:
         self.steps = steps
         self.reply: Any = None
         self.held: Forward | None = None
+        self.done = 0.0
 
     def close(self) -> None:
         """Stop the generator (its ``finally`` blocks run); never raises."""
@@ -374,7 +376,7 @@ INTERLEAVE_MODES = ("auto", "layers", "slices")
 # at 3, 242-250 ms at 5)
 UNITS_PER_TURN = 5
 _clock = time.perf_counter  # the in-place budget's clock (tests drive it)
-DEFAULT_STALL_STEPS = 3.0  # while streams decode, a step with a slice takes about this many decode steps
+DEFAULT_STALL_STEPS = 3.0  # while streams decode, a turn with prefill work takes about this many decode steps
 EWMA = 0.3
 
 
@@ -386,11 +388,13 @@ class Scheduler:
     ``max_queued``: waiting requests in all (a tenant below its fair part of it is still
     admitted: ``engine.fair``); ``shares``: per-tenant weight, queue cap and token rate;
     ``decode_weight``: what a decoded token counts in the fair queue, prefill tokens 1;
-    ``prefill_chunk_tokens``: the size of a prefill slice (None: whole prefills, no
-    interleaving); ``stall_steps``: while streams decode, a step that carries a slice takes
-    about this many of their decode steps (> 1; larger slices finish a long prefill sooner
-    and stall the streams longer: see ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in the
-    jobs lane (more are refused) and the background lane (more are dropped)."""
+    ``prefill_chunk_tokens``: the largest prefill slice or in-place chunk (None: whole
+    prefills, no interleaving); ``stall_steps``: while streams decode, a turn that carries
+    prefill work takes about this many of their decode steps (> 1; longer turns finish a
+    long prefill sooner and stall the streams longer: see ``slice_tokens``);
+    ``interleave``: how that work keeps the streams' pace ("auto", "layers", "slices"; see
+    ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in
+    the jobs lane (more are refused) and the background lane (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
@@ -404,6 +408,7 @@ class Scheduler:
         if interleave not in INTERLEAVE_MODES:
             raise ValueError(f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, got {interleave!r}")
         self.in_place = interleave == "layers" or (interleave == "auto" and engine.model.device.type == "cpu")
+        self._sync = engine.model.device.type == "cuda"
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
@@ -806,16 +811,23 @@ class Scheduler:
         if task is None:
             return None, None
         try:
-            forward, work = self._advance(task)
+            forward = self._advance(task)
         except StopIteration as stop:
+            self._charge_work(task, None)
             self._completed(task, stop.value)
             return None, None
         except Exception as exc:  # noqa: BLE001 - one task's failure ends that task only
             self._failed(task, exc)
             return None, None
+        self._charge_work(task, forward)
+        return forward, task
+
+    def _charge_work(self, task: _Task, forward: Forward | None) -> None:
+        """Charge a prefill's tenant for this turn's work: what it did in place (to the
+        fraction of a token) and the forward it asks for."""
+        work, task.done = task.done, 0.0
         if isinstance(task, _Prefill):
             self._charge(task.handle.tenant, prefill=work + (forward.ids.shape[0] if forward is not None else 0))
-        return forward, task
 
     def _pick(self) -> _Task | None:
         """The task that gets this turn's slice: the request being prefilled, except that
@@ -833,43 +845,52 @@ class Scheduler:
                 return self._background.jobs[0]
         return None
 
-    def _advance(self, task: _Task) -> tuple[Forward | None, int]:
+    def _advance(self, task: _Task) -> Forward | None:
         """Step ``task`` until it asks for a forward, or its in-place work reaches the turn's
-        budget; the forward (None: none) and the token-layers done in place, over the layer
-        count. Raises StopIteration with the task's value when it ends.
+        budget; the forward (None: none). The in-place work adds to ``task.done``. Raises
+        StopIteration with the task's value when it ends.
 
         The budget: while streams decode at a pace this task must keep (``_paced``), in-place
         work stops before the next step would pass ``stall_steps - 1`` decode steps (each
         step is predicted to take what the last one did), so the turn with the decode step
-        after it takes about ``stall_steps``; otherwise ``prefill_chunk_tokens`` token-layers
-        per layer bound how long a cancel or a job waits."""
+        after it takes about ``stall_steps`` (until a decode step is measured,
+        FIRST_SLICE_TOKENS token-layers per layer); otherwise ``prefill_chunk_tokens``
+        token-layers per layer bound how long a cancel or a job waits."""
         if task.held is not None:
             forward, task.held = task.held, None
-            return forward, 0
+            return forward
         layers = len(self.engine.model.layers)
         tenant = task.handle.tenant if isinstance(task, _Prefill) else None
         limit_s = self._turn_limit_s(tenant)
-        budget = (FIRST_SLICE_TOKENS if self._paced(tenant) and limit_s is None
-                  else self.prefill_chunk_tokens or 1 << 62) * layers
+        paced_unmeasured = self._paced(tenant) and limit_s is None
+        budget = (FIRST_SLICE_TOKENS if paced_unmeasured else (self.prefill_chunk_tokens or 1 << 62)) * layers
         done, spent = 0, 0.0
         while True:
-            t = _clock()
+            t = self._now()
             step = task.steps.send(task.reply)
-            took = _clock() - t
+            took = self._now() - t
             task.reply = None
             if isinstance(step, Forward):
                 if done:
                     task.held = step
-                    return None, done // layers
-                return step, 0
+                    return None
+                return step
             if step is None:
-                return None, done // layers
+                return None
             done += int(step)
+            task.done += int(step) / layers
             spent += took
             if isinstance(step, LayerDone) and step.inner and step > 0:
                 self._layer_s = _ewma(self._layer_s, took / int(step))
             if done >= budget or (limit_s is not None and spent + took > limit_s):
-                return None, done // layers
+                return None
+
+    def _now(self) -> float:
+        """The clock that times in-place work: on an accelerator, after the queued kernels
+        ran (else it would time their launch)."""
+        if self._sync:
+            torch.cuda.synchronize(self.engine.model.device)
+        return _clock()
 
     def _turn_limit_s(self, tenant: str | None) -> float | None:
         """Seconds of in-place work one turn may take beside streams that ``tenant``'s work
@@ -1008,7 +1029,7 @@ class Scheduler:
             limit_s = self._turn_limit_s(tenant)
             if limit_s is None or self._layer_s is None:  # not measured yet
                 return InPlace(min(top, FIRST_LAYERED_TOKENS))
-            fit = int(limit_s / (UNITS_PER_TURN * self._layer_s))
+            fit = int(limit_s / (UNITS_PER_TURN * max(self._layer_s, 1e-9)))
             return InPlace(max(min(MIN_SLICE_TOKENS, top), min(top, fit)))
         if self._decode_s is None or self._token_s is None:  # not measured yet: stay small
             return min(top, FIRST_SLICE_TOKENS)

@@ -7,7 +7,8 @@ model can interleave it with other work. Each value it yields is one step:
 * ``Forward(ids, cache, logits_for)`` — "append ``ids`` to ``cache``": whoever drives the
   generator runs that forward (alone, or in one batch with other requests' rows) and
   sends back its logits, exactly what ``model(ids, cache, logits_for)`` returns;
-* an ``int`` — that many token-layers of work were just done in place (a fusion layer);
+* an ``int`` — that many token-layers of work were just done in place (a fusion layer, or
+  a layer of a chunk run in place: ``LayerDone``);
 * ``None`` — some other piece of work was just done in place.
 
 Its return value (``StopIteration.value``) is the work's result. ``run_steps`` drives one
