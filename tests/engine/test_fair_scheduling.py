@@ -1,6 +1,7 @@
 """Issue #20: the scheduler interleaves long prefills with decoding (slices batched with
-decode tokens, or chunks a few layers per turn in place; fusion in layer groups), shares the worker fairly between tenants (Virtual
-Token Counter, per-tenant queue caps) and runs model jobs in their own lane."""
+decode tokens, or chunks a few layers per turn in place; fusion in layer groups), shares
+the worker fairly between tenants (Virtual Token Counter, per-tenant queue caps) and runs
+model jobs in their own lane."""
 
 from __future__ import annotations
 

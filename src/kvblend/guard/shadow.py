@@ -23,10 +23,11 @@ the same prefill as its teacher forcing).
 
 ``shadow_steps`` is the same check as a step generator (``generation.chunked``) for the
 scheduler's low-priority lane (``Scheduler.submit_background``): each step is one piece
-of model work — a ``Forward`` slice of at most ``chunk_tokens`` tokens (or layers of such a
-chunk run in place, when a callable ``chunk_tokens`` answers ``InPlace``: the scheduler's
-pace while streams decode) of the full prefill or of a teacher-forced pass, a slice or layer of the blended re-prepare
-(``Engine.prepare_steps``), or one greedy decode token — and its return value is the
+of model work — a ``Forward`` slice of at most ``chunk_tokens`` tokens (or layers of such
+a chunk run in place, when a callable ``chunk_tokens`` answers ``InPlace``: the
+scheduler's pace while streams decode) of the full prefill or of a teacher-forced pass, a
+slice or layer of the blended re-prepare (``Engine.prepare_steps``), or one greedy decode
+token — and its return value is the
 ``ShadowResult``. ``shadow_check`` runs those steps to the end inline.
 """
 
