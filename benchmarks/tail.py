@@ -119,7 +119,7 @@ def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = Non
     forced = teacher_force(engine, prepared, ref.answer_ids) if ref.answer_ids else prepared.logits[None]
     s = prepared.stats
     probe = s.checks[0].mean_score if s.checks else None
-    return {"id": ex.id, "method": method, "kl": kl_divergence(ref.logits, forced),
+    return {"id": ex.id, "method": method, "strategy": s.strategy, "kl": kl_divergence(ref.logits, forced),
             "risk": getattr(s, "risk", None), "recompute_frac": s.recompute_frac, "probe": probe, **extra}
 
 
@@ -242,6 +242,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", type=float, default=None,
                     help="only questions whose default blend's ratio to reuse (earlier records) is >= this")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="run +shift as asked (default: the engine drops it where its model test says so)")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--table", default=None, help="with --report: methods (comma-separated) for a per-question table")
     ap.add_argument("--risk-method", default=DEFAULT)
@@ -267,7 +269,7 @@ def main() -> None:
         examples = [ex for ex in examples if (ex.id, "reuse") in earlier and (ex.id, DEFAULT) in earlier
                     and earlier[(ex.id, DEFAULT)] >= args.only * earlier[(ex.id, "reuse")]]
         print("questions:", [ex.id for ex in examples], flush=True)
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_model(args.model), calibrate=not args.no_calibrate)
     spy = Spy()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -115,3 +115,14 @@ def smollm2():
     from kvblend.models import DEFAULT_MODEL, load_model
 
     return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_calibrated(smollm2):
+    """The default model with its self-check and shift test done here once and stored under
+    $KVBLEND_HOME, before a server or replica process on it starts (each would otherwise run
+    the shift test, about a minute on 2 cores, at the same time as the others)."""
+    from kvblend.engine import Engine
+
+    Engine(smollm2).close()
+    return smollm2

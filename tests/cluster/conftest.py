@@ -34,7 +34,7 @@ def ray_instance():
 
 
 @pytest.fixture(scope="session")
-def cluster(ray_instance, tmp_path_factory):
+def cluster(ray_instance, tmp_path_factory, smollm2_calibrated):
     from kvblend.cluster.app import shutdown, start_local, wait_ready
 
     with LocalRedis() as redis:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(tmp_path_factory, smollm2_calibrated):
     config = {"api_keys": {KEY: "playground"}, "store": {"tiers": ["memory"], "memory_bytes": "256MiB"}}
     proc = ServerProcess("smollm2-135m", tmp_path_factory.mktemp("playground"), config, ready_s=180)
     yield proc

@@ -22,7 +22,7 @@ def serve_snippet() -> str:
 
 
 @pytest.fixture(scope="module")
-def smol_server(tmp_path_factory):
+def smol_server(tmp_path_factory, smollm2_calibrated):
     work = tmp_path_factory.mktemp("smol")  # a fresh disk tier: the first run's documents are misses
     proc = ServerProcess("smollm2-135m", work, {"store": {"disk_dir": str(work / "kv")}}, ready_s=180)
     yield proc

@@ -41,7 +41,7 @@ def shaping_engine(settings: Settings) -> Engine:
     config = settings.store.store_config(COMPUTE[settings.dtype])
     shared = tuple(t for t in config.tiers if t != "memory" and t in config.enabled_tiers)
     config = dataclasses.replace(config, tiers=shared or ("memory",), memory_bytes=0 if shared else 1)
-    return Engine(loaded, store=build_store(config), prefix_cache=PrefixCache(0), self_check=False)
+    return Engine(loaded, store=build_store(config), prefix_cache=PrefixCache(0), self_check=False, calibrate=False)
 
 
 class Ingress:

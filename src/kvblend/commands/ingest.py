@@ -101,7 +101,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             print(f"  {path}: {reason}")
         return 1
     loaded = _load(args)
-    engine = Engine(loaded, store=_store(args, loaded, memory=False))
+    engine = Engine(loaded, store=_store(args, loaded, memory=False), calibrate=False)  # computes chunks only
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
     try:
         ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config, KvWarmer(engine))

@@ -25,7 +25,7 @@ def dtype_quality(loaded, documents: Sequence[str], question: str, ratio: float 
     request = Request(documents=list(documents), question=question, blend=BlendConfig(ratio=ratio))
 
     def logits(kv_dtype: str):
-        engine = Engine(loaded, build_store(StoreConfig(tiers=("memory",), kv_dtype=kv_dtype)))
+        engine = Engine(loaded, build_store(StoreConfig(tiers=("memory",), kv_dtype=kv_dtype)), calibrate=False)
         try:
             engine.warm(list(documents), engine.chunk_prefix(request, engine.layout(request)))
             return engine.prepare(request).logits

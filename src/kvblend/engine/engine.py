@@ -35,6 +35,7 @@ from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Re
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import SliceSize, Steps, forward_chunks, run_steps
+from kvblend.engine.calibration import ShiftVerdict, ensure_calibrated
 from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
@@ -82,6 +83,7 @@ class _Built(NamedTuple):
     loading: LoadStats | None = None
     controller: RatioChoice | None = None
     risk: float | None = None
+    strategy: str | None = None  # the blend's as run (``Engine.blend_config``)
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
@@ -175,6 +177,9 @@ class Engine:
 
     ``self_check``: run (or read) the model's self-check at construction; a model that
     fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
+    ``calibrate``: test once per model whether the blend's shift helps it
+    (``kvblend.engine.calibration``); on a model where it does not, every blend runs
+    without it and its stats' ``strategy`` says so.
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
@@ -183,7 +188,7 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
         prefix_cache: PrefixCache | None = None, self_check: bool = True, *, pipeline: bool = True,
-        load_timeout_s: float | None = 30.0, profile: Profile | None = None,
+        load_timeout_s: float | None = 30.0, profile: Profile | None = None, calibrate: bool = True,
     ) -> None:
         """``pipeline``: read disk/Redis chunks layer by layer while fusion runs (else each
         chunk is read whole before fusion starts); a layer not loaded ``load_timeout_s``
@@ -201,6 +206,10 @@ class Engine:
         self.writeback = WriteBack(self.store, getattr(self.store, "writeback_queue", DEFAULT_WRITEBACK_QUEUE))
         self._gate = RequestGate()
         self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
+        checked = self.self_check is None or self.self_check.passed
+        self.shift_verdict: ShiftVerdict | None = (
+            ensure_calibrated(loaded, lambda: Engine(loaded, self_check=False, calibrate=False))
+            if calibrate and checked else None)
         self.pipeline = pipeline and hasattr(self.store, "locate")
         self.load_timeout_s = load_timeout_s
         self._profile = profile if profile is not None else load_profile(self._profile_path())
@@ -446,7 +455,7 @@ class Engine:
         n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
         hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
-        cfg, choice = request.blend, None
+        cfg, choice = self.blend_config(request.blend), None
         if cfg.auto and request.method == "reuse":
             cfg = cfg.with_ratio(0.0)
         elif cfg.auto:
@@ -473,7 +482,15 @@ class Engine:
             self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk)
+                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk,
+                      cfg.strategy)
+
+    def blend_config(self, cfg: BlendConfig) -> BlendConfig:
+        """``cfg`` as this model runs it: without the shift where its test found that the
+        shift does not help (``calibrate``)."""
+        if cfg.shift and self.shift_verdict is not None and not self.shift_verdict.helps:
+            return replace(cfg, shift=False)
+        return cfg
 
     def layout(self, request: Request) -> PromptLayout:
         """The request's token ids and spans (no model work): its pre-rendered ``layout``
@@ -521,7 +538,7 @@ class Engine:
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
                              elapsed, built.fallback, built.checks, built.loading, built.controller,
-                             request.blend.strategy if request.method == "blend" else None, built.risk)
+                             built.strategy if request.method == "blend" else None, built.risk)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -190,19 +190,21 @@ _memo: dict[str, SelfCheckResult] = {}
 _memo_lock = threading.Lock()
 
 
-def _stored_path(loaded: LoadedModel, key: str) -> Path | None:
-    """Where the result is kept: only for a model loaded from files (its fingerprint is
-    then a hash of its weights); a model built in memory is checked once per process."""
+def stored_path(loaded: LoadedModel, key: str, folder: str = "selfcheck") -> Path | None:
+    """Where a per-model result is kept (``$KVBLEND_HOME/<folder>/<key>.json``): only for a
+    model loaded from files (its fingerprint is then a hash of its weights); a model built
+    in memory is checked once per process."""
     if not (Path(loaded.folder) / "config.json").is_file():
         return None
-    return cache_home() / "selfcheck" / f"{key}.json"
+    return cache_home() / folder / f"{key}.json"
 
 
-def _store(path: Path, result: SelfCheckResult) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``: a concurrent reader sees the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(result.to_json())
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def ensure_checked(loaded: LoadedModel) -> SelfCheckResult:
@@ -211,12 +213,12 @@ def ensure_checked(loaded: LoadedModel) -> SelfCheckResult:
     with _memo_lock:
         if key in _memo:
             return _memo[key]
-        path = _stored_path(loaded, key)
+        path = stored_path(loaded, key)
         result = _read(path)
         if result is None:
             result = run_checks(loaded)
             if path is not None:
-                _store(path, result)
+                write_atomic(path, result.to_json())
         _memo[key] = result
         return result
 

@@ -297,6 +297,9 @@ def add_eval_commands(sub: Any) -> None:
                         "with the passages pasted into the message text as RAG frameworks do, found there by "
                         "matching (inline) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="run +shift as asked on every model (default: dropped on a model whose test "
+                        "found it does not help, as the server does)")
     add_model_args(p)
     p.set_defaults(func=cmd_eval)
 
@@ -304,7 +307,7 @@ def add_eval_commands(sub: Any) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
                         not args.no_progress, args.layout)
-    engine = Engine(load_from_args(args))
+    engine = Engine(load_from_args(args), calibrate=not args.no_calibrate)
     start = time.perf_counter()
     try:
         result = evaluate(args.dataset, args.out, config, limit=args.limit, n_docs=args.docs, engine=engine)

@@ -19,13 +19,13 @@ import torch
 from kvblend.blend.config import CHUNK_PREFIXES, METHODS, PLAIN_STRATEGY, SHIFT_NAMES, SIGNALS, BlendConfig
 from kvblend.blend.layout import tokenize_document
 from kvblend.engine import Engine, Prepared, Request
+from kvblend.engine.calibration import decode_answer, teacher_force
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.shaping import Draft, ShapeConfig, ShapedRequest, shape
 from kvblend.eval.datasets import Example, inline_context, musique_prompt
 from kvblend.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
-from kvblend.generation import SamplingParams, collect, stream_from
 
 
 BASELINES = ("mapreduce", "maprerank")  # multi-call baselines, run by `kvblend.eval.baselines`
@@ -210,26 +210,6 @@ class Reference:
     answer: str
     answer_ids: list[int]
     logits: torch.Tensor  # (K, V) next-token logits along its first K answer tokens
-
-
-def teacher_force(engine: Engine, prepared: Prepared, ids: Sequence[int]) -> torch.Tensor:
-    """(len(ids), V) logits predicting ``ids`` one by one from the prepared prompt; rewinds after."""
-    n = prepared.cache.length
-    rows = [prepared.logits[None]]
-    if len(ids) > 1:
-        tail = torch.tensor(list(ids[:-1]), dtype=torch.long, device=engine.model.device)
-        rows.append(engine.model(tail, prepared.cache, logits_for="all"))
-    prepared.cache.truncate(n)
-    return torch.cat(rows)
-
-
-def decode_answer(engine: Engine, prepared: Prepared, max_tokens: int) -> tuple[str, list[int]]:
-    n = prepared.cache.length
-    events = stream_from(engine.model, engine.tokenizer, prepared.cache, prepared.logits,
-                         SamplingParams(max_tokens=max_tokens, stop=("\n",)), engine.loaded.eos_token_ids)
-    done = collect(events, n)
-    prepared.cache.truncate(n)
-    return done.text, done.token_ids
 
 
 def gold_nll(engine: Engine, prepared: Prepared, answers: Sequence[str]) -> float:

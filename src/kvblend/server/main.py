@@ -52,7 +52,8 @@ def build_engine(settings: Settings):
     loaded = load_model(settings.model, settings.device, getattr(torch, settings.dtype))
     compute = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[settings.dtype]
     store = build_store(settings.store.store_config(compute))
-    return Engine(loaded, store=store, prefix_cache=PrefixCache(settings.store.prefix_cache_bytes))
+    return Engine(loaded, store=store, prefix_cache=PrefixCache(settings.store.prefix_cache_bytes),
+                  calibrate=settings.blend.calibrate)
 
 
 class DrainingServer(uvicorn.Server):

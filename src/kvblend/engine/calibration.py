@@ -1,0 +1,213 @@
+"""Whether the blend's shift helps this model: tested once per model, on built-in questions (#23).
+
+The default blend moves the KV of tokens it does not recompute by their document's mean
+fresh - stale residual (``BlendConfig.shift``). On SmolLM2 that brings the mean KL to
+full prefill from 0.43x plain reuse's to 0.16x; on Qwen2.5-Coder it makes the answer
+worse than reuse on 8 of 15 questions, while the same selection without the shift is
+worse on none. The per-document held-out test inside the shift judges the KV, not what the
+question reads, and passes Qwen2.5's harmful shift. So the sign is a property of the model:
+it is measured here once, on the model's output, and the engine drops the shift on a model
+where it does not help (``Engine(calibrate=...)``).
+
+The test: five MuSiQue questions shipped with kvblend (``kvblend.data``; dev examples 0, 1
+and 3-5, four passages each) are answered by full prefill (greedy, ``ANSWER_TOKENS``
+tokens, stopped at a newline); plain reuse and the default blend with and without the
+shift are teacher-forced along that answer, and each one's KL to full prefill is divided
+by reuse's on the same question. The shift stays when its mean ratio is no higher than the
+mean ratio without it. One rule, no threshold, the same on every model.
+
+Results are memoised in the process and stored as JSON under
+``$KVBLEND_HOME/calibration/``, keyed as the self-check is (weights, config, dtype,
+device type, kvblend build). Only a model loaded from files is tested: one built in memory
+(the tests' tiny models) keeps the shift as configured, as does a model whose context is
+too short for three of the questions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE
+from kvblend.engine.request import Request
+from kvblend.engine.selfcheck import check_key, stored_path, write_atomic
+from kvblend.generation import SamplingParams, collect, stream_from
+from kvblend.metrics import kl_divergence
+from kvblend.models.loader import LoadedModel
+
+ANSWER_TOKENS = 8  # full prefill's answer tokens the KL is measured along (`kvblend eval`'s default)
+PASSAGES = 4  # per question: the demo corpus's examples have four
+MIN_EXAMPLES = 3  # fewer questions fit the context: no verdict
+SYSTEM = "Answer the question from the passages. Give only the answer, in a few words."
+
+
+@dataclass(frozen=True)
+class ShiftVerdict:
+    """What the test measured: the mean over questions of each method's KL to full prefill
+    divided by reuse's, with and without the shift; ``helps`` is the decision."""
+
+    model: str
+    dtype: str
+    examples: int
+    shift_ratio: float
+    plain_ratio: float
+
+    @property
+    def helps(self) -> bool:
+        return not self.shift_ratio > self.plain_ratio  # a NaN mean keeps the configured shift
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShiftVerdict":
+        raw = json.loads(text)
+        return cls(str(raw["model"]), str(raw["dtype"]), int(raw["examples"]),
+                   float(raw["shift_ratio"]), float(raw["plain_ratio"]))
+
+
+class _Preparer(Protocol):  # an Engine: what the test needs of one
+    model: Any
+    tokenizer: Any
+    loaded: LoadedModel
+
+    def prepare(self, request: Request, extra_capacity: int = 0) -> Any: ...
+
+    def layout(self, request: Request) -> Any: ...
+
+    def chunk_prefix(self, request: Request, layout: Any) -> tuple[int, ...]: ...
+
+    def warm(self, documents: list[Any], chunk_prefix: tuple[int, ...]) -> Any: ...
+
+
+def teacher_force(engine: _Preparer, prepared: Any, ids: Sequence[int]) -> torch.Tensor:
+    """(len(ids), V) logits predicting ``ids`` one by one from the prepared prompt; rewinds after."""
+    n = prepared.cache.length
+    rows = [prepared.logits[None]]
+    if len(ids) > 1:
+        tail = torch.tensor(list(ids[:-1]), dtype=torch.long, device=engine.model.device)
+        rows.append(engine.model(tail, prepared.cache, logits_for="all"))
+    prepared.cache.truncate(n)
+    return torch.cat(rows)
+
+
+def decode_answer(engine: _Preparer, prepared: Any, max_tokens: int) -> tuple[str, list[int]]:
+    """The greedy answer from the prepared prompt, stopped at a newline; rewinds after."""
+    n = prepared.cache.length
+    events = stream_from(engine.model, engine.tokenizer, prepared.cache, prepared.logits,
+                         SamplingParams(max_tokens=max_tokens, stop=("\n",)), engine.loaded.eos_token_ids)
+    done = collect(events, n)
+    prepared.cache.truncate(n)
+    return done.text, done.token_ids
+
+
+def examples() -> list[tuple[str, tuple[str, ...]]]:
+    """(question, passages) of the built-in questions, in the eval's passage format."""
+    out = []
+    for path in (MUSIQUE_SAMPLE, MUSIQUE_RAG):
+        for item in json.loads(path.read_text(encoding="utf-8")):
+            docs = tuple(f"{c['title']}\n\n{c['text']}\n\n" for c in item["ctxs"][:PASSAGES])
+            out.append((item["question"], docs))
+    return out
+
+
+def _request(question: str, docs: tuple[str, ...], method: str, blend: BlendConfig) -> Request:
+    return Request(documents=docs, question=f"Question: {question}\nAnswer:", system=SYSTEM,
+                   method=method, blend=blend)
+
+
+def _ratios(engine: _Preparer, question: str, docs: tuple[str, ...]) -> tuple[float, float] | None:
+    """(shift, plain) KL ratios to reuse's on one question; None when it does not fit the
+    context or reuse is already exact there."""
+    blend = BlendConfig()
+    full = _request(question, docs, "full", blend)
+    if len(engine.layout(full)) + ANSWER_TOKENS > engine.loaded.config.context_length:
+        return None
+    cached = _request(question, docs, "reuse", blend)  # each passage's KV computed alone, stored
+    layout = engine.layout(cached)
+    engine.warm(list(layout.docs), engine.chunk_prefix(cached, layout))
+    prepared = engine.prepare(full, ANSWER_TOKENS)
+    _, ids = decode_answer(engine, prepared, ANSWER_TOKENS)
+    want = teacher_force(engine, prepared, ids) if ids else prepared.logits[None]
+
+    def kl(method: str, cfg: BlendConfig) -> float:
+        got = engine.prepare(_request(question, docs, method, cfg), len(ids) + 1)
+        return kl_divergence(want, teacher_force(engine, got, ids) if ids else got.logits[None])
+
+    reuse = kl("reuse", blend)
+    if not reuse > 1e-9:
+        return None
+    return kl("blend", replace(blend, shift=True)) / reuse, kl("blend", replace(blend, shift=False)) / reuse
+
+
+def run_calibration(engine: _Preparer, progress: Callable[[str], None] | None = None) -> ShiftVerdict | None:
+    """Measure the verdict with ``engine`` (give it a private store: the questions' chunks
+    are computed and kept there). None when fewer than ``MIN_EXAMPLES`` questions fit."""
+    cases = examples()
+    rows = []
+    for i, (question, docs) in enumerate(cases, 1):
+        if progress is not None:
+            progress(f"testing the blend's shift on {engine.loaded.name}: question {i} of {len(cases)}")
+        got = _ratios(engine, question, docs)
+        if got is not None:
+            rows.append(got)
+    if len(rows) < MIN_EXAMPLES:
+        return None
+    mean = lambda xs: math.fsum(xs) / len(xs)  # noqa: E731
+    return ShiftVerdict(engine.loaded.name, str(engine.model.dtype), len(rows),
+                        mean([s for s, _ in rows]), mean([p for _, p in rows]))
+
+
+_memo: dict[str, ShiftVerdict | None] = {}
+_memo_lock = threading.Lock()
+
+
+def _progress(message: str) -> None:
+    print(f"kvblend: {message}", file=sys.stderr, flush=True)
+
+
+def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer]) -> ShiftVerdict | None:
+    """The model's shift verdict: memoised, else read from disk, else measured (on the engine
+    ``private_engine`` builds) and stored. None for a model built in memory or too short a
+    context: the shift then stays as configured."""
+    key = check_key(loaded)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+        path = stored_path(loaded, key, "calibration")
+        if path is None:
+            _memo[key] = None
+            return None
+        verdict = _read(path)
+        if verdict is None:
+            verdict = run_calibration(private_engine(), _progress)
+            if verdict is not None:
+                write_atomic(path, verdict.to_json())
+                _progress(f"the shift {'helps' if verdict.helps else 'does not help'} {loaded.name}: "
+                          f"KL {verdict.shift_ratio:.2f}x reuse's with it, {verdict.plain_ratio:.2f}x without")
+        _memo[key] = verdict
+        return verdict
+
+
+def _read(path: Path) -> ShiftVerdict | None:
+    if not path.is_file():
+        return None
+    try:
+        return ShiftVerdict.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: test again
+
+
+def forget() -> None:
+    """Drop the in-process memo (the stored files stay)."""
+    with _memo_lock:
+        _memo.clear()
