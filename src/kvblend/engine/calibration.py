@@ -31,7 +31,6 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +38,7 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE
 from kvblend.engine.request import Request
-from kvblend.engine.selfcheck import check_key, stored_path, write_atomic
+from kvblend.engine.selfcheck import check_key, read_stored, stored_path, write_atomic
 from kvblend.generation import SamplingParams, collect, stream_from
 from kvblend.metrics import kl_divergence
 from kvblend.models.loader import LoadedModel
@@ -187,7 +186,7 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
         if path is None:
             _memo[key] = None
             return None
-        verdict = _read(path)
+        verdict = read_stored(path, ShiftVerdict.from_json)
         if verdict is None:
             verdict = run_calibration(private_engine(), _progress)
             if verdict is not None:
@@ -196,15 +195,6 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
                           f"KL {verdict.shift_ratio:.2f}x reuse's with it, {verdict.plain_ratio:.2f}x without")
         _memo[key] = verdict
         return verdict
-
-
-def _read(path: Path) -> ShiftVerdict | None:
-    if not path.is_file():
-        return None
-    try:
-        return ShiftVerdict.from_json(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable: test again
 
 
 def forget() -> None:

@@ -31,8 +31,10 @@ import json
 import os
 import threading
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -50,6 +52,7 @@ CHECKS = ("rerotation", "rerotation-far", "blend-ratio-1", "ratio-0-reuse")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 REFUSED = ("reuse", "blend")  # and "prefix" when the request has documents
 SPANS = ((6, 12, 6), (2, 4, 2))  # prefix, document, suffix: the first that fits the context
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def ensure_checked(loaded: LoadedModel) -> SelfCheckResult:
         if key in _memo:
             return _memo[key]
         path = stored_path(loaded, key)
-        result = _read(path)
+        result = read_stored(path, SelfCheckResult.from_json)
         if result is None:
             result = run_checks(loaded)
             if path is not None:
@@ -223,13 +226,15 @@ def ensure_checked(loaded: LoadedModel) -> SelfCheckResult:
         return result
 
 
-def _read(path: Path | None) -> SelfCheckResult | None:
+def read_stored(path: Path | None, parse: Callable[[str], T]) -> T | None:
+    """``parse`` of the file at ``path``; None when there is none or it is unreadable (then
+    the caller measures again)."""
     if path is None or not path.is_file():
         return None
     try:
-        return SelfCheckResult.from_json(path.read_text())
+        return parse(path.read_text())
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable: check again
+        return None
 
 
 def forget() -> None:
