@@ -87,6 +87,8 @@ class _Preparer(Protocol):  # an Engine: what the test needs of one
 
     def warm(self, documents: list[Any], chunk_prefix: tuple[int, ...]) -> Any: ...
 
+    def close(self) -> None: ...
+
 
 def teacher_force(engine: _Preparer, prepared: Any, ids: Sequence[int]) -> torch.Tensor:
     """(len(ids), V) logits predicting ``ids`` one by one from the prepared prompt; rewinds after."""
@@ -188,7 +190,11 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
             return None
         verdict = read_stored(path, ShiftVerdict.from_json)
         if verdict is None:
-            verdict = run_calibration(private_engine(), _progress)
+            engine = private_engine()
+            try:
+                verdict = run_calibration(engine, _progress)
+            finally:
+                engine.close()
             if verdict is not None:
                 write_atomic(path, verdict.to_json())
                 _progress(f"the shift {'helps' if verdict.helps else 'does not help'} {loaded.name}: "
