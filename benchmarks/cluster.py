@@ -260,10 +260,12 @@ def pool_kv_bytes(model: str, docs: list[str]) -> tuple[int, int]:
     return math.ceil(tokens * per_token * ENTRY_OVERHEAD), tokens
 
 
-def settings_for(model: str, memory_bytes: int, state_dir: str) -> dict:
-    """What both phases serve with: memory tier only, a queue deep enough for the clients, quiet logs."""
+def settings_for(model: str, memory_bytes: int, state_dir: str, recompute_misses: bool | None = None) -> dict:
+    """What both phases serve with: memory tier only, a queue deep enough for the clients, quiet
+    logs; ``recompute_misses`` the setting ``blend.recompute_misses`` (None: its default)."""
+    blend = {} if recompute_misses is None else {"blend": {"recompute_misses": recompute_misses}}
     return {"model": model, "host": "127.0.0.1", "state_dir": state_dir, "log_level": "warning",
-            "drain_timeout_s": 5.0,
+            "drain_timeout_s": 5.0, **blend,
             "store": {"tiers": ["memory"], "memory_bytes": memory_bytes},
             "scheduler": {"max_running": 8, "max_queued": 64, "request_deadline_s": 600}}
 
@@ -314,6 +316,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
                    help="comma-separated subset of default,affinity, in the order run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", default=None, help="write every request's outcome (JSON lines) to this file")
+    p.add_argument("--recompute-misses", type=lambda s: {"true": True, "false": False}[s.lower()], default=None,
+                   help="true|false: blend.recompute_misses on the replicas (default: the setting's default)")
     p.add_argument("--load-factor", type=float, default=None,
                    help="the affinity router's cluster.load_factor (default: the setting's default)")
     args = p.parse_args(argv)
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvblend-cluster-bench-") as tmp:
             for router in args.routers:
-                overrides = settings_for(args.model, memory_bytes, str(Path(tmp) / router))
+                overrides = settings_for(args.model, memory_bytes, str(Path(tmp) / router), args.recompute_misses)
                 phases[router] = run_phase(router, overrides, bodies, passages, plan, args.load_factor)
                 print(json.dumps(nan_to_none({"phase": phases[router].figures(plan.warmup)})), flush=True)
                 if args.dump:
@@ -371,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.shutdown()
     out = result(phases, plan)
-    out.update(model=args.model, quick=args.quick, load_factor=args.load_factor, plan=dataclasses.asdict(plan),
+    out.update(model=args.model, quick=args.quick, load_factor=args.load_factor,
+               recompute_misses=args.recompute_misses, plan=dataclasses.asdict(plan),
                pool_tokens=pool_tokens,
                memory_bytes=memory_bytes, wall_s=round(time.perf_counter() - t, 1))
     print(json.dumps(nan_to_none(out)))

@@ -7,6 +7,7 @@ import logging
 import threading
 
 import pytest
+import torch
 
 import kvblend.engine.engine as engine_module
 from kvblend.blend.config import BlendConfig
@@ -124,3 +125,33 @@ def test_warm_computes_only_what_the_store_admits(loaded, monkeypatch: pytest.Mo
     assert spy.calls == 0 and eng.store.stats().entries == 0
     eng.warm(DOCS[:1], prefix)
     assert spy.calls == 1 and eng.store.stats().entries == 1
+
+
+def test_misses_computed_alone_are_the_model_owners_slices_and_stored_at_once(loaded,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``recompute_misses`` a missed document is computed alone inside the request's
+    step generator, in the scheduler's slices (so streams keep decoding beside it), once, and
+    put in the store then: no second computation by the jobs lane."""
+    from kvblend.generation.chunked import Forward
+
+    req = Request(documents=DOCS[:2], question=QUESTION, blend=BlendConfig(recompute_misses=False))
+    whole = Engine(loaded).prepare(req)
+    spy = _install(monkeypatch)
+    eng = Engine(loaded)
+    steps, reply, sizes = eng.prepare_steps(req, 0, slice_tokens=3), None, []
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as stop:
+            prepared = stop.value
+            break
+        if isinstance(step, Forward):
+            sizes.append(step.ids.shape[0])
+            reply = loaded.model(step.ids, step.cache, step.logits_for)
+        else:
+            reply = None
+    assert spy.calls == 2 and sizes and max(sizes) <= 3  # both documents, in slices of 3 tokens
+    assert torch.allclose(prepared.logits, whole.logits, atol=1e-4)
+    eng.flush()
+    assert eng.store.stats().entries == 2 and spy.calls == 2
+    assert [d.source for d in _prepare(eng, DOCS[:2]).stats.docs] == ["memory", "memory"]

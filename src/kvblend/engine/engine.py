@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend import rope as rope_lib
-from kvblend.blend.chunks import compute_chunk_kv, compute_chunk_steps
+from kvblend.blend.chunks import compute_chunk_steps
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop_steps
 from kvblend.blend.strategies import fuse_planned_steps
@@ -127,6 +127,7 @@ class _Chunks:
     misses: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     feed: LayerFeed | None = None  # loads slow-tier chunks layer by layer during fusion
     pending: dict[int, tuple[ChunkKey, PendingChunk]] = field(default_factory=dict)  # by document index
+    alone: list[tuple[int, ChunkKey, tuple[int, ...]]] = field(default_factory=list)  # (start, key, ids) to compute
 
 
 def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats:
@@ -335,12 +336,11 @@ class Engine:
             else:
                 chunk, source = self._get(key, ids, ctx, out)
                 hit = chunk is not None
-                if chunk is None and not request.blend.recompute_misses:
-                    t = timer.add("lookup", t)
-                    chunk, source = compute_chunk_kv(self.model, ctx.chunk_prefix, ids), "chunk"
-                    t = timer.add("prefill", t)
-                    self.writeback.submit(key, chunk, self._placement(len(ids)))
                 seen[key] = (chunk, hit)
+            if chunk is None and not request.blend.recompute_misses:  # computed alone before fusion
+                out.alone.append((start, key, ids))
+                out.stats.append(DocStat(i, len(ids), False, "request" if source == "request" else "chunk"))
+                continue
             if isinstance(chunk, PendingChunk):
                 out.pending[i] = (key, chunk)
             if chunk is None:
@@ -351,6 +351,20 @@ class Engine:
             out.stats.append(DocStat(i, len(ids), hit, source))
         timer.add("lookup", t)
         return out
+
+    def _compute_alone(self, chunks: _Chunks, chunk_prefix: tuple[int, ...], slice_tokens: SliceSize,
+                       timer: _Timer) -> Generator[Any, Any, None]:
+        """Without ``recompute_misses``: compute each missed document alone (forward slices
+        for the model's owner, as a full prefill's), store it at once, and place it to be
+        blended; a document repeated in the request is computed once."""
+        t, done = time.perf_counter(), {}
+        for start, key, ids in chunks.alone:
+            if key not in done:
+                done[key] = yield from compute_chunk_steps(self.model, chunk_prefix, ids, slice_tokens)
+                self.writeback.submit(key, done[key], self._placement(len(ids)))
+            chunks.placed.append(PlacedChunk(start, done[key]))
+        chunks.placed.sort(key=lambda p: p.start)
+        timer.add("prefill", t)
 
     def _get(self, key: ChunkKey, ids: tuple[int, ...], ctx: KeyContext,
              out: _Chunks) -> tuple[ChunkKV | PendingChunk | None, str]:
@@ -447,7 +461,7 @@ class Engine:
         return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
-                       timer: _Timer) -> Generator[Any, Any, _Built]:
+                       timer: _Timer, slice_tokens: SliceSize = None) -> Generator[Any, Any, _Built]:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute
         (a step per layer of each fusion pass)."""
         n_prefix, scope = len(layout.prefix), self.prefix_scope(request.tenant)
@@ -455,6 +469,7 @@ class Engine:
         n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
         hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
         chunks = self._lookup(request, layout, timer)
+        yield from self._compute_alone(chunks, self.chunk_prefix(request, layout), slice_tokens, timer)
         cfg, choice = self.blend_config(request.blend), None
         if cfg.auto and request.method == "reuse":
             cfg = cfg.with_ratio(0.0)
@@ -533,7 +548,7 @@ class Engine:
         if request.method in ("full", "prefix"):
             built = yield from self._prefill_exact(request, layout, ids, extra_capacity, timer, slice_tokens)
         else:
-            built = yield from self._prefill_fused(request, layout, ids, extra_capacity, timer)
+            built = yield from self._prefill_fused(request, layout, ids, extra_capacity, timer, slice_tokens)
         elapsed = time.perf_counter() - timer.start
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
