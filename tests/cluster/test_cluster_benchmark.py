@@ -86,3 +86,14 @@ def test_dump_writes_each_request_with_its_passages_and_block(tmp_path) -> None:
     assert [(r["router"], r["i"], r["passages"], r["status"]) for r in rows] == [
         ("affinity", 0, [3, 5], "ok"), ("affinity", 1, [1], "lost")]
     assert rows[0]["block"]["queue_s"] == 2.5 and rows[0]["ttft_s"] == 1.0 and rows[1]["sent_s"] is None  # NaN: not sent timed
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--recompute-misses", "false"], False),
+                                        (["--recompute-misses", "TRUE"], True)])
+def test_recompute_misses_reaches_the_replicas_settings(flag: list[str], want: bool) -> None:
+    from kvblend.settings import Settings
+
+    args, _ = bc.parse_args(["--quick", *flag])
+    overrides = bc.settings_for("smollm2-135m", 1 << 20, "/tmp/x", args.recompute_misses)
+    settings = Settings.load(**overrides)
+    assert settings.blend.recompute_misses is want and settings.blend.blend_config().recompute_misses is want
