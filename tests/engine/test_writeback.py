@@ -132,24 +132,18 @@ def test_misses_computed_alone_are_the_model_owners_slices_and_stored_at_once(lo
     """Without ``recompute_misses`` a missed document is computed alone inside the request's
     step generator, in the scheduler's slices (so streams keep decoding beside it), once, and
     put in the store then: no second computation by the jobs lane."""
-    from kvblend.generation.chunked import Forward
+    from kvblend.generation.chunked import run_steps
 
     req = Request(documents=DOCS[:2], question=QUESTION, blend=BlendConfig(recompute_misses=False))
     whole = Engine(loaded).prepare(req)
     spy = _install(monkeypatch)
-    eng = Engine(loaded)
-    steps, reply, sizes = eng.prepare_steps(req, 0, slice_tokens=3), None, []
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as stop:
-            prepared = stop.value
-            break
-        if isinstance(step, Forward):
-            sizes.append(step.ids.shape[0])
-            reply = loaded.model(step.ids, step.cache, step.logits_for)
-        else:
-            reply = None
+    eng, sizes = Engine(loaded), []
+
+    def model(ids, cache, logits_for):  # the driver's forward, recording each slice's size
+        sizes.append(ids.shape[0])
+        return loaded.model(ids, cache, logits_for)
+
+    prepared = run_steps(eng.prepare_steps(req, 0, slice_tokens=3), model)
     assert spy.calls == 2 and sizes and max(sizes) <= 3  # both documents, in slices of 3 tokens
     assert torch.allclose(prepared.logits, whole.logits, atol=1e-4)
     eng.flush()

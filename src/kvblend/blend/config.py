@@ -31,6 +31,9 @@ class BlendConfig:
     ``ratio``. ``signal`` picks what deviation compares: fresh vs cached V, K, or both.
     ``chunk_prefix``: a document's KV is computed after the prompt's first token ("bos",
     the attention sink) or after the request's whole prefix ("prompt").
+    ``recompute_misses``: a document no tier holds is computed exactly in the prompt and
+    written back later (True), or computed alone first, stored at once and blended (False:
+    one computation instead of two, for a busy server whose write-backs fall behind).
 
     Strategies (``kvblend.blend.strategies``): ``selection`` (see ``SELECTIONS``);
     ``budget``: each document gets a share of the kept tokens proportional to the score mass
