@@ -4,3 +4,9 @@ from pathlib import Path
 
 MUSIQUE_SAMPLE = Path(__file__).parent / "musique_sample.json"
 MUSIQUE_RAG = Path(__file__).parent / "musique_rag.json"  # the demo's corpus: 3 questions, 12 passages
+
+
+def format_musique_passage(title: str, text: str) -> str:
+    """One retrieved MuSiQue passage as it enters the prompt (the evaluation's and the
+    per-model shift test's one format)."""
+    return f"{title}\n\n{text}\n\n"

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE
+from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE, format_musique_passage
 from kvblend.engine.request import Request
 from kvblend.engine.selfcheck import check_key, read_stored, stored_path, write_atomic
 from kvblend.generation import SamplingParams, collect, stream_from
@@ -116,7 +116,7 @@ def examples() -> list[tuple[str, tuple[str, ...]]]:
     out = []
     for path in (MUSIQUE_SAMPLE, MUSIQUE_RAG):
         for item in json.loads(path.read_text(encoding="utf-8")):
-            docs = tuple(f"{c['title']}\n\n{c['text']}\n\n" for c in item["ctxs"][:PASSAGES])
+            docs = tuple(format_musique_passage(c["title"], c["text"]) for c in item["ctxs"][:PASSAGES])
             out.append((item["question"], docs))
     return out
 

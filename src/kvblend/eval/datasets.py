@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvblend.data import format_musique_passage
 from kvblend.eval.example import Example
 from kvblend.eval.synthetic import generate_synthetic
 
@@ -82,11 +83,6 @@ def inline_context(passages: Sequence[str], query: str) -> str:
     """A user message with the passages pasted into its text the way RAG frameworks
     stuff a context ("Context:", the passages joined by blank lines, then the query)."""
     return "Context:\n\n" + "\n\n".join(passages) + "\n\n" + query
-
-
-def format_musique_passage(title: str, text: str) -> str:
-    """One retrieved passage as it enters the prompt."""
-    return f"{title}\n\n{text}\n\n"
 
 
 def _check_limit(limit: int | None) -> None:
