@@ -113,3 +113,18 @@ def test_the_setting_reaches_the_servers_engine(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr("kvblend.models.load_model", lambda *a, **kw: tiny)
     server_main.build_engine(settings)
     assert seen["calibrate"] is False
+
+
+def test_a_test_that_fails_leaves_the_shift_as_configured_and_is_not_stored(home: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    folder = saved_model(tmp_path / "model")
+
+    def boom(engine, progress):
+        raise RuntimeError("out of memory (test)")
+
+    monkeypatch.setattr(calibration, "run_calibration", boom)
+    engine = Engine(load_hf_folder(folder))  # still built: it serves, with the shift as configured
+    assert engine.shift_verdict is None and engine.blend_config(BlendConfig()).shift
+    assert "the shift test failed" in capsys.readouterr().err
+    assert not (home / "calibration").exists()

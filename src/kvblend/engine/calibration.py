@@ -178,8 +178,8 @@ def _progress(message: str) -> None:
 
 def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer]) -> ShiftVerdict | None:
     """The model's shift verdict: memoised, else read from disk, else measured (on the engine
-    ``private_engine`` builds) and stored. None for a model built in memory or too short a
-    context: the shift then stays as configured."""
+    ``private_engine`` builds) and stored. None for a model built in memory, too short a
+    context, or a test that raised (reported, not stored): the shift then stays as configured."""
     key = check_key(loaded)
     with _memo_lock:
         if key in _memo:
@@ -193,6 +193,9 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
             engine = private_engine()
             try:
                 verdict = run_calibration(engine, _progress)
+            except Exception as exc:  # noqa: BLE001 - a failed test must not stop the model from serving
+                _progress(f"the shift test failed on {loaded.name} ({exc!r}); the shift stays as configured")
+                verdict = None  # not stored: the next process tests again
             finally:
                 engine.close()
             if verdict is not None:
