@@ -1,6 +1,7 @@
 """One local Ray instance (2 CPUs) per pytest session, and on it the kvblend application:
 two replicas of the default model (half a CPU each) behind one ingress, memory + Redis
-tiers (a throwaway loopback redis-server), the document-affinity router."""
+tiers (a throwaway loopback redis-server), the document-affinity router, the quality
+guard on."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def cluster(ray_instance, tmp_path_factory, smollm2_calibrated):
             api_keys={KEY: "alice"}, drain_timeout_s=5,
             store={"tiers": ["memory", "redis"], "memory_bytes": "64MiB", "redis_url": redis.url},
             scheduler={"max_running": 4, "max_queued": 16},
+            # every blend is shadow-checked on a replica, one at a time; no quality bound,
+            # so no test's answers depend on the guard switching to fallback
+            guard={"enabled": True, "shadow_fraction": 1.0, "min_f1": None, "max_pending": 1},
             cluster={"replica_cpus": 0.5, "ingress_cpus": 0.25, "routing_stats_period_s": 0.5,
                      "health_check_period_s": 1.0},
         )

@@ -87,3 +87,135 @@ def test_a_request_counts_as_unanswered_from_arrival_to_its_first_item() -> None
         assert replica.record_routing_stats()["at"] > 0
     finally:
         sched.drain(5)
+
+
+class _Method:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+class _Stream:
+    """A streaming handle call's response over the replica's async generator."""
+
+    def __init__(self, agen) -> None:
+        self._agen = agen
+
+    def __anext__(self):
+        return self._agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.get_event_loop().create_task(self._agen.aclose())
+
+
+class _LocalHandle:
+    """The model deployment's handle over one in-process ``ModelReplica`` (no Ray)."""
+
+    def __init__(self, replica: ModelReplica) -> None:
+        self.calls = []
+        self.generate = _Method(lambda call: _Stream(replica.generate(call)))
+        self.shadow = _Method(lambda call: self.calls.append(call) or replica.shadow(call))
+
+    def options(self, **_):
+        return self
+
+
+def _guarded_ingress(tmp_path, **guard):
+    """An ingress app (``RemoteScheduler``) over one replica on a real scheduler, guard on."""
+    from kvblend.cluster.remote import RemoteScheduler
+    from kvblend.server import create_app
+    from kvblend.settings import Settings
+
+    settings = Settings(state_dir=str(tmp_path / "state"), store={"tiers": ["memory"]},
+                        guard={"enabled": True, "shadow_fraction": 1.0, "min_f1": None, **guard})
+    engine = Engine(make_loaded())
+    sched = Scheduler(engine, max_running=2)
+    sched.start()
+    replica = _replica(sched)
+    replica.settings = settings
+    handle = _LocalHandle(replica)
+    return create_app(engine, settings, scheduler=RemoteScheduler(handle, engine)), sched, handle
+
+
+def _checks(client, outcome: str) -> float:
+    from tests.server.test_retrieval_and_guard import _metric
+
+    return _metric(client.get("/metrics").text, "kvblend:shadow_checks_total", outcome=outcome)
+
+
+def _wait(client, outcome: str, n: int = 1) -> float:
+    import time
+
+    deadline = time.monotonic() + 60
+    while _checks(client, outcome) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _checks(client, outcome)
+
+
+BODY = {"max_tokens": 4, "messages": [{"role": "user", "content": "what ?"}],
+        "documents": [{"text": "the river runs east of the old town ."}], "kvblend": {"method": "blend"}}
+
+
+def test_with_replicas_the_ingress_guard_checks_on_a_replica_and_records_the_result(tmp_path) -> None:
+    """The guard works with replicas: the ingress keeps the guard (windows, metrics) and
+    sends each shadow check to a model replica's background lane, routed by the request's
+    documents; its result equals the same check run in one process, and reaches the
+    ingress's guard and metrics."""
+    from starlette.testclient import TestClient
+
+    from kvblend.guard.shadow import shadow_check
+
+    app, sched, handle = _guarded_ingress(tmp_path)
+    seen = []
+    state = app.state.kvblend
+    real = state.guard.guard.record
+    state.guard.guard.record = lambda result: seen.append(result) or real(result)
+    try:
+        with TestClient(app) as client:
+            body = {**BODY, "model": state.model_id}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200  # a miss: stored after
+            assert _wait(client, "ok") == 1
+            sched.engine.flush()
+            r = client.post("/v1/chat/completions", json=body)  # a hit, and so is its check's re-prepare
+            assert r.status_code == 200, r.text
+            assert _wait(client, "ok", 2) == 2 and _checks(client, "failed") == 0
+            assert 'kvblend:shadow_kl_count{model_name="%s"} 2.0' % state.model_id in client.get("/metrics").text
+        result, call = seen[-1], handle.calls[-1]
+        assert [k for k, _ in call.route_keys] == [k for k, _ in route_keys(sched.engine, call.request)]
+        assert call.served.text == r.json()["choices"][0]["message"]["content"] and call.probe is None
+        assert call.served.stats.docs[0].source == "memory"
+        assert (result.tenant, result.method) == ("default", "blend")
+        assert result.tokens == r.json()["usage"]["completion_tokens"]
+        assert list(state.guard.guard.snapshot()) == [(sched.engine.loaded.name, "default")]
+        # the same check run in one process on the request as the ingress shaped it
+        alone = shadow_check(sched.engine, call.request, call.served, call.probe)
+        assert (alone.answer_f1, alone.first_token_agree, alone.tokens) == (
+            result.answer_f1, result.first_token_agree, result.tokens)
+        assert alone.kl == pytest.approx(result.kl, rel=1e-4, abs=1e-6)
+    finally:
+        sched.drain(5)
+
+
+def test_with_replicas_a_failing_or_dropped_check_is_counted_at_the_ingress(tmp_path, monkeypatch) -> None:
+    from starlette.testclient import TestClient
+
+    from kvblend.guard import quality
+
+    app, sched, _ = _guarded_ingress(tmp_path)
+    state = app.state.kvblend
+    try:
+        with TestClient(app) as client:
+            body = {**BODY, "model": state.model_id}
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("simulated shadow failure")
+                yield  # a generator
+
+            monkeypatch.setattr(quality, "shadow_steps", broken)
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert _wait(client, "failed") == 1 and _checks(client, "ok") == 0
+            monkeypatch.setattr(sched, "submit_background", lambda *a, **k: None)  # the replica's lane refuses
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert _wait(client, "dropped") == 1 and _checks(client, "ok") == 0
+            assert client.get("/health").status_code == 200
+    finally:
+        sched.drain(5)

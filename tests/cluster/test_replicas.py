@@ -159,6 +159,26 @@ def test_killing_a_replica_under_load_leaves_the_other_serving_and_ray_restores_
     assert resp.json()["choices"][0]["message"]["content"] == answers[0]
 
 
+def test_the_guard_shadow_checks_a_blend_on_a_replica_and_counts_it_at_the_ingress(cluster):
+    """The guard with replicas: the ingress's guard sends the check to a model replica over
+    Ray (the request, its answer and stats cross the hop) and records the result."""
+    from tests.server.test_retrieval_and_guard import _metric
+
+    with cluster.client() as c:
+        before = _metric(c.get("/metrics").text, "kvblend:shadow_checks_total", outcome="ok")
+        replica, _ = served(chat(c, [{"text": passage("garnet")}], method="blend", max_tokens=3))
+        until, text = time.monotonic() + 60, ""
+        while time.monotonic() < until:
+            text = c.get("/metrics").text
+            if _metric(text, "kvblend:shadow_checks_total", outcome="ok") > before:
+                break
+            time.sleep(0.5)
+    assert _metric(text, "kvblend:shadow_checks_total", outcome="ok") > before, text[-2000:]
+    assert _metric(text, "kvblend:shadow_checks_total", outcome="failed") == 0
+    assert _metric(text, "kvblend:shadow_kl_count") >= 1
+    assert all(r.startswith("ingress:") for r in _samples(text, "kvblend:shadow_checks_total"))  # the guard's own
+
+
 def _full(documents) -> dict:
     return {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Which valley is it about?"}],
             "documents": documents, "max_tokens": 3, "temperature": 0, "kvblend": {"method": "full"}}

@@ -212,3 +212,26 @@ def test_a_request_that_ended_no_longer_counts_before_the_next_report() -> None:
             router.on_request_completed(holder.replica_id, pr.metadata.internal_request_id)
         assert not router._sent
     run(main())
+
+
+@dataclass
+class Background:
+    route_keys: Any
+    background = True
+
+
+def test_a_background_call_goes_to_its_documents_and_is_not_counted_as_load() -> None:
+    """The guard's shadow checks run in the time requests leave: they go where their
+    documents are whatever the loads (elsewhere the documents would be computed exactly and
+    the check would judge another blend), and the requests after them are routed as if
+    they were not there."""
+    async def main() -> None:
+        holder = FakeReplica("r1", stats=stats([DOC_A], unanswered=1, at=time.time()), max_ongoing=50)
+        other = FakeReplica("r2", stats=stats([], unanswered=0, at=time.time()))
+        router = make_router([holder, other], load_factor=1.0)
+        assert await route(router, pending(((DOC_A, 500),))) == "r2"  # a request spills off the busy holder
+        assert await route(router, pending(arg=Background(((DOC_A, 500),)))) == "r1"  # the check does not
+        assert await route(router, pending(arg=Background(((DOC_A, 500),)))) == "r1"
+        # r2 has the request just sent, r1 its one unanswered: not the two checks as well
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"
+    run(main())

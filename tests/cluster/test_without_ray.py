@@ -69,12 +69,14 @@ def test_replica_flags_merge_into_the_cluster_settings(tmp_path, monkeypatch, ca
     assert (data["ingress_replicas"], data["replica_cpus"]) == (2, 0.5)  # the rest of the section is kept
 
 
-def test_the_guard_is_refused_with_replicas():
+def test_the_guard_runs_with_replicas_and_its_checks_have_room_on_a_replica():
     from kvblend.cluster.app import check_settings
-    from kvblend.settings import Settings, SettingsError
+    from kvblend.cluster.model import max_ongoing
+    from kvblend.settings import Settings
 
-    with pytest.raises(SettingsError, match="guard"):
-        check_settings(Settings(guard={"enabled": True}, cluster={"replicas": 2}))
+    guarded = Settings(guard={"enabled": True, "max_pending": 5}, cluster={"replicas": 2})
+    check_settings(guarded)  # accepted (it was refused before the checks could run on replicas)
+    assert max_ongoing(guarded) == max_ongoing(Settings(cluster={"replicas": 2})) + 5
 
 
 def test_ingress_health_follows_the_running_model_replicas(tmp_path):

@@ -34,9 +34,6 @@ ROUTERS = ("affinity", "default")
 
 def check_settings(settings: Settings) -> None:
     """Refuse what a replicated deployment cannot honour yet (SettingsError)."""
-    if settings.guard.enabled:
-        raise SettingsError("guard.enabled is not supported with --replicas yet: the guard's shadow checks "
-                            "run on the model worker of the process that answered")
     if "memory" not in settings.store.tiers and settings.cluster.router == "affinity":
         log.warning("the affinity router routes on memory-tier residency, but store.tiers has no memory tier")
 

@@ -8,7 +8,7 @@ model replica keeps today's ``ServerMetrics`` and pushes its exposition every fe
 to a small named Ray actor (``MetricsBoard``); the ingress's ``/metrics`` reads the board
 and answers the same families, each sample with a ``replica`` label: a model replica's id,
 or ``ingress:<id>`` for what only the HTTP layer counts (errors it answered, client
-disconnects). A replica silent for ``STALE_S`` (gone: killed, restarted under a new id)
+disconnects, the quality guard's checks, scores and fallbacks). A replica silent for ``STALE_S`` (gone: killed, restarted under a new id)
 drops out. A scrape sees values up to one push period old.
 """
 
@@ -23,12 +23,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvblend.server.quality import GUARD_FAMILIES
+
 log = logging.getLogger("kvblend.cluster")
 
 BOARD_NAME = "kvblend-metrics"
 NAMESPACE = "kvblend"
 STALE_S = 30.0
-INGRESS_FAMILIES = ("kvblend:request_errors", "kvblend:client_disconnects")  # counted by the HTTP layer only
+# counted by the HTTP layer only: its errors, disconnects, and the quality guard
+INGRESS_FAMILIES = ("kvblend:request_errors", "kvblend:client_disconnects", *GUARD_FAMILIES)
 
 
 class MetricsBoard:

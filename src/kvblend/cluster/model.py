@@ -9,7 +9,11 @@ disk and Redis tiers are the shared ones every replica names), and runs one
   cancels the request here;
 * ``compute_documents(call: DocumentCall)`` — `/v1/documents` precompute on the jobs
   lane, stored through this replica's store (so into the shared tiers too);
-returns this replica's id, or a ``WireError``.
+returns this replica's id, or a ``WireError``;
+* ``shadow(call: ShadowCall)`` — the quality guard's shadow check of a request served
+  (usually) here, on this replica's background lane; the ``ShadowResult``, None when the
+  lane dropped it, or a ``WireError``. The guard itself (its windows, fallback and
+  metrics) lives in the ingress.
 
 Ray Serve calls ``check_health`` (raises once the scheduler's supervisor gave up, so Ray
 replaces the replica) and ``record_routing_stats`` (the resident chunk keys of the memory
@@ -30,8 +34,10 @@ from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
-from kvblend.cluster.wire import INTERNAL, Accepted, DocumentCall, Ended, ModelCall, WireError, to_wire
+from kvblend.cluster.wire import INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, WireError, to_wire
 from kvblend.engine.scheduler import DrainingError
+from kvblend.guard.quality import start_check
+from kvblend.guard.shadow import ShadowResult
 from kvblend.server.app import build_scheduler, server_metrics
 from kvblend.server.main import build_engine, configure_logging
 from kvblend.settings import Settings
@@ -112,6 +118,22 @@ class ModelReplica:
             return self._wire(exc)
         return self.replica
 
+    async def shadow(self, call: ShadowCall) -> ShadowResult | None | WireError:
+        """Run a shadow check on the background lane (below requests and jobs; paced like
+        a prefill while streams decode). None when the lane refuses or drops it."""
+        job = start_check(self.scheduler, call.request, call.served, call.probe, self.settings.guard.chunk_tokens)
+        if job is None:
+            return None
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancelled():  # dropped by drain or worker death
+                return None
+            job.cancel()  # the ingress is gone: the check is not wanted any more
+            raise
+        except Exception as exc:  # noqa: BLE001 - the scheduler logged it; the ingress counts it failed
+            return to_wire(exc)
+
     @staticmethod
     def _wire(exc: BaseException) -> WireError:
         """``exc`` as data; an unexpected one is logged here, where its cause is."""
@@ -173,10 +195,11 @@ class Unanswered:
 
 
 def max_ongoing(settings: Settings) -> int:
-    """Calls one model replica takes at once: its scheduler's running and queued requests
-    and its jobs lane, so that the scheduler (fair queue, 429s) does the queueing."""
+    """Calls one model replica takes at once: its scheduler's running and queued requests,
+    its jobs lane and the guard's shadow checks, so that the scheduler (fair queue, 429s)
+    does the queueing."""
     sch = settings.scheduler
-    return sch.max_running + sch.max_queued + sch.max_jobs
+    return sch.max_running + sch.max_queued + sch.max_jobs + (settings.guard.max_pending if settings.guard.enabled else 0)
 
 
 def replica_threads(settings: Settings) -> int:

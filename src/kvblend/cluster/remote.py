@@ -1,8 +1,9 @@
 """The ingress's stand-in for the scheduler: the app talks to it as to a local one.
 
 ``RemoteScheduler`` has the caller side of ``engine.scheduler.Scheduler`` the app uses
-(``asubmit`` instead of ``submit``, ``compute_documents`` instead of ``submit_job``, the
-gauges, ``drain``) over a Ray Serve ``DeploymentHandle`` to the model deployment. A
+(``asubmit`` instead of ``submit``, ``compute_documents`` instead of ``submit_job``,
+``start_shadow`` for the guard's checks instead of ``submit_background``, the gauges,
+``drain``) over a Ray Serve ``DeploymentHandle`` to the model deployment. A
 request's ``RemoteHandle`` has ``RequestHandle``'s event interface (``aevents``,
 ``cancel``, ``done``, ``queue_s``, ``replica``), fed by a streaming handle call
 (``.options(stream=True)``). ``cancel`` cancels the call, which cancels the request on the
@@ -17,11 +18,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import Future
 from typing import Any
 
-from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, RouteKeys, WireError, rebuild
+from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, WireError, rebuild
 from kvblend.engine import Engine, Request
+from kvblend.engine.request import Result
 from kvblend.engine.scheduler import DrainingError, SchedulerObserver, WorkerDeadError
 from kvblend.generation.sampling import SamplingParams
 from kvblend.store.keys import ChunkKey, chunk_key
@@ -146,6 +149,7 @@ class RemoteScheduler:
         self._idle = threading.Condition()
         self._draining = False
         self.replicas_running: int | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def alive(self) -> bool:
@@ -194,6 +198,44 @@ class RemoteScheduler:
         if isinstance(answer, WireError):
             raise rebuild(answer)
         return answer
+
+    def start_shadow(self, request: Request, served: Result, probe: Request | None) -> Future | None:
+        """Send the guard's shadow check of a served request to a replica (routed by its
+        documents, so usually the one that served it); never waits. The Future resolves
+        to the ``ShadowResult``, fails with the check's error (or a lost replica), and is
+        cancelled when the replica's lane dropped it; None while this ingress drains."""
+        if self._draining:
+            return None
+        keyed = probe if probe is not None else request
+        call = ShadowCall(route_keys(self.engine, keyed), request, served, probe)
+        out: Future = Future()
+
+        async def run() -> None:
+            try:
+                answer = await self.handle.shadow.remote(call)
+            except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)
+                out.set_exception(_lost(exc))
+                return
+            if answer is None:
+                out.cancel()
+            elif isinstance(answer, WireError):
+                out.set_exception(rebuild(answer))
+            else:
+                out.set_result(answer)
+
+        self._spawn(run())
+        return out
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on the running event loop (the app's), else on a thread of its own."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            threading.Thread(target=asyncio.run, args=(work,), name="kvblend-shadow-call", daemon=True).start()
+            return
+        task = loop.create_task(work)
+        self._tasks.add(task)  # a reference until done (the loop keeps only weak ones)
+        task.add_done_callback(self._tasks.discard)
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait up to ``timeout_s`` for this ingress's requests in flight."""

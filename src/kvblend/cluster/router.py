@@ -25,7 +25,9 @@ requests this router sent it since (a replica reports every ``routing_stats_peri
 requests other ingresses sent show at the next report). Records of sent requests go once
 a report covers them or the request ends (``on_request_completed``), after
 ``ROUTED_TTL_S`` at the latest. Without a usable report the load is Ray's count of the
-replica's requests in flight, or unknown.
+replica's requests in flight, or unknown. Background calls (``background`` true on the
+first argument: the guard's shadow checks) go where their documents are whatever the
+loads and are not counted as load.
 
 The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
 Ray's replica objects to ``ReplicaState`` and back, and never raises from routing: an
@@ -34,6 +36,7 @@ unexpected error is logged and the request goes to power of two choices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -71,6 +74,17 @@ def request_route_keys(pending_request: Optional[PendingRequest]) -> object:
         return getattr(args[0], "route_keys", None) if args else None
     except Exception:  # an argument whose attribute access fails routes by load
         return None
+
+
+def request_is_background(pending_request: Optional[PendingRequest]) -> bool:
+    """Whether the call is background work (``background`` true on its first argument: the
+    guard's ``ShadowCall``): routed to its documents whatever the loads, and not counted
+    as load (the replica runs it only in the time requests leave)."""
+    try:
+        args = pending_request.args if pending_request is not None else None
+        return bool(args) and getattr(args[0], "background", False) is True
+    except Exception:
+        return False
 
 
 def stats_unanswered(stats: Any) -> tuple[int, float] | None:
@@ -133,15 +147,20 @@ class DocumentAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranking = self._rank(pending_request, candidate_replicas)
+        background = request_is_background(pending_request)
+        ranking = self._rank(pending_request, candidate_replicas, background)
         self.decisions[ranking.reason] += 1
-        self._remember(pending_request, ranking.first)
+        if not background:
+            self._remember(pending_request, ranking.first)
         return [[by_id[rid] for rid in rank if rid in by_id] for rank in ranking.ranks]
 
-    def _rank(self, pending_request: Optional[PendingRequest], replicas: List[RunningReplica]) -> Ranking:
+    def _rank(self, pending_request: Optional[PendingRequest], replicas: List[RunningReplica],
+              background: bool = False) -> Ranking:
         try:
             self._forget(time.time())
             states = [self._state(r) for r in replicas]
+            if background:  # no load bound: where the documents are
+                states = [dataclasses.replace(s, load=None) for s in states]
             return rank_replicas(request_route_keys(pending_request), states, load_factor=self._load_factor)
         except Exception:
             logger.exception("document-affinity ranking failed; routing by load")

@@ -1,7 +1,7 @@
 """What crosses the hop between the ingress and a model replica (plain picklable data).
 
 The first positional argument of every model-deployment method the ingress calls is a
-``ModelCall`` or a ``DocumentCall``; both carry ``route_keys``: one ``(chunk key string,
+``ModelCall``, a ``DocumentCall`` or a ``ShadowCall``; each carries ``route_keys``: one ``(chunk key string,
 token count)`` per document (the key string is ``store.keys.ChunkKey``'s ``tenant/digest``,
 so the tenant is part of it), which the request router reads
 (``pending_request.args[0].route_keys``).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvblend import errors as kvblend_errors
 from kvblend.engine import scheduler as sched
-from kvblend.engine.request import Request
+from kvblend.engine.request import Request, Result
 from kvblend.generation.sampling import SamplingParams
 
 RouteKeys = tuple[tuple[str, int], ...]
@@ -45,6 +45,20 @@ class DocumentCall:
     chunks: tuple[tuple[int, ...], ...]
     prefix: tuple[int, ...]
     name: str
+
+
+@dataclass(frozen=True)
+class ShadowCall:
+    """The quality guard's shadow check of a served request (``guard.shadow``), for a
+    replica's background lane; routed by the request's documents, so it usually runs where
+    they were served. ``served`` is the answer the client got; ``probe`` the blended request
+    judged when the guard served full prefill instead."""
+
+    route_keys: RouteKeys
+    request: Request
+    served: Result
+    probe: Request | None
+    background = True  # the router sends it to its documents whatever the loads, and does not count it
 
 
 @dataclass(frozen=True)
@@ -102,4 +116,4 @@ def rebuild(error: WireError) -> Exception:
     return cls(error.message)
 
 
-__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "WireError", "rebuild", "to_wire"]
+__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "WireError", "rebuild", "to_wire"]

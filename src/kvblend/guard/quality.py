@@ -46,7 +46,7 @@ import threading
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
@@ -305,6 +305,28 @@ def _means(results: deque[ShadowResult]) -> tuple[float, float, float]:
             sum(r.kl for r in results) / n)
 
 
+StartCheck = Callable[[Request, Result, "Request | None"], "Future | None"]
+
+
+def paced_slice(scheduler: Scheduler, chunk_tokens: int) -> int | InPlace:
+    """A shadow check's next slice: at most ``chunk_tokens``, and no more than the
+    scheduler's pace allows while streams decode (a check is background work: it must not
+    stall them longer than a prefill may)."""
+    paced = scheduler.slice_tokens(None)
+    if isinstance(paced, InPlace):
+        return InPlace(min(paced.tokens, chunk_tokens))
+    return chunk_tokens if paced is None else min(paced, chunk_tokens)
+
+
+def start_check(scheduler: Scheduler, request: Request, served: Result, probe: Request | None,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Future | None:
+    """Queue the shadow check of a served request as a background job of ``scheduler``
+    (``shadow_steps``, each slice ``paced_slice``); its Future, or None when the lane
+    refuses it (full, draining)."""
+    steps = shadow_steps(scheduler.engine, request, served, probe, lambda: paced_slice(scheduler, chunk_tokens))
+    return scheduler.submit_background(steps, name=f"shadow check (tenant {request.tenant})")
+
+
 class ShadowRunner:
     """Shadow checks as low-priority jobs of ``scheduler`` (``Scheduler.submit_background``),
     recorded into a guard; never blocks a caller.
@@ -318,16 +340,21 @@ class ShadowRunner:
     scheduler), never raised to the caller. ``chunk_tokens`` bounds each step's prefill, and
     while streams decode the scheduler's pace bounds it too (``slice_size``).
     The Future ``submit`` returns resolves to the ``ShadowResult`` (None when the check
-    failed) or is cancelled (dropped), on the scheduler's worker thread."""
+    failed) or is cancelled (dropped), on the thread that ends the check (the scheduler's
+    worker here). ``start`` runs a check elsewhere (a model replica, ``cluster.remote``):
+    ``start(request, served, probe)`` returns a Future of the ``ShadowResult`` that fails
+    when the check fails and is cancelled when it was dropped, or None when it is refused
+    now; by default it is ``start_check`` on ``scheduler``."""
 
     def __init__(self, guard: QualityGuard, scheduler: Scheduler, max_pending: int = 8,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, start: StartCheck | None = None) -> None:
         if max_pending < 1 or chunk_tokens < 1:
             raise ValueError(f"max_pending and chunk_tokens must be >= 1, got {max_pending}, {chunk_tokens}")
         self.guard = guard
         self.scheduler = scheduler
         self.max_pending = max_pending
         self.chunk_tokens = chunk_tokens
+        self._start = start if start is not None else self._start_here
         self.dropped = 0
         self.failed = 0
         self.ok = 0
@@ -335,13 +362,11 @@ class ShadowRunner:
         self._lock = threading.Lock()
 
     def slice_size(self) -> int | InPlace:
-        """A check's next slice: at most ``chunk_tokens``, and no more than the scheduler's
-        pace allows while streams decode (a check is background work: it must not stall
-        them longer than a prefill may)."""
-        paced = self.scheduler.slice_tokens(None)
-        if isinstance(paced, InPlace):
-            return InPlace(min(paced.tokens, self.chunk_tokens))
-        return self.chunk_tokens if paced is None else min(paced, self.chunk_tokens)
+        """A check's next slice here (``paced_slice`` on this runner's scheduler)."""
+        return paced_slice(self.scheduler, self.chunk_tokens)
+
+    def _start_here(self, request: Request, served: Result, probe: Request | None) -> Future | None:
+        return start_check(self.scheduler, request, served, probe, self.chunk_tokens)
 
     @property
     def drawn_limit(self) -> int:
@@ -356,8 +381,7 @@ class ShadowRunner:
                 self.dropped += 1
                 return None
             self._pending += 1
-        steps = shadow_steps(self.scheduler.engine, request, served, probe, self.slice_size)
-        job = self.scheduler.submit_background(steps, name=f"shadow check (tenant {request.tenant})")
+        job = self._start(request, served, probe)
         if job is None:
             with self._lock:
                 self._pending -= 1

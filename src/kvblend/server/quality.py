@@ -40,6 +40,11 @@ log = logging.getLogger("kvblend.server")
 KL_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
+# The guard's metric families (it lives in the HTTP layer: with replicas, in the ingress).
+GUARD_FAMILIES = (P + "shadow_checks", P + "guard_fallbacks", P + "shadow_agreement_f1", P + "shadow_kl",
+                  P + "shadow_first_token_agreements", P + "guard_keys_in_fallback", P + "guard_switches")
+
+
 class _GuardCollector(Collector):
     """Keys (model, tenant) in fallback and switches so far, read from the guard at scrape."""
 
@@ -61,13 +66,15 @@ class _GuardCollector(Collector):
 
 class ServerGuard:
     """One app's guard, runner and guard metrics (``registry``: the app's); shadow checks
-    run on ``scheduler``'s model worker."""
+    run on ``scheduler``'s model worker, or, when the scheduler sends work elsewhere (the
+    cluster's ``RemoteScheduler``: it has ``start_shadow``), on a model replica, while the
+    guard's windows, fallback decisions and metrics stay here."""
 
     def __init__(self, settings: GuardSettings, registry: CollectorRegistry, model_name: str,
                  guard_model: str, scheduler: Scheduler) -> None:
         self.guard = QualityGuard(settings.guard_config())
         self.runner = ShadowRunner(self.guard, scheduler, max_pending=settings.max_pending,
-                                   chunk_tokens=settings.chunk_tokens)
+                                   chunk_tokens=settings.chunk_tokens, start=getattr(scheduler, "start_shadow", None))
         self.model_name = model_name  # the metrics label (served id)
         self.guard_model = guard_model  # the guard's key (the loaded model's name, as ShadowResult has it)
         labels = ["model_name"]
@@ -130,4 +137,4 @@ def open_guard(settings: GuardSettings, registry: CollectorRegistry, model_name:
     return ServerGuard(settings, registry, model_name, guard_model, scheduler) if settings.enabled else None
 
 
-__all__ = ["ServerGuard", "open_guard"]
+__all__ = ["GUARD_FAMILIES", "ServerGuard", "open_guard"]
