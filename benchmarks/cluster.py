@@ -30,10 +30,14 @@ the usage chunk), the same weighted by tokens, TTFT p50/p95 measured by the clie
 time), how requests ended (ok, rejected 429, error, lost: broken or hung), and where they
 went: requests per replica and ``replicas_per_passage`` (over passages asked for at least
 twice, how many replicas answered requests carrying them: 1.0 is perfectly sticky, Ray's
-default router tends to 2). Ends with
+default router tends to 2). Before any request it prints Che's estimate of the memory hit
+rate of an LRU tier that sees every lookup (Ray's router: each replica sees the whole
+popularity distribution) and so the most the hit-rate ratio can be on this workload
+(``lru_hit_estimate``; with the defaults about 0.76, a ceiling of about 1.3x). Ends with
 one JSON line: ``affinity_hit_rate``, ``default_hit_rate``, ``affinity_p95_ttft_s``,
 ``default_p95_ttft_s``, ``lost_requests`` (both phases), the ratios (``hit_rate_ratio``
-= affinity / default, goal >= 1.5; ``p95_ttft_ratio`` = affinity / default, goal < 1),
+= affinity / default, goal >= 1.5; ``p95_ttft_ratio`` = affinity / default, goal < 1;
+``default_hit_rate_lru_estimate`` and ``hit_rate_ratio_ceiling``, above),
 and each phase's figures. Timings on a shared host drift: read the ratios. ``--dump FILE``
 appends every request's outcome (passages, TTFT, replica, its ``kvblend`` block: queue,
 prefill and misses) as JSON lines, to see what the slow requests waited for.
@@ -248,16 +252,51 @@ def run_phase(router: str, settings_overrides: dict, bodies: list[dict], passage
 
 
 # ----- sizing --------------------------------------------------------------------------------
-def pool_kv_bytes(model: str, docs: list[str]) -> tuple[int, int]:
-    """(KV bytes of the pool at fp32 with entry headers, its tokens), from the model's config and tokenizer."""
+def pool_kv_bytes(model: str, docs: list[str]) -> tuple[int, list[int]]:
+    """(KV bytes of the pool at fp32 with entry headers, each passage's tokens), from the
+    model's config and tokenizer."""
     from kvblend.models import load_model
     from kvblend.store.plan import kv_bytes_per_token
 
     loaded = load_model(model)
     c = loaded.config
-    tokens = sum(len(loaded.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    tokens = [len(loaded.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs]
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, "fp32")
-    return math.ceil(tokens * per_token * ENTRY_OVERHEAD), tokens
+    return math.ceil(sum(tokens) * per_token * ENTRY_OVERHEAD), tokens
+
+
+def lru_hit_estimate(passages: list[tuple[int, ...]], sizes: list[int], capacity: float) -> float:
+    """The hit rate of one LRU cache of ``capacity`` (in the units of ``sizes``) that sees
+    every lookup of ``passages`` (the request sequence, one lookup per passage), by Che's
+    approximation (Che, Tung and Wang, IEEE JSAC 2002; Fricker, Robert and Roberts, ITC
+    2012): the characteristic time T solves sum_i size_i (1 - exp(-p_i T)) = capacity,
+    and the hit rate is sum_i p_i (1 - exp(-p_i T)), p_i the passage's share of lookups.
+
+    That is what Ray's router gets at best: it sends a passage's requests to both replicas
+    alike, so each memory tier sees the whole popularity distribution and keeps its head.
+    The affinity router's hit rate is at most 1, so ``1 / estimate`` bounds the hit-rate
+    ratio the benchmark can show on its workload (cold misses aside)."""
+    counts: dict[int, int] = {}
+    for docs in passages:
+        for i in docs:
+            counts[i] = counts.get(i, 0) + 1
+    total = sum(counts.values())
+    if not total:
+        return float("nan")
+    shares = [(n / total, sizes[i]) for i, n in counts.items()]
+    if sum(size for _, size in shares) <= capacity:
+        return 1.0
+
+    def held(t: float) -> float:
+        return sum(size * -math.expm1(-p * t) for p, size in shares)
+
+    lo, hi = 0.0, 1.0
+    while held(hi) < capacity:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if held(mid) < capacity else (lo, mid)
+    return sum(p * -math.expm1(-p * hi) for p, _ in shares)
 
 
 def settings_for(model: str, memory_bytes: int, state_dir: str, recompute_misses: bool | None = None) -> dict:
@@ -279,7 +318,7 @@ def dump(path: str, phase: Phase) -> None:
                                             **dataclasses.asdict(o)})) + "\n")
 
 
-def result(phases: dict[str, Phase], plan: Plan) -> dict:
+def result(phases: dict[str, Phase], plan: Plan, lru_estimate: float | None = None) -> dict:
     figs = {r: p.figures(plan.warmup) for r, p in phases.items()}
     a, d = figs.get("affinity", {}), figs.get("default", {})
 
@@ -294,6 +333,10 @@ def result(phases: dict[str, Phase], plan: Plan) -> dict:
         "p95_ttft_ratio": ratio(a.get("p95_ttft_s"), d.get("p95_ttft_s")),
         "p50_ttft_ratio": ratio(a.get("p50_ttft_s"), d.get("p50_ttft_s")),
         "throughput_ratio": ratio(a.get("throughput_req_s"), d.get("throughput_req_s")),
+        # Che's estimate of Ray's router's memory hit rate on this workload, and the most
+        # the hit-rate ratio can be (an affinity router hitting every time)
+        "default_hit_rate_lru_estimate": round(lru_estimate, 3) if lru_estimate is not None else None,
+        "hit_rate_ratio_ceiling": ratio(1.0, lru_estimate),
         "phases": figs,
     }
 
@@ -353,12 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     index = {d: i for i, d in enumerate(docs)}
     bodies = [chat_body(args.model, chosen, question, plan.max_tokens) for chosen, question in draws]
     passages = [tuple(index[d] for d in chosen) for chosen, _ in draws]
-    pool_bytes, pool_tokens = pool_kv_bytes(args.model, docs)
+    pool_bytes, sizes = pool_kv_bytes(args.model, docs)
+    pool_tokens = sum(sizes)
     memory_bytes = math.ceil(pool_bytes * plan.memory_fraction)
+    estimate = lru_hit_estimate(passages[plan.warmup:], sizes, pool_tokens * plan.memory_fraction)
     print(f"model {args.model}; pool {len(docs)} passages, {pool_tokens} tokens, {pool_bytes / 2**20:.0f} MiB of KV; "
           f"memory tier {memory_bytes / 2**20:.0f} MiB per replica x {REPLICAS}; {plan.docs_per_request} per request "
           f"(Zipf s={plan.zipf_s}); {plan.requests} requests x {plan.concurrency} clients per router; "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{os.cpu_count()} CPUs; Che's estimate of one LRU tier's hit rate under Ray's router {estimate:.3f} "
+          f"(a hit-rate ratio of at most {1 / estimate:.2f})", flush=True)
     t = time.perf_counter()
     start_ray()
     phases: dict[str, Phase] = {}
@@ -374,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         ray.shutdown()
-    out = result(phases, plan)
+    out = result(phases, plan, estimate)
     out.update(model=args.model, quick=args.quick, load_factor=args.load_factor,
                recompute_misses=args.recompute_misses, plan=dataclasses.asdict(plan),
                pool_tokens=pool_tokens,

@@ -97,3 +97,16 @@ def test_recompute_misses_reaches_the_replicas_settings(flag: list[str], want: b
     overrides = bc.settings_for("smollm2-135m", 1 << 20, "/tmp/x", args.recompute_misses)
     settings = Settings.load(**overrides)
     assert settings.blend.recompute_misses is want and settings.blend.blend_config().recompute_misses is want
+
+
+def test_the_lru_estimate_matches_its_closed_forms_and_bounds_the_ratio() -> None:
+    """Che's approximation: with equal popularity and sizes an LRU tier holding a fraction f
+    of the passages hits f of the time; a pool that fits hits always; skew raises it."""
+    uniform = [(i, (i + 1) % 10) for i in range(0, 10, 2)] * 40  # ten passages, each looked up 40 times
+    assert bc.lru_hit_estimate(uniform, [100] * 10, 600) == pytest.approx(0.6, abs=1e-6)
+    assert bc.lru_hit_estimate(uniform, [100] * 10, 1000) == 1.0
+    skewed = [(0, 1)] * 30 + [(2, 3)] * 5 + [(4, 5), (6, 7), (8, 9)] * 2
+    assert 0.6 < bc.lru_hit_estimate(skewed, [100] * 10, 600) < 1.0
+    assert math.isnan(bc.lru_hit_estimate([], [100] * 10, 600))
+    out = bc.result({}, bc.Plan(), 0.78)
+    assert (out["default_hit_rate_lru_estimate"], out["hit_rate_ratio_ceiling"]) == (0.78, round(1 / 0.78, 3))
