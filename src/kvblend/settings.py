@@ -325,7 +325,8 @@ class ClusterSettings(_Section):
     its own scheduler and memory tier over the shared disk/Redis tiers (None: one process,
     no Ray); ``ray_address``: a running Ray cluster to join (None: start a local Ray
     instance); ``router``: ``affinity`` (documents' tokens held in a replica's memory tier)
-    or ``default`` (Ray's power of two choices); ``ingress_replicas``: HTTP front ends;
+    or ``default`` (Ray's power of two choices); ``ingress_replicas``: HTTP front ends (sharing the registry file,
+    so on one host: see ``ingress_resources``);
     ``replica_cpus``/``ingress_cpus``: Ray CPUs each replica reserves (a model replica runs
     torch on ``max(1, round(replica_cpus))`` threads); ``ingress_resources``: Ray custom
     resources the ingress needs, to pin it to the node holding ``state_dir`` (the document

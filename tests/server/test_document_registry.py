@@ -251,3 +251,66 @@ def test_two_new_documents_racing_for_the_last_slot_one_gets_400(tmp_path, monke
         for keys in warmed:  # the refused document's KV was dropped
             for k in keys:
                 assert state.engine.store.contains(k) == (str(k) in kept)
+
+
+def test_the_change_log_tells_other_processes_what_changed_and_prunes_itself(tmp_path, monkeypatch) -> None:
+    from kvblend.server import documents
+
+    path = tmp_path / "documents.sqlite"
+    mine, theirs = DocumentRegistry(path), DocumentRegistry(path)  # two processes on one file
+    start = theirs.last_change()
+    mine.put("acme", new_record("a", "alpha text", [StoredChunk("c0", key(0), (1, 2, 3))], {}))
+    mine.put("acme", new_record("b", "beta text", [StoredChunk("c0", key(0), (1, 2, 3))], {}))
+    theirs.put("zen", new_record("z", "zeta text", [StoredChunk("c0", key(0), (1, 2, 3))], {}))
+    assert mine.delete("acme", "a") and not mine.delete("acme", "nope")  # a missed delete logs nothing
+    changes, last = theirs.changes_since(start)
+    assert changes == [("acme", "a"), ("acme", "b"), ("acme", "a")] and last == theirs.last_change()
+    assert mine.changes_since(start) == ([("zen", "z")], last)  # its own changes left out
+    assert theirs.changes_since(last) == ([], last)
+    monkeypatch.setattr(documents, "KEEP_CHANGES", 2)
+    for i in range(4):
+        mine.put("acme", new_record(f"p{i}", f"text {i}", [StoredChunk("c0", key(0), (1, 2, 3))], {}))
+    assert theirs.changes_since(last) is None  # pruned past it: start again from the rows
+    assert theirs.changes_since(theirs.last_change() - 1) == ([("acme", "p3")], theirs.last_change())
+
+
+def test_an_index_too_far_behind_the_log_is_rebuilt_from_the_rows(tmp_path, monkeypatch) -> None:
+    from kvblend.server import documents
+    from kvblend.server.index import open_index
+
+    settings = Settings(state_dir=str(tmp_path))
+    path = tmp_path / "documents.sqlite"
+    writer, reader = DocumentRegistry(path), DocumentRegistry(path)
+    tokenizer = make_loaded().tokenizer
+    text = "the company headquartered in oslo was green and the river was red ."
+    ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    feed = open_index(settings, reader, tokenizer)
+    monkeypatch.setattr(documents, "KEEP_CHANGES", 1)
+    writer.put("acme", new_record("gone", text, [StoredChunk("c0", key(1), ids)], {}))
+    assert writer.delete("acme", "gone")
+    writer.put("acme", new_record("kept", text, [StoredChunk("c0", key(1), ids)], {}))
+    assert feed.catch_up() == -1  # the log kept only the last change: rebuilt
+    assert {m.document for m in feed.index.match("acme", [f"so {text} where ?"])} == {"kept"}
+    assert feed.catch_up() == 0 and feed.seq == reader.last_change()
+
+
+def test_a_post_racing_another_process_for_one_id_gets_409_and_leaves_its_row(tmp_path, monkeypatch) -> None:
+    """Two ingress processes share the registry file; the in-process lock cannot order them,
+    so the put checks in its transaction that the row is still what the POST saw."""
+    client, state = app_client(tmp_path)
+    other = DocumentRegistry(tmp_path / "documents.sqlite")  # the second process
+    theirs = new_record("same", "the nurse lives in rome .", [StoredChunk("c0", key(7), (1, 2, 3))], {})
+    real_count = state.registry.count
+
+    def count_while_the_other_stores(tenant: str) -> int:  # between this POST's read and its put
+        other.put(tenant, theirs)
+        return real_count(tenant)
+
+    with client:
+        warmed = _slow_warm(state, monkeypatch)
+        monkeypatch.setattr(state.registry, "count", count_while_the_other_stores)
+        reply = client.post("/v1/documents", json={"id": "same", "text": "the doctor works in paris ."})
+        assert reply.status_code == 409, reply.text
+        assert state.registry.get("default", "same").text == theirs.text
+        (keys,) = warmed
+        assert keys and not any(state.engine.store.contains(k) for k in keys)  # the loser's KV was dropped

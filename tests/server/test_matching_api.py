@@ -63,3 +63,20 @@ def test_matching_off_in_the_settings(tmp_path) -> None:
     with client(tmp_path, match=False) as c:
         c.post("/v1/documents", headers=ALICE, json={"text": DOC})
         assert "matches" not in ask(c, f"{DOC} which city ?")["kvblend"]
+
+
+def test_two_servers_on_one_registry_follow_each_others_documents(tmp_path) -> None:
+    """Ingress replicas on one host share the registry file: a document posted through one
+    is found in the other's prompts without a restart, and stops being found once deleted
+    through either (the registry's change log, applied before shaping)."""
+    with client(tmp_path) as a, client(tmp_path) as b:
+        assert "matches" not in ask(b, f"{DOC} which city ?")["kvblend"]
+        assert a.post("/v1/documents", headers=ALICE, json={"text": DOC, "id": "city"}).status_code == 200
+        found = ask(b, f"{DOC} which city ?")["kvblend"]["matches"]
+        assert found and {m["document"] for m in found} == {"city"}
+        assert "matches" not in ask(b, f"{DOC} which city ?", headers=BOB)["kvblend"]  # still per tenant
+        assert b.delete("/v1/documents/city", headers=ALICE).status_code == 200
+        assert "matches" not in ask(a, f"{DOC} which city ?")["kvblend"]
+        assert "matches" not in ask(b, f"{DOC} which city ?")["kvblend"]
+        b.post("/v1/documents", headers=ALICE, json={"text": OTHER, "id": "novel"})
+        assert [m["document"] for m in ask(a, f"{OTHER} which city ?")["kvblend"]["matches"]] == ["novel"]

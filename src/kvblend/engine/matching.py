@@ -334,6 +334,12 @@ class DocumentIndex:
             if not index.entries:
                 del self._tenants[name]
 
+    def clear(self) -> None:
+        """Drop every text of every tenant."""
+        with self._lock:
+            self._tenants.clear()
+            self.nbytes = 0
+
     def remove_document(self, tenant: str, document: str) -> int:
         """Drop every text of ``document`` from the tenant's index; how many were dropped."""
         with self._lock:

@@ -39,7 +39,8 @@ from kvblend.engine.scheduler import RequestHandle, Scheduler
 from kvblend.errors import KvblendError
 from kvblend.models.loader import cache_home
 from kvblend.server.documents import (
-    DocumentRecord, DocumentRegistry, KeyedLocks, RegistryFullError, StoredChunk, default_id, new_record, text_sha256,
+    DocumentRecord, DocumentRegistry, KeyedLocks, RegistryConflictError, RegistryFullError, StoredChunk, default_id,
+    new_record, text_sha256,
 )
 from kvblend.server.errors import APIError, from_exception, from_validation
 from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
@@ -54,7 +55,7 @@ from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_en
 from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts
-from kvblend.server.index import open_index
+from kvblend.server.index import IndexFeed, open_index
 from kvblend.server.translate import (
     build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
@@ -82,6 +83,7 @@ class ServerState:
     retriever: Any = None  # kvblend.rag.retriever.Retriever when settings.retrieval.enabled
     guard: ServerGuard | None = None  # when settings.guard.enabled
     index: DocumentIndex | None = None  # stored texts found in messages (settings.documents.match), set at startup
+    index_feed: IndexFeed | None = None  # other processes' document changes, applied to ``index`` before shaping
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     exposition: Callable[[], bytes] | None = None  # /metrics body; None: this app's registry (Ray Serve: cluster.metrics)
@@ -173,7 +175,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, 
     async def lifespan(app: FastAPI):
         if not state.scheduler.started:  # a scheduler may be handed in already running
             state.scheduler.start()
-        state.index = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer)
+        state.index_feed = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer)
+        state.index = state.index_feed.index if state.index_feed is not None else None
         yield
         state.draining = True
         if not state.scheduler.draining:
@@ -463,13 +466,22 @@ async def _run_job(state: ServerState, steps: Any, name: str) -> Any:
 
 async def _put_document(state: ServerState, tenant: str, record: DocumentRecord,
                         existing: DocumentRecord | None) -> None:
-    """Register ``record``; refused for the tenant's count (400), the KV just warmed for it
-    is dropped. Replacing a row cut otherwise (the chunk size changed) drops the old chunks' KV."""
+    """Register ``record`` if the row is still ``existing`` (another process sharing the
+    registry may have stored the id meanwhile: 409, as for a known id with other text);
+    refused for the tenant's count (400). Refused, the KV just warmed for it is dropped.
+    Replacing a row cut otherwise (the chunk size changed) drops the old chunks' KV."""
+    put = functools.partial(state.registry.put, expect=existing.sha256 if existing is not None else None)
     try:
-        await state.off_loop(state.registry.put, tenant, record, state.settings.limits.max_stored_documents)
+        await state.off_loop(put, tenant, record, state.settings.limits.max_stored_documents)
     except RegistryFullError as exc:
         await _delete_unused(state, tenant, record.keys, record.id)
         raise APIError(400, str(exc), "id") from None
+    except RegistryConflictError:
+        current = await state.off_loop(state.registry.get, tenant, record.id)
+        theirs = set(current.keys) if current is not None else set()
+        await _delete_unused(state, tenant, [k for k in record.keys if k not in theirs], record.id)
+        raise APIError(409, f"document {record.id!r} was stored with other text meanwhile; delete it first",
+                       "id") from None
     if existing is not None:
         await _delete_unused(state, tenant, [k for k in existing.keys if k not in record.keys], record.id)
 
@@ -488,7 +500,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         draft = dataclasses.replace(draft, documents=[h.token_ids for h in hits])
         used = tuple(sources(hits))
     param = "messages" if model is ChatCompletionRequest else "prompt"
-    shaped = await state.off_loop(shape_body, state.engine, draft, settings, state.registry, state.index, param)
+    shaped = await state.off_loop(_shape, state, draft, param)
     request, prompt_tokens = shaped.request, shaped.prompt_tokens
     explains = None
     if request.explain:  # shape expanded and cut every document given: one piece each from here
@@ -526,6 +538,14 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     if out.disconnected:
         return Response(status_code=499)
     return JSONResponse(shape.completion(out, handle.queue_s), headers=headers)
+
+
+def _shape(state: ServerState, draft: Any, param: str) -> Any:
+    """``shape_body`` (on the registry's threads) once the matching index has caught up
+    with documents other processes sharing the registry stored or deleted."""
+    if state.index_feed is not None:
+        state.index_feed.catch_up()
+    return shape_body(state.engine, draft, state.settings, state.registry, state.index, param)
 
 
 def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,

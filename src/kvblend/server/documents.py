@@ -49,11 +49,26 @@ INSERT OR IGNORE INTO chunk_keys (tenant, chunk_key, doc_id)
 SELECT d.tenant, json_extract(c.value, '$.key'), d.id FROM documents AS d, json_each(d.chunks) AS c
 UNION ALL SELECT tenant, chunk_key, id FROM documents WHERE chunks = '[]'
 """
+# Every put and delete, in order: other processes sharing the file (ingress replicas on one
+# host) read it to keep their in-memory matching index in step (``changes_since``).
+_CHANGES = """
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, doc_id TEXT NOT NULL
+)
+"""
+KEEP_CHANGES = 100_000  # the log keeps this many; a reader further behind rebuilds from the rows
 SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = every row's keys are in chunk_keys
 KEYS_IN_USE_SQL = ("SELECT DISTINCT chunk_key FROM chunk_keys WHERE tenant = ? AND doc_id != ? "
                    "AND chunk_key IN ({marks})")
 _MAX_PARAMS = 500  # keys per IN (...) query, well under SQLite's bound on parameters
 _COLUMNS = "id, sha256, text, tokens, chunk_key, metadata, created, chunks"
+
+
+class RegistryConflictError(Exception):
+    """The row changed since the caller read it (another process stored the id meanwhile)."""
+
+
+ANY = object()  # ``put(expect=ANY)``: replace whatever is there
 
 
 class RegistryFullError(Exception):
@@ -122,7 +137,12 @@ class DocumentRegistry:
 
     Every method is a short indexed query or one transaction, safe to call from any thread
     (one connection behind a lock); none reads another row than the ones it names, except
-    ``list`` (at most ``limit``) and ``count`` (the tenant's primary-key range)."""
+    ``list`` (at most ``limit``), ``count`` (the tenant's primary-key range) and
+    ``changes_since`` (at most ``limit`` log rows).
+
+    ``put`` and ``delete`` also append ``(tenant, id)`` to a change log in their
+    transaction; ``changes_since`` answers the changes other processes made (this object's
+    own are left out), so several processes on one file can follow each other."""
 
     def __init__(self, path: str | Path | None) -> None:
         target = ":memory:"
@@ -130,6 +150,7 @@ class DocumentRegistry:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             target = str(path)
         self._lock = threading.Lock()
+        self._own: set[int] = set()  # change-log seqs this object wrote and no reader passed yet
         self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
         self._db.execute("PRAGMA busy_timeout=5000")
@@ -146,6 +167,7 @@ class DocumentRegistry:
                 db.execute("ALTER TABLE documents ADD COLUMN chunks TEXT NOT NULL DEFAULT '[]'")
             db.execute(_KEY_INDEX)
             db.execute(_KEYS_BY_DOC)
+            db.execute(_CHANGES)
             if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 db.execute("DELETE FROM chunk_keys")
                 db.execute(_INDEX_ALL_ROWS)
@@ -187,21 +209,28 @@ class DocumentRegistry:
         with self._lock:
             return [r[0] for r in self._db.execute("SELECT DISTINCT tenant FROM documents ORDER BY tenant")]
 
-    def put(self, tenant: str, record: DocumentRecord, limit: int | None = None) -> None:
+    def put(self, tenant: str, record: DocumentRecord, limit: int | None = None, *, expect: Any = ANY) -> None:
         """Insert or replace the row and its keys in the index, in one transaction. With
         ``limit``, a new id when the tenant already holds ``limit`` documents raises
-        ``RegistryFullError`` and changes nothing (replacing an existing id never does)."""
+        ``RegistryFullError`` and changes nothing (replacing an existing id never does).
+        ``expect``: the sha256 of the text the caller saw under the id (None: no row); if the
+        row now holds another (another process wrote it meanwhile), ``RegistryConflictError``
+        and nothing changes."""
         row = (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
                json.dumps(record.metadata), record.created,
                json.dumps([c.to_json() for c in record.chunks], separators=(",", ":")))
         keys = [(tenant, key, record.id) for key in dict.fromkeys(record.keys)]
         with self._transaction() as db:
-            exists = db.execute("SELECT 1 FROM documents WHERE tenant = ? AND id = ?", (tenant, record.id)).fetchone()
+            exists = db.execute("SELECT sha256 FROM documents WHERE tenant = ? AND id = ?",
+                                (tenant, record.id)).fetchone()
+            if expect is not ANY and (exists[0] if exists else None) != expect:
+                raise RegistryConflictError(f"document {record.id!r} changed while it was being stored")
             if limit is not None and exists is None and _count(db, tenant) >= limit:
                 raise RegistryFullError(limit)
             db.execute(f"INSERT OR REPLACE INTO documents (tenant, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             db.execute("DELETE FROM chunk_keys WHERE tenant = ? AND doc_id = ?", (tenant, record.id))
             db.executemany("INSERT INTO chunk_keys (tenant, chunk_key, doc_id) VALUES (?, ?, ?)", keys)
+            self._log_change(db, tenant, record.id)
 
     def keys_in_use(self, tenant: str, keys: list[str], except_id: str) -> set[str]:
         """Those of ``keys`` that another of the tenant's documents (not ``except_id``) stores
@@ -220,7 +249,36 @@ class DocumentRegistry:
         with self._transaction() as db:
             cur = db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id))
             db.execute("DELETE FROM chunk_keys WHERE tenant = ? AND doc_id = ?", (tenant, doc_id))
+            if cur.rowcount > 0:
+                self._log_change(db, tenant, doc_id)
         return cur.rowcount > 0
+
+    def _log_change(self, db: sqlite3.Connection, tenant: str, doc_id: str) -> None:
+        seq = db.execute("INSERT INTO changes (tenant, doc_id) VALUES (?, ?)", (tenant, doc_id)).lastrowid
+        db.execute("DELETE FROM changes WHERE seq <= ?", (seq - KEEP_CHANGES,))
+        self._own.add(seq)
+
+    def last_change(self) -> int:
+        """The change log's last sequence number (0: none yet)."""
+        with self._lock:
+            return self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM changes").fetchone()[0]
+
+    def changes_since(self, seq: int, limit: int = 1000) -> tuple[list[tuple[str, str]], int] | None:
+        """``([(tenant, id), ...], last seq read)``: the documents other processes put or
+        deleted after ``seq``, oldest first, from at most ``limit`` log rows (read again
+        from the returned seq for more). None when the log no longer reaches back to
+        ``seq`` (more than ``KEEP_CHANGES`` behind): the reader must start again from the
+        rows themselves."""
+        with self._lock:
+            first = self._db.execute("SELECT MIN(seq) FROM changes").fetchone()[0]
+            if first is not None and first > seq + 1:
+                return None
+            rows = self._db.execute("SELECT seq, tenant, doc_id FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
+                                    (seq, limit)).fetchall()
+            last = rows[-1][0] if rows else seq
+            theirs = [(tenant, doc_id) for n, tenant, doc_id in rows if n not in self._own]
+            self._own = {n for n in self._own if n > last}
+        return theirs, last
 
     def close(self) -> None:
         with self._lock:

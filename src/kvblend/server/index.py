@@ -1,9 +1,12 @@
 """The server's document index for matching (``kvblend.engine.matching``): built from the
-registry at startup, kept in step with ``/v1/documents``."""
+registry at startup, kept in step with ``/v1/documents`` — this process's directly, other
+processes' sharing the registry file (ingress replicas on one host) through its change log
+(``IndexFeed``)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from kvblend.blend.layout import tokenize_document
@@ -26,15 +29,55 @@ def record_texts(tokenizer: Any, record: DocumentRecord) -> list[IndexedText]:
     return aligned(record.text, pieces)
 
 
-def open_index(settings: Settings, registry: DocumentRegistry, tokenizer: Any) -> DocumentIndex | None:
-    """The index, rebuilt from every tenant's stored documents; None with matching off."""
-    if not settings.documents.match:
-        return None
-    index = DocumentIndex(settings.documents.index_bytes)
+def _fill(index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any) -> None:
     for tenant in registry.tenants():
         after = None
         while rows := registry.list(tenant, PAGE, after):
             index.add(tenant, [t for r in rows for t in record_texts(tokenizer, r)])
             after = rows[-1].id
+
+
+class IndexFeed:
+    """Applies to ``index`` the documents other processes put or deleted in ``registry``
+    since change ``seq`` (``DocumentRegistry.changes_since``): each named document's texts
+    are dropped and, if it is still stored, indexed again from its row. Thread-safe; one
+    ``catch_up`` at a time. A log that no longer reaches back rebuilds the index."""
+
+    def __init__(self, index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any, seq: int) -> None:
+        self.index, self.registry, self.tokenizer, self.seq = index, registry, tokenizer, seq
+        self._lock = threading.Lock()
+
+    def catch_up(self) -> int:
+        """Apply every change after ``seq``; how many documents were applied (a rebuild: -1)."""
+        with self._lock:
+            applied = 0
+            while True:
+                answer = self.registry.changes_since(self.seq, PAGE)
+                if answer is None:
+                    log.warning("document index: the registry's change log moved past this index; rebuilding")
+                    self.seq = self.registry.last_change()
+                    self.index.clear()
+                    _fill(self.index, self.registry, self.tokenizer)
+                    return -1
+                changes, last = answer
+                for tenant, doc_id in dict.fromkeys(changes):
+                    self.index.remove_document(tenant, doc_id)
+                    record = self.registry.get(tenant, doc_id)
+                    if record is not None:
+                        self.index.add(tenant, record_texts(self.tokenizer, record))
+                applied += len(changes)
+                if last == self.seq:
+                    return applied
+                self.seq = last
+
+
+def open_index(settings: Settings, registry: DocumentRegistry, tokenizer: Any) -> IndexFeed | None:
+    """The index, rebuilt from every tenant's stored documents, with its feed of later
+    changes (``feed.index``); None with matching off."""
+    if not settings.documents.match:
+        return None
+    index = DocumentIndex(settings.documents.index_bytes)
+    seq = registry.last_change()  # first: a change during the build is applied again, harmlessly
+    _fill(index, registry, tokenizer)
     log.info("document index: %d texts, %d bytes", len(index), index.nbytes)
-    return index
+    return IndexFeed(index, registry, tokenizer, seq)
