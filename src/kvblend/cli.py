@@ -111,6 +111,7 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
 def cmd_ask(args: argparse.Namespace) -> int:
     from kvblend.engine import Engine
     from kvblend.engine.shaping import Draft, shape
+    from kvblend.store.codec import compute_dtype_name
 
     if not args.doc:
         from kvblend.commands.ingest import run_retrieval_ask
@@ -127,7 +128,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
     draft = Draft(documents=docs, question=_read_text(args.question), system=args.system,
                   method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
-    engine = Engine(_load(args), store=_store_from_args(args))
+    loaded = _load(args)
+    engine = Engine(loaded, store=_store_from_args(args, compute_dtype_name(loaded.model.dtype)))
     try:
         result = engine.generate(shape(engine, draft, cut=_document_cut(engine)).request, _sampling(args))
     finally:
@@ -148,10 +150,12 @@ def _document_cut(engine):
     return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(), engine.loaded.tokenizer_fingerprint)
 
 
-def _store_from_args(args: argparse.Namespace):
-    from kvblend.store.config import StoreConfig, build_store
+def _store_from_args(args: argparse.Namespace, compute_dtype: str):
+    """``--store-dir``/``--redis-url``, Redis reached and KV stored as the server's settings say."""
+    from kvblend.settings import Settings
+    from kvblend.store.config import build_store
 
-    return build_store(StoreConfig(disk_dir=args.store_dir, redis_url=args.redis_url))
+    return build_store(Settings.load().store.flagged(args.store_dir, args.redis_url, compute_dtype=compute_dtype))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -109,6 +109,18 @@ class StoreSettings(_Section):
 
         return self.disk_dir or str(cache_home() / "kv")
 
+    def flagged(self, disk_dir: str | None, redis_url: str | None, kv_dtype: str | None = None,
+                compute_dtype: str = "fp32") -> StoreConfig:
+        """A command's ``--store-dir``/``--redis-url`` store (``kvblend ask --doc``,
+        ``kvblend profile``): memory, plus a disk tier at ``disk_dir`` and a Redis tier at
+        ``redis_url`` when given, Redis reached as these settings say (a Redis Cluster,
+        groups, prefix, timeouts) and KV stored in ``kv_dtype`` (else these settings')."""
+        return StoreConfig(disk_dir=disk_dir, redis_url=redis_url, redis_ttl_s=self.redis_ttl_s,
+                           redis_prefix=self.redis_prefix, redis_cluster=self.redis_cluster,
+                           redis_groups=self.redis_groups, redis_timeout_s=self.redis_timeout_s,
+                           redis_retry_s=self.redis_retry_s, kv_dtype=kv_dtype or self.kv_dtype,
+                           compute_dtype=compute_dtype)
+
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
         return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
                            disk_bytes=self.disk_bytes, redis_url=self.redis_url, redis_bytes=self.redis_bytes,

@@ -70,3 +70,18 @@ def test_quality_per_storage_dtype_is_a_kl_against_fp32() -> None:
     kl = dtype_quality(make_loaded(), DOCS, QUESTION)
     assert set(kl) == {"fp16", "bf16", "int8"}
     assert all(v >= 0 for v in kl.values()) and kl["int8"] > 0 and kl["bf16"] > kl["fp16"]
+
+
+def test_kvblend_profile_reaches_redis_as_the_server_does(monkeypatch) -> None:
+    """A Redis Cluster in the settings is measured as a cluster (it was always one server)."""
+    import argparse
+
+    from kvblend.commands.profile import profiled_store
+
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_CLUSTER", "true")
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_GROUPS", "4")
+    args = argparse.Namespace(store_dir=None, redis_url="redis://10.0.1.1:7000", kv_dtype="fp16")
+    config = profiled_store(args)
+    assert (config.redis_cluster, config.redis_groups, config.redis_url, config.kv_dtype) == (
+        True, 4, "redis://10.0.1.1:7000", "fp16")
+    assert config.disk_dir is None and "redis" in config.enabled_tiers and "disk" not in config.enabled_tiers

@@ -114,3 +114,15 @@ def test_the_smallest_valid_queue_and_keys_load(tmp_path) -> None:
     s = Settings.load(write_yaml(tmp_path, "scheduler:\n  max_queued: 1\nadmin_key: 8-chars!\n"
                                            "api_keys:\n  8-chars?: alice\nblend:\n  ratio: auto\n"))
     assert s.scheduler.max_queued == 1 and s.admin_key == "8-chars!" and s.blend.ratio == "auto"
+
+
+def test_a_commands_store_flags_reach_redis_and_store_kv_as_the_server_does() -> None:
+    """``kvblend ask --doc``/``profile``'s --store-dir/--redis-url tiers take the server's
+    Redis Cluster, group, prefix and KV dtype settings (they were a plain one-server store)."""
+    store = Settings(store={"redis_cluster": True, "redis_url": "redis://a:7000,redis://b:7000", "redis_groups": 4,
+                            "redis_prefix": "acme", "kv_dtype": "fp16"}).store
+    config = store.flagged(None, "redis://c:7000")
+    assert (config.redis_cluster, config.redis_groups, config.redis_prefix, config.kv_dtype) == (True, 4, "acme", "fp16")
+    assert config.redis_url == "redis://c:7000" and "disk" not in config.enabled_tiers
+    assert store.flagged("/tmp/kv", None, kv_dtype="int8").kv_dtype == "int8"
+    assert "redis" not in store.flagged("/tmp/kv", None).enabled_tiers

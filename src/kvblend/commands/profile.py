@@ -48,11 +48,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from kvblend.models import load_model
     from kvblend.pipeline.profile import measure_profile, profile_path, save_profile
-    from kvblend.store.config import StoreConfig, build_store
+    from kvblend.store.config import build_store
 
     loaded = load_model(args.model, args.device, getattr(torch, args.dtype))
-    store = build_store(StoreConfig(disk_dir=args.store_dir, redis_url=args.redis_url, kv_dtype=args.kv_dtype,
-                                    disk_fsync=False))
+    store = build_store(profiled_store(args))
     try:
         profile = measure_profile(loaded.model, loaded.fingerprint, store.tiers, progress=not args.json)
     finally:
@@ -88,6 +87,15 @@ def _print_profile(profile, cfg, kv_dtype: str) -> None:
                   f"(one layer of a 512-token {kv_dtype} chunk: {speed.layer_s(nbytes) * 1e3:.2f} ms)")
     for dt, kl in profile.quality.items():
         print(f"quality {dt:5s} KL vs fp32 storage {kl:.2e}")
+
+
+def profiled_store(args: argparse.Namespace):  # noqa: ANN201 - kvblend.store.config.StoreConfig
+    """The tiers to measure: memory, the disk tier at ``--store-dir`` and the Redis tier at
+    ``--redis-url`` when given, Redis reached as ``kvblend serve`` reaches it (a Redis
+    Cluster in the settings is measured as one)."""
+    from kvblend.settings import Settings
+
+    return replace(Settings.load().store.flagged(args.store_dir, args.redis_url, args.kv_dtype), disk_fsync=False)
 
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> None:
