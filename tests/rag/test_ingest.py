@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -147,4 +148,64 @@ def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tm
     c = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
     assert all(d.hit for d in c.result.stats.docs) and b.result.stats.docs[0].source == "computed"
     retriever.close()
+    engine.close()
+
+
+def test_a_document_that_changes_while_read_leaves_no_chunk_behind(tmp_path):
+    """A file that changes part-way through its chunks is skipped; the chunks already
+    committed for it (small batches commit early) are dropped at the end of the run, so
+    retrieval never finds text no stored document has."""
+    from kvblend.rag.readers import Document, SkipFile
+
+    class Changing(Document):
+        def pieces(self, max_chars: int = 4096):
+            yield self.text[: len(self.text) // 2]
+            raise SkipFile("changed while being read")
+
+    engine, retriever, ingestor = pipeline(tmp_path, batch=1)
+    good, bad = corpus_texts(2, words=60, seed=3)
+    summary = ingestor.ingest_documents([Document("good.txt", good), Changing("bad.txt", bad)], progress=False)
+    assert [s for s, _ in summary.skipped] == ["bad.txt"]
+    assert summary.removed_chunks > 0  # it had committed some
+    cat = retriever.catalog
+    ids, _ = cat.all_texts("default")
+    assert set(ids) == set(cat.document("default", "good.txt").chunk_ids)
+    assert retriever.index.ids("default") == set(ids)
+    assert cat.unreferenced("default") == []
+    retriever.close()
+    engine.close()
+
+
+def test_orphans_are_found_from_the_chunk_index_not_by_reading_every_document(tmp_path, monkeypatch):
+    """Re-ingesting changed documents asks, per document, which of its old chunks another
+    document still uses; that read every document row each time, so ingest time grew with
+    the square of the corpus (the commit that added the index has the figures). A catalog
+    written before the index gets it when opened."""
+    from kvblend.rag.catalog import Catalog
+    from kvblend.rag.readers import Document
+
+    engine, retriever, ingestor = pipeline(tmp_path)
+    texts = corpus_texts(4, words=40, seed=5)
+    ingestor.ingest_documents([Document(f"d{i}", t) for i, t in enumerate(texts)], progress=False)
+    monkeypatch.setattr(Catalog, "documents", lambda *a: (_ for _ in ()).throw(AssertionError("read every row")))
+    again = ingestor.ingest_documents([Document("d0", texts[1]), Document("d1", texts[1] + " more .")],
+                                      progress=False)
+    assert again.removed_chunks > 0
+    monkeypatch.undo()
+    cat = retriever.catalog
+    kept = {c for d in cat.documents("default") for c in d.chunk_ids}
+    assert set(cat.all_texts("default")[0]) == kept
+    # a catalog from before the index: filled once when opened
+    path = tmp_path / "index" / "catalog.sqlite"
+    retriever.close()
+    raw = sqlite3.connect(path)
+    raw.execute("DELETE FROM doc_chunks")
+    raw.execute("DELETE FROM meta WHERE key = 'doc_chunks'")
+    raw.commit()
+    raw.close()
+    reopened = Catalog(path)
+    d2 = reopened.document("default", "d2")
+    assert reopened.orphans("default", d2.chunk_ids, exclude_source="d2") == list(dict.fromkeys(d2.chunk_ids))
+    assert reopened.orphans("default", d2.chunk_ids, exclude_source="nobody") == []
+    reopened.close()
     engine.close()

@@ -29,9 +29,16 @@ CREATE TABLE IF NOT EXISTS chunks (
 CREATE TABLE IF NOT EXISTS documents (
     tenant TEXT NOT NULL, source TEXT NOT NULL, sha256 TEXT NOT NULL, chunk_ids TEXT NOT NULL,
     n_tokens INTEGER NOT NULL, PRIMARY KEY (tenant, source));
+CREATE TABLE IF NOT EXISTS doc_chunks (
+    tenant TEXT NOT NULL, chunk_id TEXT NOT NULL, source TEXT NOT NULL,
+    PRIMARY KEY (tenant, chunk_id, source)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS doc_chunks_by_source ON doc_chunks (tenant, source);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS versions (tenant TEXT PRIMARY KEY, version INTEGER NOT NULL);
 """
+
+
+_MAX_PARAMS = 500  # ids per IN (...) query, well under SQLite's bound on parameters
 
 
 class ChunkRow(NamedTuple):
@@ -86,6 +93,23 @@ class Catalog:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
+        self._index_chunks()
+
+    def _index_chunks(self) -> None:
+        """Fill ``doc_chunks`` (which documents use a chunk) once for a catalog written
+        before it existed."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if self._db.execute("SELECT value FROM meta WHERE key = 'doc_chunks'").fetchone() is None:
+                    self._db.execute("DELETE FROM doc_chunks")
+                    self._db.execute("INSERT OR IGNORE INTO doc_chunks SELECT d.tenant, j.value, d.source "
+                                     "FROM documents AS d, json_each(d.chunk_ids) AS j")
+                    self._db.execute("INSERT INTO meta VALUES ('doc_chunks', '1')")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     # ----- meta ------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -171,6 +195,10 @@ class Catalog:
                 self._db.executemany("INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?, ?)",
                                      [(tenant, d.source, d.sha256, json.dumps(list(d.chunk_ids)), d.n_tokens)
                                       for d in documents])
+                self._db.executemany("DELETE FROM doc_chunks WHERE tenant = ? AND source = ?",
+                                     [(tenant, d.source) for d in documents])
+                self._db.executemany("INSERT OR IGNORE INTO doc_chunks VALUES (?, ?, ?)",
+                                     [(tenant, c, d.source) for d in documents for c in d.chunk_ids])
                 self._db.executemany("DELETE FROM chunks WHERE tenant = ? AND chunk_id = ?", [(tenant, c) for c in orphans])
                 self._db.execute("INSERT INTO versions VALUES (?, 1) ON CONFLICT(tenant) DO UPDATE SET version = version + 1",
                                  (tenant,))
@@ -188,6 +216,7 @@ class Catalog:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM documents WHERE tenant = ? AND source = ?", (tenant, source))
+            self._db.execute("DELETE FROM doc_chunks WHERE tenant = ? AND source = ?", (tenant, source))
             self._db.executemany("DELETE FROM chunks WHERE tenant = ? AND chunk_id = ?", [(tenant, c) for c in orphans])
             self._db.execute("INSERT INTO versions VALUES (?, 1) ON CONFLICT(tenant) DO UPDATE SET version = version + 1",
                              (tenant,))
@@ -195,12 +224,27 @@ class Catalog:
         return orphans
 
     def orphans(self, tenant: str, candidates: Iterable[str], exclude_source: str) -> list[str]:
-        """Those of ``candidates`` that no document other than ``exclude_source`` refers to."""
+        """Those of ``candidates`` that no document other than ``exclude_source`` refers to
+        (from ``doc_chunks``: its cost grows with the candidates, not the corpus; re-ingesting
+        a changed corpus asks this once per document)."""
+        wanted = list(dict.fromkeys(candidates))
         used: set[str] = set()
-        for doc in self.documents(tenant):
-            if doc.source != exclude_source:
-                used.update(doc.chunk_ids)
-        return [c for c in dict.fromkeys(candidates) if c not in used]
+        with self._lock:
+            for i in range(0, len(wanted), _MAX_PARAMS):
+                batch = wanted[i : i + _MAX_PARAMS]
+                used.update(r[0] for r in self._db.execute(
+                    "SELECT DISTINCT chunk_id FROM doc_chunks "
+                    f"WHERE tenant = ? AND source != ? AND chunk_id IN ({', '.join('?' * len(batch))})",
+                    (tenant, exclude_source, *batch)))
+        return [c for c in wanted if c not in used]
+
+    def unreferenced(self, tenant: str) -> list[str]:
+        """Committed chunks no document refers to: left by a document whose ingest stopped
+        part-way (the file changed or vanished while read, or the process was killed)."""
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT chunk_id FROM chunks WHERE tenant = ? EXCEPT SELECT chunk_id FROM doc_chunks WHERE tenant = ?",
+                (validate_tenant(tenant), tenant))]
 
     def record_retrievals(self, tenant: str, chunk_ids: Sequence[str]) -> None:
         with self._lock:

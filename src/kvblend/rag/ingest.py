@@ -314,6 +314,19 @@ class Ingestor:
         in_use = {c for doc in complete + run.waiting for c in doc.chunk_ids}
         return [c for c in dict.fromkeys(dropped) if c not in in_use]
 
+    def _sweep(self, summary: IngestSummary) -> None:
+        """Drop committed chunks no document refers to (and their vectors): a document
+        skipped part-way (it changed or vanished while read) or a killed run leaves them,
+        and retrieval would otherwise still find text no stored document has. Every
+        document of this run is committed by now, so none of its chunks is dropped."""
+        swept = self.catalog.unreferenced(self.config.tenant)
+        if not swept:
+            return
+        self.catalog.commit(self.config.tenant, [], [], swept)
+        if self.config.dense:
+            self.retriever.index.delete(self.config.tenant, swept)
+        summary.removed_chunks += len(swept)
+
     # ----- entry points ---------------------------------------------------------------
     def ingest(self, paths: Sequence[Path], progress: bool = True, hidden: bool = False) -> IngestSummary:
         """Ingest files and folders (paths resolved; hidden files and folders skipped unless
@@ -338,6 +351,7 @@ class Ingestor:
             for doc in docs:
                 self._document(doc, run)
             self._flush(run)
+        self._sweep(summary)
         if self.config.dense:
             self.retriever.index.flush()
         summary.total_s = time.perf_counter() - start
