@@ -209,3 +209,23 @@ def test_orphans_are_found_from_the_chunk_index_not_by_reading_every_document(tm
     assert reopened.orphans("default", d2.chunk_ids, exclude_source="nobody") == []
     reopened.close()
     engine.close()
+
+
+def test_a_second_ingest_into_one_index_is_refused_while_the_first_runs(tmp_path):
+    """Two ingests into one index each write the vector index from their own copy, and the
+    last to write loses the other's vectors for good (a re-run skips unchanged documents):
+    the second is refused at once, naming the first's pid; the lock goes with its holder."""
+    import pytest
+
+    from kvblend.rag.ingest import IngestBusyError, writing
+    from kvblend.rag.readers import Document
+
+    engine, retriever, ingestor = pipeline(tmp_path)
+    docs = [Document("a.txt", corpus_texts(1, seed=9)[0])]
+    with writing(tmp_path / "index"):  # the first ingest (another process holds an flock alike)
+        with pytest.raises(IngestBusyError, match=f"pid {os.getpid()}"):
+            ingestor.ingest_documents(docs, progress=False)
+    assert retriever.catalog.document("default", "a.txt") is None  # refused before anything was written
+    assert ingestor.ingest_documents(docs, progress=False).documents == 1  # free again
+    retriever.close()
+    engine.close()

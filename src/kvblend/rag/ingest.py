@@ -20,13 +20,17 @@ re-used, not recomputed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvblend.errors import KvblendError
 from kvblend.rag.catalog import DocumentRow, NewChunk
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_pieces, chunk_text
 from kvblend.rag.readers import Document, SkipFile, TextFile, discover, read_documents
@@ -343,7 +347,13 @@ class Ingestor:
 
     def _run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
              start: float) -> IngestSummary:
-        """Every document through chunk -> store -> commit, a batch at a time."""
+        """Every document through chunk -> store -> commit, a batch at a time, holding the
+        index folder's ingest lock (``writing``)."""
+        with writing(Path(self.retriever.config.folder)):
+            return self._locked_run(docs, progress, summary, start)
+
+    def _locked_run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
+                    start: float) -> IngestSummary:
         if self.config.dense:
             self.retriever.reconcile(self.config.tenant)
         with _progress(progress)(desc="chunks", unit="chunk") as bar:
@@ -358,6 +368,37 @@ class Ingestor:
         if self.warmer is not None:
             summary.store_bytes = {n: s.bytes for n, s in self.warmer.engine.store.tier_stats(self.config.tenant).items()}
         return summary
+
+
+class IngestBusyError(KvblendError):
+    """Another ingest is writing the same index folder."""
+
+
+LOCK_NAME = "ingest.lock"
+
+
+@contextlib.contextmanager
+def writing(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s ingest lock (an ``flock``, released with the process if it dies);
+    ``IngestBusyError`` at once if another ingest holds it. Two ingests into one index
+    would each write the vector index from their own copy and lose the other's vectors."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise IngestBusyError(f"another kvblend ingest (pid {holder}) is writing {folder}; "
+                                  "run one ingest per index at a time") from None
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _progress(enabled: bool) -> Callable[..., Any]:
