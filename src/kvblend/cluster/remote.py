@@ -201,7 +201,8 @@ class RemoteScheduler:
 
     def start_shadow(self, request: Request, served: Result, probe: Request | None) -> Future | None:
         """Send the guard's shadow check of a served request to a replica (routed by its
-        documents, so usually the one that served it); never waits. The Future resolves
+        documents, so usually the one that served it); never waits; call it on the app's
+        event loop. The Future resolves
         to the ``ShadowResult``, fails with the check's error (or a lost replica), and is
         cancelled when the replica's lane dropped it; None while this ingress drains."""
         if self._draining:
@@ -227,14 +228,10 @@ class RemoteScheduler:
         return out
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` on the running event loop (the app's), else on a thread of its own."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            threading.Thread(target=asyncio.run, args=(work,), name="kvblend-shadow-call", daemon=True).start()
-            return
-        task = loop.create_task(work)
-        self._tasks.add(task)  # a reference until done (the loop keeps only weak ones)
+        """Run ``work`` on the app's event loop (``start_shadow`` is called there, when a
+        request ends), keeping a reference until it is done (the loop keeps weak ones)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def drain(self, timeout_s: float) -> None:
