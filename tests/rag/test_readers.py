@@ -41,3 +41,54 @@ def test_jsonl_gives_one_document_per_record(tmp_path):
     p = tmp_path / "r.jsonl"
     p.write_text('{"body": "one"}\n{"body": "two", "x": 1}\n')
     assert [(d.source, d.text) for d in read_documents(p, "body")] == [(f"{p}#1", "one"), (f"{p}#2", "two")]
+
+
+def test_jsonl_is_read_a_line_at_a_time_so_no_file_size_cap_applies(tmp_path, monkeypatch):
+    """JSONL was read whole (and refused over 256 MiB); now a line at a time: a file over the
+    whole-file cap is read, only one line over it is refused, and nothing reads it whole."""
+    from pathlib import Path
+
+    import pytest
+
+    from kvblend.rag import readers
+
+    monkeypatch.setattr(readers, "MAX_FILE_BYTES", 1024)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + b"".join(b'{"text": "record %d of the export"}\n' % i for i in range(200)))
+    docs = list(read_documents(p))
+    assert len(docs) == 200 and p.stat().st_size > 4 * 1024
+    assert (docs[0].source, docs[0].text, docs[-1].source) == (f"{p}#1", "record 0 of the export", f"{p}#200")
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"text": "ok"}\n{"text": "%s"}\n' % ("x" * 2000))
+    with pytest.raises(readers.SkipFile, match="line 2 is longer"):
+        read_documents(long)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(readers.SkipFile, match="not UTF-8 \\(invalid byte at offset 28\\)"):
+        read_documents(bad)
+
+
+def test_a_jsonl_file_that_changes_after_its_check_is_skipped_from_there(tmp_path):
+    import os
+
+    import pytest
+
+    from kvblend.rag.ingest import IngestSummary, _read
+    from kvblend.rag.readers import SkipFile
+
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"text": "one"}\n{"text": "two"}\n')
+    checked = read_documents(p)
+    p.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n')
+    with pytest.raises(SkipFile, match="changed since it was checked"):
+        list(checked)
+    summary = IngestSummary()
+    stream = _read([p], "text", summary)
+    first = next(stream)  # checked and opened; the file changes while its records are read
+    with open(p, "a") as f:
+        f.write('{"text": "four"}\n')
+    os.utime(p, ns=(1, 1))
+    rest = list(stream)
+    assert first.text == "one" and [d.text for d in rest] == ["two", "three", "four"]
+    assert summary.files == 1 and summary.skipped == [(str(p), "changed while being read")]

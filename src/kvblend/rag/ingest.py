@@ -169,7 +169,8 @@ class KvWarmer:
 
 
 def _read(files: list[Path], text_field: str, summary: IngestSummary) -> Iterator[Document | TextFile]:
-    """The documents of ``files``, one file at a time (a text file is checked, not loaded)."""
+    """The documents of ``files``, one file at a time (a text or JSONL file is checked, not
+    loaded; a JSONL file that changes while its records are read is skipped from there)."""
     for path in files:
         try:
             docs = read_documents(path, text_field)
@@ -177,7 +178,10 @@ def _read(files: list[Path], text_field: str, summary: IngestSummary) -> Iterato
             summary.skipped.append((str(path), str(exc)))
             continue
         summary.files += 1
-        yield from docs
+        try:
+            yield from docs
+        except SkipFile as exc:
+            summary.skipped.append((str(path), str(exc)))
 
 
 class Ingestor:

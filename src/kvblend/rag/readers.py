@@ -17,13 +17,14 @@ import codecs
 import json
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import NamedTuple
 
 SUFFIXES = (".txt", ".md", ".markdown", ".jsonl", ".html", ".htm", ".pdf")
-STREAMED = (".txt", ".md", ".markdown")  # read in blocks, never whole
-MAX_FILE_BYTES = 256 * 1024 * 1024  # for the files read whole
+STREAMED = (".txt", ".md", ".markdown")  # read in blocks, never whole (JSONL: a line at a time)
+MAX_FILE_BYTES = 256 * 1024 * 1024  # for the files read whole (HTML, PDF), and a JSONL line
 BLOCK_BYTES = 1 << 20
 PIECE_CHARS = 1 << 20  # characters tokenized at once
 NUL_WINDOW = 8192
@@ -242,8 +243,35 @@ def pdf_text(path: Path) -> str:
         raise SkipFile(f"unreadable PDF: {exc}") from exc
 
 
-def _jsonl(path: Path, text: str, field: str) -> Iterator[Document]:
-    for n, line in enumerate(text.splitlines(), start=1):
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a JSONL file read a line at a time (never whole), decoded
+    as UTF-8 (a leading BOM dropped); SkipFile on NUL bytes in its first ``NUL_WINDOW``
+    bytes, invalid UTF-8 (its byte offset named), or a line longer than ``MAX_FILE_BYTES``."""
+    try:
+        with open(path, "rb") as f:
+            n, offset = 0, 0
+            while raw := f.readline(MAX_FILE_BYTES + 1):
+                n += 1
+                if len(raw) > MAX_FILE_BYTES:
+                    raise SkipFile(f"line {n} is longer than {MAX_FILE_BYTES >> 20} MiB")
+                if offset < NUL_WINDOW and b"\x00" in raw[: NUL_WINDOW - offset]:
+                    raise SkipFile("binary content (NUL bytes)")
+                start = len(codecs.BOM_UTF8) if offset == 0 and raw.startswith(codecs.BOM_UTF8) else 0
+                try:
+                    line = raw[start:].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise SkipFile(f"not UTF-8 (invalid byte at offset {offset + start + exc.start})") from exc
+                offset += len(raw)
+                yield n, line
+    except PermissionError as exc:
+        raise SkipFile("unreadable: permission denied") from exc
+    except OSError as exc:
+        raise SkipFile(f"unreadable: {exc.strerror or exc}") from exc
+
+
+def _jsonl_records(path: Path, field: str) -> Iterator[Document]:
+    """One document per non-blank line's ``field``; SkipFile naming the first bad line."""
+    for n, line in _jsonl_lines(path):
         if not line.strip():
             continue
         try:
@@ -256,21 +284,64 @@ def _jsonl(path: Path, text: str, field: str) -> Iterator[Document]:
         yield Document(f"{path}#{n}", value)
 
 
-def read_documents(path: Path, text_field: str = "text") -> list[Document | TextFile]:
+@dataclass(frozen=True)
+class JsonlFile:
+    """A JSONL file's records as documents, read a line at a time on each pass, never
+    whole (``open_jsonl_file`` checked every line first, so a bad line skips the whole
+    file before any record is ingested). Iterating raises SkipFile if the file changed
+    since it was checked (the records already yielded stand: each is its own document)."""
+
+    path: Path
+    field: str
+    nbytes: int
+    mtime_ns: int
+
+    def __iter__(self) -> Iterator[Document]:
+        if _stamp(self.path) != (self.nbytes, self.mtime_ns):
+            raise SkipFile("changed since it was checked")
+        for doc in _jsonl_records(self.path, self.field):
+            if doc.text.strip():
+                yield doc
+        if _stamp(self.path) != (self.nbytes, self.mtime_ns):
+            raise SkipFile("changed while being read")
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise SkipFile(f"unreadable: {exc.strerror or exc}") from exc
+    return st.st_size, st.st_mtime_ns
+
+
+def open_jsonl_file(path: Path, field: str = "text") -> JsonlFile:
+    """Check a JSONL file in one streamed pass (every line a JSON object with a string
+    ``field``, some of them not blank) without holding it."""
+    stamp = _stamp(path)
+    texts = 0
+    for doc in _jsonl_records(path, field):  # every line, not only until the first text
+        texts += bool(doc.text.strip())
+    if not texts:
+        raise SkipFile("empty (no text)")
+    return JsonlFile(path, field, *stamp)
+
+
+def read_documents(path: Path, text_field: str = "text") -> Iterable[Document | TextFile]:
     """The documents of one file (one, or one per JSONL record); raises SkipFile. Plain
-    text and markdown come back as a ``TextFile`` (checked, not read into memory)."""
+    text and markdown come back as a ``TextFile`` and JSONL as a ``JsonlFile`` (checked,
+    not read into memory; iterating a ``JsonlFile`` may raise SkipFile too)."""
     suffix = path.suffix.lower()
     if suffix in STREAMED:
         return [open_text_file(path)]
+    if suffix == ".jsonl":
+        return open_jsonl_file(path, text_field)
     if suffix == ".pdf":
         _read_bytes(path)
         text = pdf_text(path)
         docs = [Document(str(path), text)]
     else:
         text = _decode(_read_bytes(path))
-        if suffix == ".jsonl":
-            docs = list(_jsonl(path, text, text_field))
-        elif suffix in (".html", ".htm"):
+        if suffix in (".html", ".htm"):
             docs = [Document(str(path), html_text(text))]
         else:
             docs = [Document(str(path), text)]
