@@ -113,9 +113,12 @@ class StoreSettings(_Section):
                 compute_dtype: str = "fp32") -> StoreConfig:
         """A command's ``--store-dir``/``--redis-url`` store (``kvblend ask --doc``,
         ``kvblend profile``): memory, plus a disk tier at ``disk_dir`` and a Redis tier at
-        ``redis_url`` when given, Redis reached as these settings say (a Redis Cluster,
-        groups, prefix, timeouts) and KV stored in ``kv_dtype`` (else these settings')."""
-        return StoreConfig(disk_dir=disk_dir, redis_url=redis_url, redis_ttl_s=self.redis_ttl_s,
+        ``redis_url`` when given, Redis reached and capped as these settings say (a Redis
+        Cluster, groups, prefix, timeouts, ``redis_bytes`` and ``tenant_bytes``: a command
+        writing into the server's Redis must not evict down to another cap) and KV stored in
+        ``kv_dtype`` (else these settings')."""
+        return StoreConfig(disk_dir=disk_dir, redis_url=redis_url, redis_bytes=self.redis_bytes,
+                           redis_ttl_s=self.redis_ttl_s, tenant_bytes=self.tenant_bytes,
                            redis_prefix=self.redis_prefix, redis_cluster=self.redis_cluster,
                            redis_groups=self.redis_groups, redis_timeout_s=self.redis_timeout_s,
                            redis_retry_s=self.redis_retry_s, kv_dtype=kv_dtype or self.kv_dtype,

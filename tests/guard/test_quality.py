@@ -366,3 +366,18 @@ def test_drawn_checks_leave_room_for_risky_ones(eng: Engine, monkeypatch: pytest
         release.set()
         sched.drain(5)
     assert runner.ok == 2 and runner.dropped == 2
+
+
+def test_a_check_that_cannot_start_is_counted_failed_and_frees_its_place(eng: Engine) -> None:
+    """A check whose start raises (e.g. the hop to a replica) must not leak a pending place
+    (all later checks would be dropped) nor reach the request that was served."""
+    guard = QualityGuard(GuardConfig(shadow_fraction=1.0, min_samples=1, window=1))
+
+    def broken(*_):
+        raise RuntimeError("simulated start failure")
+
+    runner = ShadowRunner(guard, Scheduler(eng), max_pending=1, start=broken)
+    for _ in range(3):
+        job = runner.submit(request(method="blend", tenant="default"), Result("a", [1], "stop", None), None)
+        assert job is not None and job.result() is None  # resolved as a failed check
+    assert (runner.failed, runner.dropped, runner._pending) == (3, 0, 0)

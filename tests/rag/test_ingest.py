@@ -229,3 +229,18 @@ def test_a_second_ingest_into_one_index_is_refused_while_the_first_runs(tmp_path
     assert ingestor.ingest_documents(docs, progress=False).documents == 1  # free again
     retriever.close()
     engine.close()
+
+
+def test_the_chunk_index_follows_documents_written_by_a_version_that_knows_nothing_of_it(tmp_path):
+    """Triggers keep ``doc_chunks``: rows an older kvblend writes into the same catalog are
+    indexed too, so the end-of-run sweep never drops their chunks."""
+    from kvblend.rag.catalog import Catalog, NewChunk
+
+    cat = Catalog(tmp_path / "catalog.sqlite")
+    cat.commit("default", [NewChunk("c1", "old.txt", 0, "text", (1, 2), True)])
+    assert cat.unreferenced("default") == ["c1"]
+    cat._db.execute("INSERT OR REPLACE INTO documents VALUES ('default', 'old.txt', 'sha', '[\"c1\"]', 2)")
+    assert cat.unreferenced("default") == [] and cat.orphans("default", ["c1"], exclude_source="x") == []
+    cat._db.execute("DELETE FROM documents WHERE source = 'old.txt'")
+    assert cat.unreferenced("default") == ["c1"]
+    cat.close()

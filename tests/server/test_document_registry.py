@@ -314,3 +314,40 @@ def test_a_post_racing_another_process_for_one_id_gets_409_and_leaves_its_row(tm
         assert state.registry.get("default", "same").text == theirs.text
         (keys,) = warmed
         assert keys and not any(state.engine.store.contains(k) for k in keys)  # the loser's KV was dropped
+
+
+def test_a_post_racing_another_process_storing_the_same_text_succeeds(tmp_path, monkeypatch) -> None:
+    """A client retrying through another ingress stores the same text: no conflict (the POST
+    is idempotent), and the row is the one text."""
+    client, state = app_client(tmp_path)
+    other = DocumentRegistry(tmp_path / "documents.sqlite")
+    text = "the doctor works in paris ."
+    real_count = state.registry.count
+
+    def count_while_the_other_stores(tenant: str) -> int:
+        other.put(tenant, new_record("same", text, [StoredChunk("c0", key(8), (1, 2, 3))], {}))
+        return real_count(tenant)
+
+    with client:
+        monkeypatch.setattr(state.registry, "count", count_while_the_other_stores)
+        reply = client.post("/v1/documents", json={"id": "same", "text": text})
+        assert reply.status_code == 200, reply.text
+        assert state.registry.get("default", "same").text == text
+
+
+def test_the_change_log_reader_sees_gaps_and_a_replaced_file_and_the_own_set_stays_bounded(tmp_path, monkeypatch):
+    from kvblend.server import documents
+
+    path = tmp_path / "documents.sqlite"
+    mine, theirs = DocumentRegistry(path), DocumentRegistry(path)
+    row = lambda i: new_record(f"d{i}", f"text {i}", [StoredChunk("c0", key(0), (1, 2, 3))], {})  # noqa: E731
+    for i in range(3):
+        mine.put("acme", row(i))
+    assert theirs.changes_since(10) is None  # the log ends before the reader's place: another file
+    monkeypatch.setattr(documents, "KEEP_CHANGES", 2)
+    for i in range(3, 9):
+        mine.put("acme", row(i))
+    assert len(mine._own) <= 3  # nobody reads the log here: what it pruned is forgotten
+    last = mine.last_change()
+    assert theirs.changes_since(last - 3) is None  # the log keeps the last two: a gap after last - 3
+    assert theirs.changes_since(last - 2) == ([("acme", "d7"), ("acme", "d8")], last)

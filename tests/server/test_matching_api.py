@@ -80,3 +80,29 @@ def test_two_servers_on_one_registry_follow_each_others_documents(tmp_path) -> N
         assert "matches" not in ask(b, f"{DOC} which city ?")["kvblend"]
         b.post("/v1/documents", headers=ALICE, json={"text": OTHER, "id": "novel"})
         assert [m["document"] for m in ask(a, f"{OTHER} which city ?")["kvblend"]["matches"]] == ["novel"]
+
+
+def test_a_local_add_does_not_undo_another_processs_delete(tmp_path) -> None:
+    """This process stores a document; before it indexes it, another process deletes the
+    row: the add is not made (the other's change decides), and catching up changes nothing."""
+    from kvblend.server.documents import DocumentRegistry, StoredChunk, new_record
+    from kvblend.server.index import open_index, record_texts
+
+    path = tmp_path / "documents.sqlite"
+    mine, theirs = DocumentRegistry(path), DocumentRegistry(path)
+    loaded = make_loaded()
+    feed = open_index(Settings(), mine, loaded.tokenizer)
+    ids = tuple(loaded.tokenizer(DOC, add_special_tokens=False)["input_ids"])
+    record = new_record("city", DOC, [StoredChunk("c0", "acme/" + "0" * 64, ids)], {})
+    mine.put("alice", record)
+    theirs.delete("alice", "city")
+    feed.stored("alice", "city", record.sha256, record_texts(loaded.tokenizer, record))
+    assert feed.index.match("alice", [f"so {DOC}"]) == []
+    feed.catch_up()
+    assert feed.index.match("alice", [f"so {DOC}"]) == []
+    theirs.put("alice", record)
+    assert feed.catch_up(limit=1, wait=False) == 1 and {m.document for m in feed.index.match("alice", [DOC])} == {"city"}
+    with feed._lock:  # another request is applying changes: this one goes on without waiting
+        theirs.delete("alice", "city")
+        assert feed.catch_up(wait=False) == 0
+    assert feed.catch_up() == 1 and feed.index.match("alice", [DOC]) == []

@@ -120,9 +120,12 @@ def test_a_commands_store_flags_reach_redis_and_store_kv_as_the_server_does() ->
     """``kvblend ask --doc``/``profile``'s --store-dir/--redis-url tiers take the server's
     Redis Cluster, group, prefix and KV dtype settings (they were a plain one-server store)."""
     store = Settings(store={"redis_cluster": True, "redis_url": "redis://a:7000,redis://b:7000", "redis_groups": 4,
-                            "redis_prefix": "acme", "kv_dtype": "fp16"}).store
+                            "redis_prefix": "acme", "kv_dtype": "fp16", "redis_bytes": "100GiB",
+                            "tenant_bytes": "1GiB"}).store
     config = store.flagged(None, "redis://c:7000")
     assert (config.redis_cluster, config.redis_groups, config.redis_prefix, config.kv_dtype) == (True, 4, "acme", "fp16")
+    # its puts evict down to the server's caps, not a default 10 GiB one
+    assert (config.redis_bytes, config.tenant_bytes) == (100 << 30, 1 << 30)
     assert config.redis_url == "redis://c:7000" and "disk" not in config.enabled_tiers
     assert store.flagged("/tmp/kv", None, kv_dtype="int8").kv_dtype == "int8"
     assert "redis" not in store.flagged("/tmp/kv", None).enabled_tiers

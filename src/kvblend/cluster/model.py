@@ -196,10 +196,11 @@ class Unanswered:
 
 def max_ongoing(settings: Settings) -> int:
     """Calls one model replica takes at once: its scheduler's running and queued requests,
-    its jobs lane and the guard's shadow checks, so that the scheduler (fair queue, 429s)
-    does the queueing."""
+    its jobs lane and, with the guard on, its background lane (the shadow checks every
+    ingress sends; one the full lane refuses returns at once), so that the scheduler (fair
+    queue, 429s) does the queueing."""
     sch = settings.scheduler
-    return sch.max_running + sch.max_queued + sch.max_jobs + (settings.guard.max_pending if settings.guard.enabled else 0)
+    return sch.max_running + sch.max_queued + sch.max_jobs + (sch.max_background if settings.guard.enabled else 0)
 
 
 def replica_threads(settings: Settings) -> int:

@@ -381,7 +381,16 @@ class ShadowRunner:
                 self.dropped += 1
                 return None
             self._pending += 1
-        job = self._start(request, served, probe)
+        try:
+            job = self._start(request, served, probe)
+        except Exception:  # noqa: BLE001 - a check must never break serving
+            log.exception("starting a shadow check failed (tenant %s)", request.tenant)
+            with self._lock:
+                self._pending -= 1
+                self.failed += 1
+            failed: Future = Future()
+            failed.set_result(None)  # as a check that failed: counted so, never raised
+            return failed
         if job is None:
             with self._lock:
                 self._pending -= 1

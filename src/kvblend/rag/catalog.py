@@ -33,6 +33,13 @@ CREATE TABLE IF NOT EXISTS doc_chunks (
     tenant TEXT NOT NULL, chunk_id TEXT NOT NULL, source TEXT NOT NULL,
     PRIMARY KEY (tenant, chunk_id, source)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS doc_chunks_by_source ON doc_chunks (tenant, source);
+CREATE TRIGGER IF NOT EXISTS doc_chunks_on_insert AFTER INSERT ON documents BEGIN
+    DELETE FROM doc_chunks WHERE tenant = NEW.tenant AND source = NEW.source;
+    INSERT OR IGNORE INTO doc_chunks SELECT NEW.tenant, j.value, NEW.source FROM json_each(NEW.chunk_ids) AS j;
+END;
+CREATE TRIGGER IF NOT EXISTS doc_chunks_on_delete AFTER DELETE ON documents BEGIN
+    DELETE FROM doc_chunks WHERE tenant = OLD.tenant AND source = OLD.source;
+END;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS versions (tenant TEXT PRIMARY KEY, version INTEGER NOT NULL);
 """
@@ -97,7 +104,8 @@ class Catalog:
 
     def _index_chunks(self) -> None:
         """Fill ``doc_chunks`` (which documents use a chunk) once for a catalog written
-        before it existed."""
+        before it existed; from then on triggers on ``documents`` keep it, whichever
+        kvblend version writes the file (an older one that knows nothing of it included)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -195,10 +203,7 @@ class Catalog:
                 self._db.executemany("INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?, ?)",
                                      [(tenant, d.source, d.sha256, json.dumps(list(d.chunk_ids)), d.n_tokens)
                                       for d in documents])
-                self._db.executemany("DELETE FROM doc_chunks WHERE tenant = ? AND source = ?",
-                                     [(tenant, d.source) for d in documents])
-                self._db.executemany("INSERT OR IGNORE INTO doc_chunks VALUES (?, ?, ?)",
-                                     [(tenant, c, d.source) for d in documents for c in d.chunk_ids])
+
                 self._db.executemany("DELETE FROM chunks WHERE tenant = ? AND chunk_id = ?", [(tenant, c) for c in orphans])
                 self._db.execute("INSERT INTO versions VALUES (?, 1) ON CONFLICT(tenant) DO UPDATE SET version = version + 1",
                                  (tenant,))
@@ -216,7 +221,6 @@ class Catalog:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM documents WHERE tenant = ? AND source = ?", (tenant, source))
-            self._db.execute("DELETE FROM doc_chunks WHERE tenant = ? AND source = ?", (tenant, source))
             self._db.executemany("DELETE FROM chunks WHERE tenant = ? AND chunk_id = ?", [(tenant, c) for c in orphans])
             self._db.execute("INSERT INTO versions VALUES (?, 1) ON CONFLICT(tenant) DO UPDATE SET version = version + 1",
                              (tenant,))

@@ -318,8 +318,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         async with state.document_locks.hold((tenant, doc_id)):
             record = await _own_document(state, tenant, doc_id)
             await state.off_loop(state.registry.delete, tenant, doc_id)
-            if state.index is not None:  # off the loop: the index's lock may be held by a match
-                await anyio.to_thread.run_sync(state.index.remove_document, tenant, doc_id)
+            if state.index_feed is not None:  # off the loop: the index's lock may be held by a match
+                await anyio.to_thread.run_sync(state.index_feed.deleted, tenant, doc_id)
             await _delete_unused(state, tenant, record.keys, doc_id)
         return {"id": doc_id, "object": "document", "deleted": True}
 
@@ -419,8 +419,8 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
             record = record._replace(created=existing.created)
         if record._replace(created=0.0) != (existing._replace(created=0.0) if existing is not None else None):
             await _put_document(state, tenant, record, existing)
-        if state.index is not None:  # after a refused put nothing names a document never registered
-            await anyio.to_thread.run_sync(state.index.add, tenant, indexed)
+        if state.index_feed is not None:  # after a refused put nothing names a document never registered
+            await state.off_loop(state.index_feed.stored, tenant, doc_id, record.sha256, indexed)
     return record.public(tiers)
 
 
@@ -540,11 +540,16 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     return JSONResponse(shape.completion(out, handle.queue_s), headers=headers)
 
 
+REQUEST_CATCH_UP = 64  # document changes from other processes one request applies at most before it is shaped
+
+
 def _shape(state: ServerState, draft: Any, param: str) -> Any:
     """``shape_body`` (on the registry's threads) once the matching index has caught up
-    with documents other processes sharing the registry stored or deleted."""
+    with documents other processes sharing the registry stored or deleted: a bounded
+    share of them, and none when another request is applying them already (a bulk upload
+    through another ingress is indexed here over the next requests, not by one)."""
     if state.index_feed is not None:
-        state.index_feed.catch_up()
+        state.index_feed.catch_up(REQUEST_CATCH_UP, wait=False)
     return shape_body(state.engine, draft, state.settings, state.registry, state.index, param)
 
 

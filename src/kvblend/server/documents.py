@@ -214,8 +214,9 @@ class DocumentRegistry:
         ``limit``, a new id when the tenant already holds ``limit`` documents raises
         ``RegistryFullError`` and changes nothing (replacing an existing id never does).
         ``expect``: the sha256 of the text the caller saw under the id (None: no row); if the
-        row now holds another (another process wrote it meanwhile), ``RegistryConflictError``
-        and nothing changes."""
+        row now holds a text that is neither that one nor the record's (another process stored
+        other text under the id meanwhile), ``RegistryConflictError`` and nothing changes. The
+        same text stored meanwhile, or the row deleted meanwhile, is no conflict."""
         row = (tenant, record.id, record.sha256, record.text, record.tokens, record.chunk_key,
                json.dumps(record.metadata), record.created,
                json.dumps([c.to_json() for c in record.chunks], separators=(",", ":")))
@@ -223,7 +224,7 @@ class DocumentRegistry:
         with self._transaction() as db:
             exists = db.execute("SELECT sha256 FROM documents WHERE tenant = ? AND id = ?",
                                 (tenant, record.id)).fetchone()
-            if expect is not ANY and (exists[0] if exists else None) != expect:
+            if expect is not ANY and exists is not None and exists[0] not in (expect, record.sha256):
                 raise RegistryConflictError(f"document {record.id!r} changed while it was being stored")
             if limit is not None and exists is None and _count(db, tenant) >= limit:
                 raise RegistryFullError(limit)
@@ -257,6 +258,8 @@ class DocumentRegistry:
         seq = db.execute("INSERT INTO changes (tenant, doc_id) VALUES (?, ?)", (tenant, doc_id)).lastrowid
         db.execute("DELETE FROM changes WHERE seq <= ?", (seq - KEEP_CHANGES,))
         self._own.add(seq)
+        if len(self._own) > KEEP_CHANGES:  # nobody reads the log here (matching off): forget what it pruned
+            self._own = {n for n in self._own if n > seq - KEEP_CHANGES}
 
     def last_change(self) -> int:
         """The change log's last sequence number (0: none yet)."""
@@ -267,14 +270,17 @@ class DocumentRegistry:
         """``([(tenant, id), ...], last seq read)``: the documents other processes put or
         deleted after ``seq``, oldest first, from at most ``limit`` log rows (read again
         from the returned seq for more). None when the log no longer reaches back to
-        ``seq`` (more than ``KEEP_CHANGES`` behind): the reader must start again from the
-        rows themselves."""
+        ``seq`` (more than ``KEEP_CHANGES`` behind) or ends before it (the file was replaced):
+        the reader must start again from the rows themselves."""
         with self._lock:
-            first = self._db.execute("SELECT MIN(seq) FROM changes").fetchone()[0]
-            if first is not None and first > seq + 1:
-                return None
             rows = self._db.execute("SELECT seq, tenant, doc_id FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
                                     (seq, limit)).fetchall()
+            # seqs are contiguous (a rolled-back insert gives its number back), so a gap after
+            # ``seq`` is pruning; a log that ends before ``seq`` is another file (a restore)
+            if rows and rows[0][0] > seq + 1:
+                return None
+            if not rows and seq > 0 and self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM changes").fetchone()[0] < seq:
+                return None
             last = rows[-1][0] if rows else seq
             theirs = [(tenant, doc_id) for n, tenant, doc_id in rows if n not in self._own]
             self._own = {n for n in self._own if n > last}

@@ -38,37 +38,66 @@ def _fill(index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any) -> N
 
 
 class IndexFeed:
-    """Applies to ``index`` the documents other processes put or deleted in ``registry``
-    since change ``seq`` (``DocumentRegistry.changes_since``): each named document's texts
-    are dropped and, if it is still stored, indexed again from its row. Thread-safe; one
-    ``catch_up`` at a time. A log that no longer reaches back rebuilds the index."""
+    """Keeps ``index`` in step with ``registry``: documents other processes put or deleted
+    since change ``seq`` (``DocumentRegistry.changes_since``; each named document's texts
+    are dropped and, if it is still stored, indexed again from its row), and this
+    process's own (``stored``, ``deleted``), all under one lock so that neither undoes the
+    other: a local add checks the row is still there, and a foreign change read before a
+    local delete is applied before it. A log that no longer reaches back rebuilds the
+    index (texts seen inline in requests are dropped too: they come back when seen again)."""
 
     def __init__(self, index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any, seq: int) -> None:
         self.index, self.registry, self.tokenizer, self.seq = index, registry, tokenizer, seq
         self._lock = threading.Lock()
 
-    def catch_up(self) -> int:
-        """Apply every change after ``seq``; how many documents were applied (a rebuild: -1)."""
+    def catch_up(self, limit: int | None = None, wait: bool = True) -> int:
+        """Apply the changes after ``seq``: all, or at most ``limit`` log rows; with
+        ``wait=False`` nothing when another thread is applying them (a request then goes
+        on with the index as it is rather than queue behind a bulk upload elsewhere). How
+        many documents were applied; -1 for a rebuild."""
+        if not self._lock.acquire(blocking=wait):
+            return 0
+        try:
+            return self._apply(limit)
+        finally:
+            self._lock.release()
+
+    def _apply(self, limit: int | None) -> int:
+        applied, budget = 0, limit
+        while budget is None or budget > 0:
+            page = PAGE if budget is None else min(PAGE, budget)
+            answer = self.registry.changes_since(self.seq, page)
+            if answer is None:
+                log.warning("document index: the registry's change log moved past this index; rebuilding")
+                self.seq = self.registry.last_change()
+                self.index.clear()
+                _fill(self.index, self.registry, self.tokenizer)
+                return -1
+            changes, last = answer
+            for tenant, doc_id in dict.fromkeys(changes):
+                self.index.remove_document(tenant, doc_id)
+                record = self.registry.get(tenant, doc_id)
+                if record is not None:
+                    self.index.add(tenant, record_texts(self.tokenizer, record))
+            applied += len(changes)
+            if last == self.seq:
+                break
+            budget = None if budget is None else budget - (last - self.seq)
+            self.seq = last
+        return applied
+
+    def stored(self, tenant: str, doc_id: str, sha256: str, texts: list[IndexedText]) -> None:
+        """This process stored ``doc_id`` (``texts``, its text's ``sha256``): index it, unless
+        another process deleted or replaced the row since (its change then decides)."""
         with self._lock:
-            applied = 0
-            while True:
-                answer = self.registry.changes_since(self.seq, PAGE)
-                if answer is None:
-                    log.warning("document index: the registry's change log moved past this index; rebuilding")
-                    self.seq = self.registry.last_change()
-                    self.index.clear()
-                    _fill(self.index, self.registry, self.tokenizer)
-                    return -1
-                changes, last = answer
-                for tenant, doc_id in dict.fromkeys(changes):
-                    self.index.remove_document(tenant, doc_id)
-                    record = self.registry.get(tenant, doc_id)
-                    if record is not None:
-                        self.index.add(tenant, record_texts(self.tokenizer, record))
-                applied += len(changes)
-                if last == self.seq:
-                    return applied
-                self.seq = last
+            record = self.registry.get(tenant, doc_id)
+            if record is not None and record.sha256 == sha256:
+                self.index.add(tenant, texts)
+
+    def deleted(self, tenant: str, doc_id: str) -> None:
+        """This process deleted ``doc_id``: drop its texts (after any foreign change being applied)."""
+        with self._lock:
+            self.index.remove_document(tenant, doc_id)
 
 
 def open_index(settings: Settings, registry: DocumentRegistry, tokenizer: Any) -> IndexFeed | None:
