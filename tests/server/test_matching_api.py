@@ -106,3 +106,18 @@ def test_a_local_add_does_not_undo_another_processs_delete(tmp_path) -> None:
         theirs.delete("alice", "city")
         assert feed.catch_up(wait=False) == 0
     assert feed.catch_up() == 1 and feed.index.match("alice", [DOC]) == []
+
+
+def test_a_server_follows_another_processs_documents_without_requests(tmp_path) -> None:
+    """A bulk upload through another ingress is indexed here in the background (every
+    ``FOLLOW_S``), not by the next request here."""
+    import time
+
+    with client(tmp_path) as a, client(tmp_path) as b:
+        index = b.app.state.kvblend.index
+        assert index.count("alice") == 0
+        assert a.post("/v1/documents", headers=ALICE, json={"text": DOC, "id": "city"}).status_code == 200
+        deadline = time.monotonic() + 10
+        while index.count("alice") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert index.count("alice") > 0  # no request was sent to b

@@ -177,7 +177,10 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, 
             state.scheduler.start()
         state.index_feed = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer)
         state.index = state.index_feed.index if state.index_feed is not None else None
+        follower = asyncio.create_task(_follow_registry(state)) if state.index_feed is not None else None
         yield
+        if follower is not None:
+            follower.cancel()
         state.draining = True
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
@@ -540,14 +543,27 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     return JSONResponse(shape.completion(out, handle.queue_s), headers=headers)
 
 
-REQUEST_CATCH_UP = 64  # document changes from other processes one request applies at most before it is shaped
+REQUEST_CATCH_UP = 16  # document changes from other processes one request applies at most before it is shaped
+FOLLOW_S = 1.0  # how often the app applies them in the background
+
+
+async def _follow_registry(state: ServerState) -> None:
+    """Apply other processes' document changes every ``FOLLOW_S`` (on the registry's
+    threads, never waiting for a request that is applying them), so that matching follows
+    a bulk upload through another ingress without the requests here paying for it."""
+    while True:
+        await asyncio.sleep(FOLLOW_S)
+        try:
+            await state.off_loop(state.index_feed.catch_up, None, False)
+        except Exception:  # noqa: BLE001 - the next round tries again; requests catch up too
+            log.exception("applying other processes' document changes failed")
 
 
 def _shape(state: ServerState, draft: Any, param: str) -> Any:
     """``shape_body`` (on the registry's threads) once the matching index has caught up
     with documents other processes sharing the registry stored or deleted: a bounded
-    share of them, and none when another request is applying them already (a bulk upload
-    through another ingress is indexed here over the next requests, not by one)."""
+    share of them, and none when another thread is applying them already (a bulk upload
+    through another ingress is indexed by ``_follow_registry``, not by one request)."""
     if state.index_feed is not None:
         state.index_feed.catch_up(REQUEST_CATCH_UP, wait=False)
     return shape_body(state.engine, draft, state.settings, state.registry, state.index, param)
