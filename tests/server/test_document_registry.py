@@ -355,3 +355,34 @@ def test_the_change_log_reader_sees_gaps_and_a_replaced_file_and_the_own_set_sta
     last = mine.last_change()
     assert theirs.changes_since(last - 3) is None  # the log keeps the last two: a gap after last - 3
     assert theirs.changes_since(last - 2) == ([("acme", "d7"), ("acme", "d8")], last)
+
+
+def test_a_tenants_totals_are_exact_for_any_number_of_documents_and_kept_by_any_writer(tmp_path) -> None:
+    """The store view summed tokens and chunks over a tenant's first 1000 documents; the
+    registry now keeps each tenant's totals (triggers: a replaced row is taken out first,
+    whoever writes the file), and a registry from before them is totalled once when opened."""
+    from kvblend.server.storeview import documents_summary
+
+    path = tmp_path / "documents.sqlite"
+    reg = DocumentRegistry(path)
+    for i in range(1200):
+        reg.put("acme", new_record(f"d{i:04d}", f"text {i}", [StoredChunk("c0", key(i), (1, 2, 3)),
+                                                              StoredChunk("c1", key(i + 5000), (4,))], {}))
+    reg.put("acme", new_record("d0000", "text 0", [StoredChunk("c0", key(0), (1, 2))], {}))  # replaced: 3 -> 2 tokens
+    reg.put("zen", new_record("z", "zeta", [StoredChunk("c0", key(1, "zen"), (1,))], {}))
+    assert reg.delete("acme", "d0001")
+    expected = {"count": 1199, "tokens": 1198 * 4 + 2, "chunks": 1198 * 2 + 1, "summed_over": 1199}
+    assert documents_summary(reg, "acme") == expected
+    assert reg.totals("zen") == (1, 1, 1) and reg.totals("nobody") == (0, 0, 0)
+    # another writer (raw SQL, as an older kvblend would) keeps them too
+    reg._db.execute("INSERT OR REPLACE INTO documents (tenant, id, sha256, text, tokens, chunk_key, metadata, created, chunks)"
+                    " VALUES ('zen', 'z', 's', 'zeta', 7, 'k', '{}', 0, '[]')")
+    assert reg.totals("zen") == (1, 7, 1)
+    reg.close()
+    # a registry from before the totals: filled once when opened
+    raw = sqlite3.connect(path)
+    raw.execute("DROP TABLE tenant_totals")
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+    assert documents_summary(DocumentRegistry(path), "acme") == expected

@@ -57,7 +57,36 @@ CREATE TABLE IF NOT EXISTS changes (
 )
 """
 KEEP_CHANGES = 100_000  # the log keeps this many; a reader further behind rebuilds from the rows
-SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = every row's keys are in chunk_keys
+# Each tenant's documents, tokens and chunks, kept by triggers (whoever writes the file):
+# the store view's totals without reading a tenant's rows. A REPLACE does not fire delete
+# triggers, so the row it replaces is taken out before the insert.
+_N_CHUNKS = "(CASE {0}.chunks WHEN '[]' THEN 1 ELSE json_array_length({0}.chunks) END)"
+_TOTALS = (
+    """CREATE TABLE IF NOT EXISTS tenant_totals (
+        tenant TEXT PRIMARY KEY, documents INTEGER NOT NULL, tokens INTEGER NOT NULL, chunks INTEGER NOT NULL)""",
+    f"""CREATE TRIGGER IF NOT EXISTS totals_before_insert BEFORE INSERT ON documents BEGIN
+        UPDATE tenant_totals SET documents = documents - 1,
+            tokens = tokens - (SELECT d.tokens FROM documents AS d WHERE d.tenant = NEW.tenant AND d.id = NEW.id),
+            chunks = chunks - (SELECT {_N_CHUNKS.format('d')} FROM documents AS d
+                               WHERE d.tenant = NEW.tenant AND d.id = NEW.id)
+        WHERE tenant = NEW.tenant AND EXISTS (SELECT 1 FROM documents AS d WHERE d.tenant = NEW.tenant AND d.id = NEW.id);
+    END""",
+    f"""CREATE TRIGGER IF NOT EXISTS totals_after_insert AFTER INSERT ON documents BEGIN
+        INSERT INTO tenant_totals VALUES (NEW.tenant, 1, NEW.tokens, {_N_CHUNKS.format('NEW')})
+        ON CONFLICT (tenant) DO UPDATE SET documents = documents + 1, tokens = tokens + excluded.tokens,
+            chunks = chunks + excluded.chunks;
+    END""",
+    f"""CREATE TRIGGER IF NOT EXISTS totals_after_delete AFTER DELETE ON documents BEGIN
+        UPDATE tenant_totals SET documents = documents - 1, tokens = tokens - OLD.tokens,
+            chunks = chunks - {_N_CHUNKS.format('OLD')}
+        WHERE tenant = OLD.tenant;
+    END""",
+)
+_FILL_TOTALS = f"""
+INSERT INTO tenant_totals SELECT d.tenant, COUNT(*), SUM(d.tokens), SUM({_N_CHUNKS.format('d')})
+FROM documents AS d GROUP BY d.tenant
+"""
+SCHEMA_VERSION = 2  # PRAGMA user_version: 1 = every row's keys are in chunk_keys; 2 = tenant_totals filled
 KEYS_IN_USE_SQL = ("SELECT DISTINCT chunk_key FROM chunk_keys WHERE tenant = ? AND doc_id != ? "
                    "AND chunk_key IN ({marks})")
 _MAX_PARAMS = 500  # keys per IN (...) query, well under SQLite's bound on parameters
@@ -168,9 +197,16 @@ class DocumentRegistry:
             db.execute(_KEY_INDEX)
             db.execute(_KEYS_BY_DOC)
             db.execute(_CHANGES)
-            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version < 1:
                 db.execute("DELETE FROM chunk_keys")
                 db.execute(_INDEX_ALL_ROWS)
+            for statement in _TOTALS:
+                db.execute(statement)
+            if version < 2:
+                db.execute("DELETE FROM tenant_totals")
+                db.execute(_FILL_TOTALS)
+            if version < SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextmanager
@@ -203,6 +239,13 @@ class DocumentRegistry:
     def count(self, tenant: str) -> int:
         with self._lock:
             return _count(self._db, tenant)
+
+    def totals(self, tenant: str) -> tuple[int, int, int]:
+        """``(documents, tokens, chunks)`` the tenant stores (kept by triggers: one row read)."""
+        with self._lock:
+            row = self._db.execute("SELECT documents, tokens, chunks FROM tenant_totals WHERE tenant = ?",
+                                   (tenant,)).fetchone()
+        return tuple(row) if row else (0, 0, 0)
 
     def tenants(self) -> list[str]:
         """Every tenant holding at least one document (for rebuilding indexes at startup)."""

@@ -14,9 +14,6 @@ from kvblend.server.documents import DocumentRegistry
 from kvblend.settings import Settings
 from kvblend.store.base import StoreStats
 
-MAX_LISTED = 1000  # documents whose tokens are summed (the count is exact)
-
-
 def _rate(hits: int, misses: int) -> float | None:
     return round(hits / (hits + misses), 6) if hits + misses else None
 
@@ -34,11 +31,12 @@ def _tier(tier: Any, tenant: str) -> dict[str, Any]:
 
 
 def documents_summary(registry: DocumentRegistry, tenant: str) -> dict[str, Any]:
-    """The tenant's stored documents: how many, and their tokens and chunks (over the first
-    ``MAX_LISTED``). A registry read: run on the registry's threads."""
-    rows = registry.list(tenant, MAX_LISTED)
-    return {"count": registry.count(tenant), "tokens": sum(r.tokens for r in rows),
-            "chunks": sum(len(r.keys) for r in rows), "summed_over": len(rows)}
+    """The tenant's stored documents: how many, and their tokens and chunks, exact for any
+    number of documents (the registry keeps the totals). ``summed_over`` (the documents
+    the sums cover, once the first 1000 only) is the count. A registry read: run on the
+    registry's threads."""
+    count, tokens, chunks = registry.totals(tenant)
+    return {"count": count, "tokens": tokens, "chunks": chunks, "summed_over": count}
 
 
 def store_summary(engine: Engine, settings: Settings, tenant: str, documents: dict[str, Any]) -> dict[str, Any]:
