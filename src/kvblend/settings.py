@@ -116,13 +116,10 @@ class StoreSettings(_Section):
         ``redis_url`` when given, Redis reached and capped as these settings say (a Redis
         Cluster, groups, prefix, timeouts, ``redis_bytes`` and ``tenant_bytes``: a command
         writing into the server's Redis must not evict down to another cap) and KV stored in
-        ``kv_dtype`` (else these settings')."""
-        return StoreConfig(disk_dir=disk_dir, redis_url=redis_url, redis_bytes=self.redis_bytes,
-                           redis_ttl_s=self.redis_ttl_s, tenant_bytes=self.tenant_bytes,
-                           redis_prefix=self.redis_prefix, redis_cluster=self.redis_cluster,
-                           redis_groups=self.redis_groups, redis_timeout_s=self.redis_timeout_s,
-                           redis_retry_s=self.redis_retry_s, kv_dtype=kv_dtype or self.kv_dtype,
-                           compute_dtype=compute_dtype)
+        ``kv_dtype`` (else these settings'). Derived from ``store_config``, so that a store
+        setting added there reaches these commands too (a copy of the fields missed the caps)."""
+        return dataclasses.replace(self.store_config(compute_dtype), tiers=TIER_NAMES, disk_dir=disk_dir,
+                                   redis_url=redis_url, kv_dtype=kv_dtype or self.kv_dtype)
 
     def store_config(self, compute_dtype: str = "fp32") -> StoreConfig:
         return StoreConfig(tiers=self.tiers, memory_bytes=self.memory_bytes, disk_dir=self.disk_folder,
