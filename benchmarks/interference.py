@@ -68,7 +68,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import STREAM_OPTIONS, Flight, Sample, nan_to_none, pct, running_server, stream_request, token_gaps  # noqa: E402
+from serve import STREAM_OPTIONS, Flight, HostSteal, Sample, nan_to_none, pct, running_server, stream_request, token_gaps  # noqa: E402
 
 from kvblend.models.registry import DEFAULT_MODEL  # noqa: E402
 
@@ -366,13 +366,17 @@ async def run(url: str, plan: Plan, args: argparse.Namespace, prompts: Prompts) 
     warm = await bench.fair_request("probe")
     print(f"warm-up: {_line(warm)}; context {bench.context} tokens", flush=True)
     print("phase 1: long prefills against a stream", flush=True)
+    steal = HostSteal()
     gap = await gap_phase(bench)
+    gap_steal = steal.share()
     fair = FairRun()
     if not args.gap_only:
         print("phase 2: fairness", flush=True)
         fair = await fair_phase(bench, args.max_running, args.seed)
     await bench.client.aclose()
-    return result(gap, fair, [warm])
+    out = result(gap, fair, [warm])
+    out["gap"]["host_steal_share"] = gap_steal
+    return out
 
 
 def result(gap: GapRun, fair: FairRun, other: list[Sample]) -> dict:
@@ -453,12 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     args, plan = parse_args(argv)
     prompts = Prompts(load_tokenizer(args.model), args.seed)
     print(f"model {args.model}; {os.cpu_count()} CPUs; long prompts {plan.long_tokens} tokens", flush=True)
-    t = time.perf_counter()
+    t, steal = time.perf_counter(), HostSteal()
     config = server_settings(args.max_running, args.max_queued, args.stall_steps, args.interleave)
     with running_server(args.model, config, timeout_s=600, threads=args.threads) as url:
         out = asyncio.run(run(url, plan, args, prompts))
     out.update(model=args.model, quick=args.quick, server_threads=args.threads, stall_steps=args.stall_steps,
-               interleave=args.interleave, plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1))
+               interleave=args.interleave, plan=dataclasses.asdict(plan), wall_s=round(time.perf_counter() - t, 1),
+               host_steal_share=steal.share())
     print(json.dumps(out))
     return 0
 

@@ -352,6 +352,34 @@ class Workload:
         return [self.docs[i] for i in chosen], musique_query(self.rng.choice(self.questions))
 
 
+# ----- the host ------------------------------------------------------------------------------
+class HostSteal:
+    """The share of this machine's CPU time its hypervisor gave to other guests (``steal`` in
+    ``/proc/stat``) from construction to ``share()``. Timing runs on a shared 2-core host
+    move with it: a largest gap or a TTFT ratio from a run with a high share is the
+    host's as much as the server's. None where there is no such counter (not Linux)."""
+
+    def __init__(self, stat: Path = Path("/proc/stat")) -> None:
+        self.stat = stat
+        self._start = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            fields = self.stat.read_text().split("\n", 1)[0].split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != "cpu":
+            return None
+        ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks[7], sum(ticks)
+
+    def share(self) -> float | None:
+        end = self._read()
+        if self._start is None or end is None or end[1] <= self._start[1]:
+            return None
+        return round((end[0] - self._start[0]) / (end[1] - self._start[1]), 4)
+
+
 # ----- the server ----------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -801,12 +829,12 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(docs, questions, plan.docs_per_request, args.zipf, args.seed)
     print(f"model {args.model}; pool {len(docs)} documents; {workload.k} per request (Zipf s={args.zipf}); "
           f"answers {args.max_tokens} tokens; {os.cpu_count()} CPUs; budget {plan.budget_s / 60:.0f} min", flush=True)
-    t = time.perf_counter()
+    t, steal = time.perf_counter(), HostSteal()
     config = server_config(args.max_running, args.max_queued)
     with running_server(args.model, config, timeout_s=600, threads=args.threads) as url:
         out = asyncio.run(run(url, args.model, args, plan, slo, workload, t))
     out.update(model=args.model, quick=args.quick, server_threads=args.threads, plan=dataclasses.asdict(plan),
-               wall_s=round(time.perf_counter() - t, 1))
+               wall_s=round(time.perf_counter() - t, 1), host_steal_share=steal.share())
     print(json.dumps(out))
     return 0
 

@@ -221,3 +221,15 @@ def test_a_slower_method_gets_a_larger_share_of_the_ladder_budget() -> None:
     before full (3 s) gets 0.7 / 3.7 of the time left, full all that blend leaves."""
     assert bs.ladder_share(370.0, [0.7, 3.0]) == pytest.approx(70.0)
     assert bs.ladder_share(300.0, [3.0]) == pytest.approx(300.0)
+
+
+def test_host_steal_is_the_share_of_cpu_ticks_the_hypervisor_took(tmp_path) -> None:
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal (ticks)."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 20 800 0 0 0 80 0 0\ncpu0 50 0 10 400 0 0 0 40 0 0\n")
+    steal = bs.HostSteal(stat)
+    stat.write_text("cpu  150 0 30 900 0 0 0 120 0 0\ncpu0 75 0 15 450 0 0 0 60 0 0\n")
+    assert steal.share() == pytest.approx(40 / 200)  # 40 of the 200 ticks that passed were stolen
+    assert bs.HostSteal(tmp_path / "missing").share() is None
+    stat.write_text("intr 1 2 3\n")
+    assert bs.HostSteal(stat).share() is None
