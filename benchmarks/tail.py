@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -140,12 +141,16 @@ def auc(scores: list[float], labels: list[bool]) -> float | None:
 
 
 def with_risk(r: dict) -> dict:
-    """The record with ``risk`` as ``strategies.blend_risk`` defines it since session 9,
-    (1 - ratio) x ``shift_left``, for records measured before the engine reported it so
-    (equal up to the rounding of the kept count: the engine's (1 - kept / candidates))."""
-    if r.get("shift_left") is None:  # no shift measured here (or recorded before it was): no risk
-        return {**r, "risk": None}
-    return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
+    """The record with ``risk`` as the engine defines it now, for records measured before it
+    reported it so: with the shift, ``strategies.blend_risk`` (session 9), (1 - ratio) x
+    ``shift_left`` (equal up to the rounding of the kept count: the engine's (1 - kept /
+    candidates)); a question-selected blend without it, ``strategies.moved_risk`` (session
+    15), exp(-``pass_kl``); else none."""
+    if r.get("shift_left") is not None:
+        return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
+    if r.get("pass_kl") is not None and "shift" not in (r.get("strategy") or "shift"):
+        return {**r, "risk": math.exp(-r["pass_kl"])}
+    return {**r, "risk": None}
 
 
 def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
@@ -154,7 +159,7 @@ def pooled(records: list[dict], ids: set[str] | None, methods: list[str]) -> Non
     with the ratio."""
     reuse = {r["id"]: r["kl"] for r in records if r["method"] == "reuse"}
     rows = [with_risk(r) for r in records if r["method"] in methods and r["id"] in reuse
-            and (ids is None or r["id"] in ids) and r.get("shift_left") is not None]
+            and (ids is None or r["id"] in ids) and with_risk(r)["risk"] is not None]
     ratios = [r["kl"] / max(reuse[r["id"]], 1e-12) for r in rows]
     risks = [r["risk"] for r in rows]
     print(json.dumps({"pooled": methods, "requests": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),

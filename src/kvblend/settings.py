@@ -300,7 +300,7 @@ class GuardSettings(_Section):
     (low-priority jobs of the scheduler's model worker, at most ``max_pending`` queued or
     running; more are dropped and counted), their prefill and teacher forcing run in steps
     of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard.
-    A served blend whose risk (the share of reuse's KV error it estimates it left) is at
+    A served blend whose risk (its estimate of how much of reuse's error it left) is at
     least the ``risk_quantile`` of its tenant's recent risks is checked whatever the draw,
     ahead of the drawn ones (null: off)."""
 

@@ -4,6 +4,7 @@ invariants for every strategy (ratio 1 == full, ratio 0 == reuse, own position e
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -14,11 +15,12 @@ from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.blend.fusion import FusionPlan, PlacedChunk
 from kvblend.blend.strategies import (
-    QuestionScores, ShiftCorrection, allocate, blend_risk, choose, covering_count, question_scores, shift_samples,
+    QuestionScores, ShiftCorrection, allocate, blend_risk, choose, covering_count, moved_risk, question_scores, shift_samples,
 )
 from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, Request
 from kvblend.eval.runner import parse_method
+from kvblend.metrics import kl_divergence
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import build_model
@@ -250,8 +252,26 @@ def test_a_blend_reports_its_risk_and_reuse_none() -> None:
     risk = stats("blend").risk
     assert risk is not None and 0.0 <= risk < 10.0
     assert stats("reuse").risk is None and stats("full").risk is None
-    assert stats("blend", shift=False).risk is None  # the risk is measured on the shift's sample
     assert stats("blend", ratio=0.6).risk < risk  # more recomputed: less of reuse's error left
+    assert 0.0 < stats("blend", shift=False).risk <= 1.0  # without the shift: moved_risk
+
+
+def test_without_the_shift_the_risk_is_how_little_the_blend_moved_the_answer_from_reuse() -> None:
+    """Ratio 1 without the shift recomputes every token (the blend is full prefill's) and its
+    question pass is plain reuse: the risk is exp(-KL(full || reuse)) at the last token."""
+    eng = Engine(make_loaded())
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(3)]
+
+    def prepared(method: str, **blend):
+        req = Request(documents=docs, question=QUESTION, system="answer .", method=method, blend=BlendConfig(**blend))
+        return eng.prepare(req)
+    prepared("blend")
+    eng.flush()  # every document stored
+    full, reuse = prepared("full").logits, prepared("reuse").logits
+    moved = math.exp(-kl_divergence(full, reuse))
+    assert moved < 0.999  # reuse's answer differs from full prefill's here: the test can tell
+    assert prepared("blend", ratio=1.0, shift=False).stats.risk == pytest.approx(moved, rel=1e-4)
+    assert moved_risk(reuse, reuse) == 1.0  # the answer left where reuse had it
 
 
 def test_a_blend_with_shiftq_runs_the_question_test_on_the_question_rows(monkeypatch) -> None:

@@ -112,7 +112,7 @@ class FusionOutput(NamedTuple):
     recomputed: list[int]  # tokens computed at each layer
     candidates: int  # document tokens that had cached KV
     checks: tuple[SelectionStats, ...] = ()  # per check layer; spans are ``plan.placed`` in order
-    # a strategy's estimate of the share of reuse's KV error this blend left (``strategies.blend_risk``)
+    # a strategy's estimate of how much of reuse's error this blend left (``strategies.blend_risk``, ``moved_risk``)
     risk: float | None = None
 
 

@@ -30,7 +30,9 @@ budget), at every layer, before attention reads them; tested (``BlendConfig.shif
 only where that mean lowers the residual of a sampled token held out of it, and with
 ``BlendConfig.shift_question`` per KV head only where it does not worsen the question rows'
 held-out attention output. ``blend_risk``
-turns what the shift measured into the request's risk (``RequestStats.risk``).
+turns what the shift measured into the request's risk (``RequestStats.risk``); a
+question-selected blend without the shift takes ``moved_risk`` instead: how little the
+recompute moved the answer from the question pass's (full reuse's).
 
 Invariants (tests/engine/test_strategies.py): ratio 1 is a full prefill, ratio 0 without
 ``shift`` is full reuse, and a document at its own position stays exact.
@@ -51,6 +53,7 @@ from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse
 from kvblend.generation.chunked import run_steps
 from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
+from kvblend.metrics import kl_divergence
 from kvblend.models.attention import attend_planned, causal_mask, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.transformer import Transformer
@@ -627,7 +630,10 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     if reused is not None:  # the work of both passes (a missed document is computed in the first)
         out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
     stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
-    risk = None if correct is None else blend_risk(correct, int(chosen.numel()), n_cand)
+    if correct is not None:
+        risk = blend_risk(correct, int(chosen.numel()), n_cand)
+    else:
+        risk = moved_risk(reused.logits, out.logits) if reused is not None else None
     return out._replace(candidates=n_cached, checks=(stats,), risk=risk)
 
 
@@ -644,6 +650,17 @@ def blend_risk(correct: ShiftCorrection, kept: int, candidates: int) -> float | 
     before = sum(float(b.sum()) for b, _, _ in correct.errors)
     after = sum(float(a.sum()) for _, a, _ in correct.errors)
     return (1.0 - kept / candidates) * after / before if before > 0 else None
+
+
+def moved_risk(reused_logits: torch.Tensor, blended_logits: torch.Tensor) -> float:
+    """The risk of a question-selected blend without the shift: exp(-KL(blend || reuse)) of
+    the next-token distributions at the prompt's last token, the question pass's (the
+    prompt over reused K/V alone) against the blend's. 1: the recompute left the answer
+    where plain reuse had it, so reuse's error is still there; towards 0 as it moves it.
+    Without a shift the recomputed tokens' K/V are exact, so moving the answer is moving
+    it towards full prefill's (a shift can move it the wrong way, and has ``blend_risk``).
+    A ranking, not a calibrated share; costs one softmax over the vocabulary."""
+    return math.exp(-kl_divergence(blended_logits, reused_logits))
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:

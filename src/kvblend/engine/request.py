@@ -164,8 +164,9 @@ class RequestStats(NamedTuple):
     loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
     controller: RatioChoice | None = None  # ratio "auto": the ratio chosen and its inputs
     strategy: str | None = None  # blend only: the selection and corrections (BlendConfig.strategy)
-    # blend with the shift only: the estimated share of reuse's KV error left (``blend.strategies.blend_risk``;
-    # 0 none, 1 reuse's); requests with more risk are shadow-checked first
+    # a blend's estimate of how much of reuse's error it left (0 none, 1 reuse's): with the shift, the share
+    # of reuse's KV error left (``blend.strategies.blend_risk``); a question-selected blend without it, how
+    # little it moved the answer from reuse's (``moved_risk``); requests with more risk are shadow-checked first
     risk: float | None = None
 
     @property

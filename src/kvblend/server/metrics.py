@@ -27,7 +27,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
-RISK_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0)
+RISK_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0, 2.0)
 SCORE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4)
 P = "kvblend:"
 
@@ -111,8 +111,8 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
         self.recompute = hist("recompute_fraction", "Share (0..1) of a request's prompt token-layers computed, not reused",
                               FRACTION_BUCKETS)
-        self.risk = hist("blend_risk", "A blend's estimated share (0: none, 1: reuse's) of reuse's KV error left, "
-                         "measured on its own recomputed sample", RISK_BUCKETS)
+        self.risk = hist("blend_risk", "A blend's estimate (0: none, 1: reuse's) of how much of reuse's error it left, "
+                         "from what it recomputed anyway", RISK_BUCKETS)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
         Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
