@@ -107,6 +107,15 @@ def test_kl_is_stable_for_large_float32_logits_and_zero_probabilities() -> None:
     assert from_numpy == pytest.approx(0.5 * math.log(4 / 3))
 
 
+def test_kl_with_a_nan_on_either_side_is_nan_not_agreement() -> None:
+    """A broken reference (NaN logits) read as KL 0, perfect agreement, before."""
+    good = torch.tensor([[1.0, 2.0, 3.0]])
+    bad = torch.tensor([[float("nan"), 2.0, 3.0]])
+    assert math.isnan(kl_divergence(bad, good))
+    assert math.isnan(kl_divergence(good, bad))
+    assert math.isnan(kl_divergence(torch.full((1, 3), float("nan")), good))
+
+
 def test_kl_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError):
         kl_divergence(torch.zeros(2, 3), torch.zeros(2, 4))

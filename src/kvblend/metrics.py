@@ -103,7 +103,8 @@ def kl_divergence(p_logits: LogitsLike, q_logits: LogitsLike) -> float:
 
     ``p_logits`` and ``q_logits`` have shape (T, V) (a single (V,) row is allowed); p is
     the reference (usually full prefill). Computed with log_softmax in float64;
-    vocabulary entries where p is exactly zero (logit -inf) contribute nothing.
+    vocabulary entries where p is exactly zero (logit -inf) contribute nothing. A NaN on
+    either side gives NaN (a broken reference must not read as perfect agreement).
     """
     p, q = _as_2d_float64(p_logits), _as_2d_float64(q_logits)
     if p.shape != q.shape:
@@ -113,7 +114,7 @@ def kl_divergence(p_logits: LogitsLike, q_logits: LogitsLike) -> float:
     log_p = torch.log_softmax(p, dim=-1)  # (T, V)
     log_q = torch.log_softmax(q, dim=-1)  # (T, V)
     prob_p = log_p.exp()
-    terms = torch.where(prob_p > 0, prob_p * (log_p - log_q), torch.zeros_like(prob_p))
+    terms = torch.where(prob_p == 0, torch.zeros_like(prob_p), prob_p * (log_p - log_q))
     return float(terms.sum(dim=-1).mean())
 
 

@@ -272,6 +272,7 @@ def test_without_the_shift_the_risk_is_how_little_the_blend_moved_the_answer_fro
     assert moved < 0.999  # reuse's answer differs from full prefill's here: the test can tell
     assert prepared("blend", ratio=1.0, shift=False).stats.risk == pytest.approx(moved, rel=1e-4)
     assert moved_risk(reuse, reuse) == 1.0  # the answer left where reuse had it
+    assert moved_risk(reuse, torch.full_like(reuse, float("nan"))) is None  # never a NaN risk for the guard
 
 
 def test_a_blend_with_shiftq_runs_the_question_test_on_the_question_rows(monkeypatch) -> None:

@@ -15,7 +15,7 @@ from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
 from kvblend.engine.request import Result
 from kvblend.engine.scheduler import UNITS_PER_TURN, Scheduler
-from kvblend.errors import InvalidRequestError
+from kvblend.errors import InvalidRequestError, NonFiniteLogitsError
 from kvblend.generation import SamplingParams
 from kvblend.guard import quality
 from kvblend.guard.quality import GuardConfig, QualityGuard, ShadowRunner, serve
@@ -157,6 +157,23 @@ def test_shadow_checks_never_change_the_served_answer(eng: Engine) -> None:
         assert served.to_dict() == before and result.tokens == len(served.token_ids)
         assert served.token_ids == twin.generate(req, SAMPLING).token_ids
     assert guard.state("tiny-llama", "default").samples == 1
+
+
+def test_a_shadow_check_with_nan_logits_is_an_error_not_a_verdict(eng: Engine, monkeypatch) -> None:
+    """NaN in full prefill's teacher-forced logits read as KL 0 (perfect agreement) before."""
+    import kvblend.guard.shadow as shadow_mod
+    real = shadow_mod._teacher_forced
+    calls = []
+
+    def nan_full(*args, **kwargs):
+        logits, stats, text = yield from real(*args, **kwargs)
+        calls.append(1)
+        return (torch.full_like(logits, float("nan")) if len(calls) == 1 else logits), stats, text
+    req = Request(documents=DOCS, question=QUESTIONS[2], method="blend")
+    served = eng.generate(req, SAMPLING)
+    monkeypatch.setattr(shadow_mod, "_teacher_forced", nan_full)
+    with pytest.raises(NonFiniteLogitsError):
+        shadow_check(eng, req, served)
 
 
 def test_a_full_answer_needs_a_probe_to_be_judged(eng: Engine) -> None:

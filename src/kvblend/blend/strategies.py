@@ -652,15 +652,17 @@ def blend_risk(correct: ShiftCorrection, kept: int, candidates: int) -> float | 
     return (1.0 - kept / candidates) * after / before if before > 0 else None
 
 
-def moved_risk(reused_logits: torch.Tensor, blended_logits: torch.Tensor) -> float:
+def moved_risk(reused_logits: torch.Tensor, blended_logits: torch.Tensor) -> float | None:
     """The risk of a question-selected blend without the shift: exp(-KL(blend || reuse)) of
     the next-token distributions at the prompt's last token, the question pass's (the
     prompt over reused K/V alone) against the blend's. 1: the recompute left the answer
     where plain reuse had it, so reuse's error is still there; towards 0 as it moves it.
     Without a shift the recomputed tokens' K/V are exact, so moving the answer is moving
     it towards full prefill's (a shift can move it the wrong way, and has ``blend_risk``).
-    A ranking, not a calibrated share; costs one softmax over the vocabulary."""
-    return math.exp(-kl_divergence(blended_logits, reused_logits))
+    A ranking, not a calibrated share; costs one softmax over the vocabulary. None when
+    either has a NaN (that request ends on its logits anyway)."""
+    kl = kl_divergence(blended_logits, reused_logits)
+    return math.exp(-kl) if math.isfinite(kl) else None
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:

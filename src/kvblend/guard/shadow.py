@@ -41,7 +41,7 @@ import torch
 
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
-from kvblend.errors import ContextLengthError, InvalidRequestError
+from kvblend.errors import ContextLengthError, InvalidRequestError, NonFiniteLogitsError
 from kvblend.metrics import kl_divergence, token_f1
 from kvblend.generation import SamplingParams, collect, stream_from
 from kvblend.generation.chunked import SliceSize, forward_chunks, run_steps
@@ -149,6 +149,8 @@ def shadow_steps(engine: Engine, request: Request, served: Result, probe: Reques
     blended_logits, stats, blended_text = yield from _teacher_forced(  # (T, V)
         engine, _engine_prompt(engine, blended_req, len(answer), chunk_tokens), answer, not served_blended,
         chunk_tokens)
+    if bool(torch.isnan(full_logits).any() or torch.isnan(blended_logits).any()):  # not a verdict on the blend
+        raise NonFiniteLogitsError("a shadow check's teacher-forced logits held NaN; the check is not counted")
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
     f1 = token_f1(served.text, full_text if served_blended else blended_text)
     return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, f1, agree,
