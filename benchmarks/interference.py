@@ -45,7 +45,9 @@ body, or an in-stream error then [DONE]), closed (the client ended a's stream) o
 (a broken or unfinished stream, or no end within ``--request-timeout`` s);
 ``lost_requests`` counts the lost ones of every phase (goal 0). A default run takes ~10
 minutes on a quiet 2-core host (three ~8k-token full prefills are most of phase 1).
-Timings on a shared host drift; every ratio is measured in one run. Ends with one JSON line.
+Timings on a shared host drift; every ratio is measured in one run, and ``host_steal_share``
+(the run's, and phase 1's under ``gap``) says how much of the CPU the hypervisor gave to
+other guests meanwhile. Ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ Every request ends as ok, rejected (429), error (a clean error: an OpenAI-shaped
 body, or an in-stream error then [DONE]), abandoned (closed by the client after its step
 stopped early) or lost (a broken or unfinished stream, a non-JSON error, or no end within
 ``--request-timeout`` s: hung). Timings on a shared host drift: read the ratios, which are
-measured in one run. Ends with one JSON line.
+measured in one run (``host_steal_share``: the hypervisor's share of the CPU meanwhile).
+Ends with one JSON line.
 """
 
 from __future__ import annotations
