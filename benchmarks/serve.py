@@ -369,7 +369,7 @@ class HostSteal:
             fields = self.stat.read_text().split("\n", 1)[0].split()
         except OSError:
             return None
-        if len(fields) < 9 or fields[0] != "cpu":
+        if len(fields) < 9 or fields[0] != "cpu" or not all(x.isdigit() for x in fields[1:9]):
             return None
         ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
         return ticks[7], sum(ticks)

@@ -348,6 +348,13 @@ def test_a_risky_blend_is_shadow_checked_whatever_the_draw(eng: Engine) -> None:
     for risk, checked in ((0.5, True), (0.3, True), (0.25, False), (None, False)):  # 0.75 quantile of 4: 0.3
         assert guard.shadow_after("m", routing, stats._replace(risk=risk)) is checked, risk
     assert not guard.risky("m", "other", stats._replace(risk=5.0))  # another tenant has its own risks
+    # a blend without the shift has the other kind of risk (moved_risk): not ranked against these
+    moved = stats._replace(strategy="question+budget+sinks4")
+    assert "shift" in stats.strategy and not guard.risky("m", "default", moved._replace(risk=5.0))
+    for risk in (0.7, 0.8, 0.85, 0.9):
+        guard.observe("m", "default", moved._replace(risk=risk))
+    assert guard.risky("m", "default", moved._replace(risk=0.9)) and not guard.risky("m", "default", moved._replace(risk=0.8))
+    assert guard.risky("m", "default", stats._replace(risk=0.35))  # the shift's window is unchanged by them
     off = QualityGuard(GuardConfig(shadow_fraction=0.0, risk_quantile=None, min_samples=1))
     off.observe("m", "default", stats._replace(risk=0.1))
     assert not off.shadow_after("m", routing, stats._replace(risk=5.0))

@@ -85,9 +85,13 @@ def test_a_blend_risk_reaches_the_response_and_the_histogram(tmp_path) -> None:
                 "documents": docs, "temperature": 0}
         blended = client.post("/v1/chat/completions", json=body).json()["kvblend"]
         reused = client.post("/v1/chat/completions", json={**body, "kvblend": {"method": "reuse"}}).json()["kvblend"]
+        moved = client.post("/v1/chat/completions", json={**body, "kvblend": {"shift": False}}).json()["kvblend"]
         m = _scrape(client)
     assert blended["method"] == "blend" and 0.0 <= blended["risk"] < 10.0 and "risk" not in reused
-    assert m["kvblend:blend_risk_count"] == 1.0 and m["kvblend:blend_risk_sum"] == pytest.approx(blended["risk"], abs=1e-5)
+    assert m["kvblend:blend_risk_count/shift"] == 1.0
+    assert m["kvblend:blend_risk_sum/shift"] == pytest.approx(blended["risk"], abs=1e-5)
+    assert "shift" not in moved["strategy"] and 0.0 < moved["risk"] <= 1.0  # without the shift: moved_risk
+    assert m["kvblend:blend_risk_sum/moved"] == pytest.approx(moved["risk"], abs=1e-5)  # its own kind, not summed in
 
 
 def test_parked_streams_have_a_gauge(tmp_path) -> None:

@@ -659,10 +659,19 @@ def moved_risk(reused_logits: torch.Tensor, blended_logits: torch.Tensor) -> flo
     where plain reuse had it, so reuse's error is still there; towards 0 as it moves it.
     Without a shift the recomputed tokens' K/V are exact, so moving the answer is moving
     it towards full prefill's (a shift can move it the wrong way, and has ``blend_risk``).
-    A ranking, not a calibrated share; costs one softmax over the vocabulary. None when
-    either has a NaN (that request ends on its logits anyway)."""
+    A ranking, not a calibrated share: a request whose reuse was already close to full
+    prefill's has little to move and ranks risky too. Costs one softmax over the
+    vocabulary. None when the KL is not finite (that request ends on its logits anyway)."""
     kl = kl_divergence(blended_logits, reused_logits)
-    return math.exp(-kl) if math.isfinite(kl) else None
+    return min(1.0, math.exp(-kl)) if math.isfinite(kl) else None
+
+
+def risk_kind(strategy: str | None) -> str:
+    """Which estimate a blend's ``RequestStats.risk`` is, by its strategy: "shift"
+    (``blend_risk``) when it names the shift, else "moved" (``moved_risk``). The two are on
+    different scales (a blend's KV error left against how far its answer moved), so only
+    risks of one kind are compared (the guard's windows, the histogram's label)."""
+    return "shift" if strategy and "shift" in strategy else "moved"
 
 
 def _span_mask(spans: Sequence[Span], n: int, device: torch.device) -> torch.Tensor:

@@ -48,6 +48,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+from kvblend.blend.strategies import risk_kind
 from kvblend.engine.engine import Engine
 from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.engine.scheduler import Scheduler
@@ -131,7 +132,8 @@ class Routing(NamedTuple):
 class _Track:
     results: deque[ShadowResult]
     scores: deque[float]
-    risks: deque[float] = field(default_factory=deque)  # served blends' RequestStats.risk, the last ``window``
+    # served blends' RequestStats.risk, the last ``window`` of each kind (``strategies.risk_kind``)
+    risks: dict[str, deque[float]] = field(default_factory=dict)
     calibration: list[float] = field(default_factory=list)
     band: tuple[float, float] | None = None
     fallback: bool = False
@@ -161,7 +163,7 @@ class QualityGuard:
         track = self._tracks.get(key)
         if track is None:
             w = self.config.window
-            track = self._tracks[key] = _Track(deque(maxlen=w), deque(maxlen=w), deque(maxlen=w))
+            track = self._tracks[key] = _Track(deque(maxlen=w), deque(maxlen=w))
             while len(self._tracks) > self.config.max_keys:
                 self._tracks.popitem(last=False)
         self._tracks.move_to_end(key)
@@ -182,14 +184,14 @@ class QualityGuard:
 
     def risky(self, model: str, tenant: str, stats: RequestStats | None) -> bool:
         """Whether a served request's own risk (``RequestStats.risk``) asks for a shadow check:
-        it is at least the ``risk_quantile`` of the key's recent risks (``observe`` adds them;
-        False before ``min_samples`` are in)."""
+        it is at least the ``risk_quantile`` of the key's recent risks of the same kind
+        (``observe`` adds them; False before ``min_samples`` are in)."""
         q = self.config.risk_quantile
         risk = None if stats is None else getattr(stats, "risk", None)
         if q is None or risk is None:
             return False
         with self._lock:
-            recent = sorted(self._track(model, tenant).risks)
+            recent = sorted(self._track(model, tenant).risks.get(risk_kind(stats.strategy), ()))
         if len(recent) < self.config.min_samples:
             return False
         return risk >= recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
@@ -225,7 +227,8 @@ class QualityGuard:
         with self._lock:
             track = self._track(model, tenant)
             if getattr(stats, "risk", None) is not None:
-                track.risks.append(stats.risk)
+                kind = risk_kind(stats.strategy)
+                track.risks.setdefault(kind, deque(maxlen=self.config.window)).append(stats.risk)
             score = first_score(stats)
             if score is None or self.config.calibration == 0:
                 return self._state(track)

@@ -149,8 +149,8 @@ def shadow_steps(engine: Engine, request: Request, served: Result, probe: Reques
     blended_logits, stats, blended_text = yield from _teacher_forced(  # (T, V)
         engine, _engine_prompt(engine, blended_req, len(answer), chunk_tokens), answer, not served_blended,
         chunk_tokens)
-    if bool(torch.isnan(full_logits).any() or torch.isnan(blended_logits).any()):  # not a verdict on the blend
-        raise NonFiniteLogitsError("a shadow check's teacher-forced logits held NaN; the check is not counted")
+    if not bool(torch.isfinite(full_logits).all() and torch.isfinite(blended_logits).all()):  # no verdict
+        raise NonFiniteLogitsError("a shadow check's teacher-forced logits were not finite; the check is not counted")
     agree = int(full_logits[0].argmax()) == int(blended_logits[0].argmax())
     f1 = token_f1(served.text, full_text if served_blended else blended_text)
     return ShadowResult(engine.loaded.name, request.tenant, blended_req.method, f1, agree,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvblend.blend.strategies import risk_kind
 from kvblend.engine.request import RequestStats
 
 log = logging.getLogger("kvblend.server")
@@ -111,8 +112,9 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token to last token of a request", LATENCY_BUCKETS)
         self.recompute = hist("recompute_fraction", "Share (0..1) of a request's prompt token-layers computed, not reused",
                               FRACTION_BUCKETS)
-        self.risk = hist("blend_risk", "A blend's estimate (0: none, 1: reuse's) of how much of reuse's error it left, "
-                         "from what it recomputed anyway", RISK_BUCKETS)
+        self.risk = Histogram(P + "blend_risk", "A blend's estimate (0: none, 1: reuse's) of how much of reuse's error "
+                              "it left, from what it computed anyway; kind: shift (KV error left) or moved (how little "
+                              "the answer moved from reuse's)", [*lab, "kind"], buckets=RISK_BUCKETS, registry=reg)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
         Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
@@ -165,7 +167,7 @@ class ServerMetrics:
             self.prefill.observe(stats.prefill_s)
             self.recompute.observe(stats.recompute_frac)
             if getattr(stats, "risk", None) is not None:
-                self.risk.observe(stats.risk)
+                self.risk.labels(self.model_name, risk_kind(stats.strategy)).observe(stats.risk)
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(cached)
             self.decode.observe(max(0.0, e2e_s - stats.ttft_s))

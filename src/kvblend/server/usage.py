@@ -26,7 +26,7 @@ def usage(stats: RequestStats | None, completion_tokens: int) -> dict[str, Any]:
 
 def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
     """Method, document hits by tier, recompute fraction, the blend's risk (when it measured
-    one: ``RequestStats.risk``, the estimated share of reuse's KV error left) and the time
+    one: ``RequestStats.risk``, its estimate of how much of reuse's error it left) and the time
     breakdown."""
     if stats is None:
         return {"queue_s": round(queue_s, 6)}
