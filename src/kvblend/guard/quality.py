@@ -191,7 +191,7 @@ class QualityGuard:
         if q is None or risk is None:
             return False
         with self._lock:
-            recent = sorted(self._track(model, tenant).risks.get(risk_kind(stats.strategy), ()))
+            recent = sorted(self._track(model, tenant).risks.get(risk_kind(getattr(stats, "strategy", None)), ()))
         if len(recent) < self.config.min_samples:
             return False
         return risk >= recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
@@ -227,7 +227,7 @@ class QualityGuard:
         with self._lock:
             track = self._track(model, tenant)
             if getattr(stats, "risk", None) is not None:
-                kind = risk_kind(stats.strategy)
+                kind = risk_kind(getattr(stats, "strategy", None))
                 track.risks.setdefault(kind, deque(maxlen=self.config.window)).append(stats.risk)
             score = first_score(stats)
             if score is None or self.config.calibration == 0:

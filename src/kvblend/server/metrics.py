@@ -167,7 +167,7 @@ class ServerMetrics:
             self.prefill.observe(stats.prefill_s)
             self.recompute.observe(stats.recompute_frac)
             if getattr(stats, "risk", None) is not None:
-                self.risk.labels(self.model_name, risk_kind(stats.strategy)).observe(stats.risk)
+                self.risk.labels(self.model_name, risk_kind(getattr(stats, "strategy", None))).observe(stats.risk)
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(cached)
             self.decode.observe(max(0.0, e2e_s - stats.ttft_s))
