@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -148,8 +147,8 @@ def with_risk(r: dict) -> dict:
     15), exp(-``pass_kl``); else none."""
     if r.get("shift_left") is not None:
         return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
-    if r.get("pass_kl") is not None and "shift" not in (r.get("strategy") or "shift"):
-        return {**r, "risk": math.exp(-r["pass_kl"])}
+    if r.get("pass_kl") is not None and r.get("strategy") and strategies.risk_kind(r["strategy"]) == "moved":
+        return {**r, "risk": strategies.risk_of_moved_kl(r["pass_kl"])}
     return {**r, "risk": None}
 
 

@@ -301,8 +301,8 @@ class GuardSettings(_Section):
     running; more are dropped and counted), their prefill and teacher forcing run in steps
     of at most ``chunk_tokens`` tokens; ``method: auto`` requests are routed by the guard.
     A served blend whose risk (its estimate of how much of reuse's error it left) is at
-    least the ``risk_quantile`` of its tenant's recent risks is checked whatever the draw,
-    ahead of the drawn ones (null: off)."""
+    least the ``risk_quantile`` of its tenant's recent risks of the same kind is checked
+    whatever the draw, ahead of the drawn ones (null: off)."""
 
     enabled: bool = False
     shadow_fraction: float = Field(0.05, ge=0.0, le=1.0)

@@ -662,7 +662,11 @@ def moved_risk(reused_logits: torch.Tensor, blended_logits: torch.Tensor) -> flo
     A ranking, not a calibrated share: a request whose reuse was already close to full
     prefill's has little to move and ranks risky too. Costs one softmax over the
     vocabulary. None when the KL is not finite (that request ends on its logits anyway)."""
-    kl = kl_divergence(blended_logits, reused_logits)
+    return risk_of_moved_kl(kl_divergence(blended_logits, reused_logits))
+
+
+def risk_of_moved_kl(kl: float) -> float | None:
+    """``moved_risk`` from the KL it measured (also read back from records that kept it)."""
     return min(1.0, math.exp(-kl)) if math.isfinite(kl) else None
 
 
