@@ -226,6 +226,21 @@ def test_entries_written_by_another_process_are_adopted(tmp_path: Path) -> None:
     assert b.contains(key) and b.get(key) is not None and b.keys("default") == [key]
 
 
+def test_an_entry_larger_than_this_process_cap_is_served_but_not_counted(tmp_path: Path) -> None:
+    """Another process with a larger cap wrote it: serving it is fine, but counting it would
+    put this tier over its cap until its next put."""
+    key, chunk = keyed(1)
+    probe = DiskStore(tmp_path / "probe", 1 << 30)
+    probe.put(key, chunk)
+    size = probe.path(key).stat().st_size
+    small = DiskStore(tmp_path / "shared", size - 1)
+    big = DiskStore(tmp_path / "shared", 1 << 30)
+    big.put(key, chunk)
+    assert small.get(key) is not None and small.get(key) is not None
+    assert small.stats().bytes <= size - 1 and small.keys("default") == []
+    assert big.path(key).is_file()  # the writer's entry stays: its writer accounts for it
+
+
 def test_header_fields_live_in_the_file_metadata(tmp_path: Path) -> None:
     store, path = entry_path(DiskStore(tmp_path, 1 << 30), 1)
     key, chunk = keyed(1)

@@ -71,8 +71,9 @@ class DiskStore(IndexedTier):
                 self._delete_locked(victim)
 
     def _adopt(self, key: ChunkKey, path: Path) -> None:
-        """Index an entry another process wrote, evicting entries to fit it as a put would
-        (if it is larger than a cap, it stays: its writer accounted for it)."""
+        """Index an entry another process wrote, evicting entries to fit it as a put would.
+        One that does not fit this process's caps at all is served but not indexed: its
+        writer accounts for it, and counting it here would hold this tier over its cap."""
         try:
             size = path.stat().st_size
         except OSError:  # removed again meanwhile
@@ -80,7 +81,10 @@ class DiskStore(IndexedTier):
         with self._lock:
             if key in self._index:
                 return
-            for victim in self._index.victims_for(key, size) or []:
+            victims = self._index.victims_for(key, size)
+            if victims is None:
+                return
+            for victim in victims:
                 self._delete_locked(victim)
             self._index.add(key, size)
 
