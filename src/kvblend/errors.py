@@ -18,7 +18,12 @@ class ContextLengthError(KvblendError):
 
 
 class InvalidRequestError(KvblendError, ValueError):
-    """A request whose fields are out of range or inconsistent."""
+    """A request whose fields are out of range or inconsistent; ``field`` names the
+    option at fault where one does (a server's 400 names it as its ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelCheckError(KvblendError):

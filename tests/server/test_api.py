@@ -175,6 +175,40 @@ def test_documents_api_warms_then_requests_hit(alice, model_id) -> None:
     assert r["kvblend"]["documents"][0]["source"] == "computed"
 
 
+def test_document_listing_says_has_more_only_when_more_remain(alice) -> None:
+    ids = ["zz-page-1", "zz-page-2"]  # the last ids of the tenant: exactly two rows after "zz-page-"
+    for i in ids:
+        assert alice.post("/v1/documents", json={"text": f"page {i} of the listing .", "id": i}).status_code == 200
+    try:
+        whole = alice.get("/v1/documents", params={"after": "zz-page-", "limit": 2}).json()
+        assert [d["id"] for d in whole["data"]] == ids and whole["has_more"] is False
+        first = alice.get("/v1/documents", params={"after": "zz-page-", "limit": 1}).json()
+        assert [d["id"] for d in first["data"]] == ids[:1] and first["has_more"] is True
+        assert first["last_id"] == ids[0]
+    finally:
+        for i in ids:
+            alice.delete(f"/v1/documents/{i}")
+
+
+@pytest.mark.parametrize("metadata,param", [
+    ({"k": "x" * 513}, "metadata"),  # OpenAI's bound on a value: 512 characters
+    ({"k" * 65: "v"}, "metadata"),
+    ({"k": 2**70}, "metadata"),
+], ids=["long value", "long key", "integer past 64 bits"])
+def test_document_metadata_is_bounded(alice, metadata, param) -> None:
+    r = alice.post("/v1/documents", json={"text": "the nurse works in rome .", "id": "meta-1", "metadata": metadata})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+    assert alice.get("/v1/documents/meta-1").status_code == 404  # nothing stored
+
+
+def test_a_lone_surrogate_in_metadata_is_refused_and_stores_nothing(alice) -> None:
+    raw = b'{"text": "the nurse works in rome .", "id": "meta-2", "metadata": {"a": "\\ud800"}}'
+    r = alice.post("/v1/documents", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata"), r.text
+    assert alice.get("/v1/documents").status_code == 200  # the tenant's listing still answers
+    assert alice.get("/v1/documents/meta-2").status_code == 404
+
+
 def test_unknown_harmless_fields_are_ignored_and_logged(server, alice, model_id) -> None:
     r = alice.post("/v1/chat/completions", json=chat_body(model_id, user="u1", metadata={"x": 1}, store=False,
                                                           parallel_tool_calls=True, n=1, presence_penalty=0))

@@ -38,7 +38,8 @@ CASES = [
     ("unknown kvblend option", lambda m: chat(m, kvblend={"ratoi": 0.1}), 400, "kvblend.ratoi"),
     ("check layer past the model", lambda m: chat(m, kvblend={"check_layers": [5]}), 400, "kvblend.check_layers"),
     ("increasing schedule", lambda m: chat(m, kvblend={"check_layers": [1], "schedule": [0.1, 0.5]}), 400,
-     "kvblend"),
+     "kvblend.schedule"),
+    ("check layer 0", lambda m: chat(m, kvblend={"check_layers": [0]}), 400, "kvblend.check_layers"),
     ("oracle selection is eval-only", lambda m: chat(m, kvblend={"selection": "oracle"}), 400, "kvblend.selection"),
     ("too many sinks", lambda m: chat(m, kvblend={"sinks": 10_000}), 400, "kvblend.sinks"),
     ("check layers with question selection", lambda m: chat(m, kvblend={"selection": "question", "check_layers": [1]}),
@@ -58,6 +59,20 @@ CASES = [
                                                     max_tokens=1000), 400, "max_tokens"),
     ("too many stop strings", lambda m: chat(m, stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("completions: echo", lambda m: {"model": m, "prompt": "x", "echo": True}, 400, "echo"),
+    ("completions: logprobs 0 (the sampled tokens' own)", lambda m: {"model": m, "prompt": "x", "logprobs": 0}, 400,
+     "logprobs"),
+    # vLLM's extensions change the answer: refused by name, never dropped (their defaults pass, below)
+    ("repetition_penalty", lambda m: chat(m, repetition_penalty=2.0), 400, "repetition_penalty"),
+    ("min_p", lambda m: chat(m, min_p=0.9), 400, "min_p"),
+    ("min_tokens", lambda m: chat(m, min_tokens=5), 400, "min_tokens"),
+    ("stop_token_ids", lambda m: chat(m, stop_token_ids=[5]), 400, "stop_token_ids"),
+    ("use_beam_search", lambda m: chat(m, use_beam_search=True), 400, "use_beam_search"),
+    ("structured_outputs", lambda m: chat(m, structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
+    ("chat echo", lambda m: chat(m, echo=True), 400, "echo"),
+    ("add_generation_prompt false", lambda m: chat(m, add_generation_prompt=False), 400, "add_generation_prompt"),
+    ("continue_final_message", lambda m: chat(m, continue_final_message=True), 400, "continue_final_message"),
+    ("stream_options without stream", lambda m: chat(m, stream_options={"include_usage": True}), 400,
+     "stream_options"),
     ("completions: several prompts", lambda m: {"model": m, "prompt": ["a", "b"]}, 400, "prompt"),
 ]
 
@@ -89,12 +104,37 @@ def test_bad_request_is_named_and_the_server_keeps_serving(alice, model_id, name
     (b'{"model": "\xff\xfe"}', "body"),
     (b"[1, 2, 3]", "body"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "\\udc80"}]}', "messages.0.content"),
-], ids=["malformed JSON", "invalid UTF-8", "not an object", "lone surrogate"])
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"1" * 5000 + b"}", "body"),
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+], ids=["malformed JSON", "invalid UTF-8", "not an object", "lone surrogate", "integer of 5000 digits",
+        "lone surrogate in the model's name"])
 def test_malformed_bodies(alice, model_id, content, param) -> None:
     content = content.replace(b'"m"', f'"{model_id}"'.encode())
     r = alice.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
-    assert_error(r, 400, param)
+    assert_error(r, 404 if param == "model" else 400, param)  # an unknown model quoted back, not a 500
     assert_still_serving(alice, model_id)
+
+
+@pytest.mark.parametrize("fields", [
+    {"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "bad_words": [],
+     "use_beam_search": False, "echo": False, "add_generation_prompt": True, "continue_final_message": False,
+     "skip_special_tokens": True, "include_stop_str_in_output": False},
+    {"stream_options": {"include_usage": True}, "stream": True},
+], ids=["vLLM defaults sent explicitly", "stream_options with stream"])
+def test_neutral_values_of_refused_options_are_served(alice, model_id, fields) -> None:
+    r = alice.post("/v1/chat/completions", json=chat(model_id, **fields))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "who is the doctor ?"}],
+    [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "the doctor"}],
+], ids=["system only", "system and assistant"])
+def test_a_chat_without_a_user_turn_and_without_documents_is_served(alice, model_id, messages) -> None:
+    r = alice.post("/v1/chat/completions", json=chat(model_id, messages=messages))
+    assert r.status_code == 200, r.text
+    docs = alice.post("/v1/chat/completions", json=chat(model_id, messages=messages, documents=["the doctor"]))
+    assert_error(docs, 400, None)  # documents still need a user turn to stand in
 
 
 def test_body_over_the_limit_is_refused_before_reading(alice, model_id) -> None:
@@ -115,7 +155,9 @@ def test_body_over_the_limit_is_refused_before_reading(alice, model_id) -> None:
 
 def test_unknown_route_and_method_are_openai_shaped(alice) -> None:
     assert_error(alice.get("/v1/nothing-here"), 404, None)
-    assert_error(alice.get("/v1/chat/completions"), 405, None)
+    r = alice.get("/v1/chat/completions")
+    assert assert_error(r, 405, None)["type"] == "MethodNotAllowedError"
+    assert r.headers["allow"] == "POST"
 
 
 def test_keys_are_required_on_every_v1_path(server) -> None:

@@ -107,48 +107,48 @@ class BlendConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "check_layers", tuple(self.check_layers))
         if not 0.0 <= self.r_min <= self.r_max <= 1.0:
-            raise InvalidRequestError(f"need 0 <= r_min <= r_max <= 1; got {self.r_min}, {self.r_max}")
+            raise InvalidRequestError(f"need 0 <= r_min <= r_max <= 1; got {self.r_min}, {self.r_max}", "r_min")
         if self.auto:
             if self.schedule is not None:
-                raise InvalidRequestError("ratio 'auto' picks one ratio: it cannot be combined with a schedule")
+                raise InvalidRequestError("ratio 'auto' picks one ratio: it cannot be combined with a schedule", "schedule")
             return self._check_rest()
         if isinstance(self.ratio, str):
-            raise InvalidRequestError(f"ratio must be a number in [0, 1] or 'auto'; got {self.ratio!r}")
+            raise InvalidRequestError(f"ratio must be a number in [0, 1] or 'auto'; got {self.ratio!r}", "ratio")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", tuple(self.schedule))
         for r in self.ratios:
             if not 0.0 <= r <= 1.0:
-                raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}")
+                raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}", "ratio")
         if any(b > a for a, b in zip(self.ratios, self.ratios[1:])):
-            raise InvalidRequestError(f"schedule must be non-increasing (nested sets), got {self.ratios}")
+            raise InvalidRequestError(f"schedule must be non-increasing (nested sets), got {self.ratios}", "schedule")
         if len(self.ratios) != len(self.check_layers):
-            raise InvalidRequestError("schedule needs one ratio per check layer")
+            raise InvalidRequestError("schedule needs one ratio per check layer", "schedule")
         self._check_rest()
 
     def _check_rest(self) -> None:
         """Checks shared by fixed and 'auto' ratios."""
         if not self.check_layers or min(self.check_layers) < 1:
-            raise InvalidRequestError("check layers must be >= 1 (layer-0 V carries no context)")
+            raise InvalidRequestError("check layers must be >= 1 (layer-0 V carries no context)", "check_layers")
         if list(self.check_layers) != sorted(set(self.check_layers)):
-            raise InvalidRequestError(f"check layers must be strictly increasing, got {self.check_layers}")
+            raise InvalidRequestError(f"check layers must be strictly increasing, got {self.check_layers}", "check_layers")
         if self.signal not in SIGNALS:
-            raise InvalidRequestError(f"signal must be one of {SIGNALS}, got {self.signal!r}")
+            raise InvalidRequestError(f"signal must be one of {SIGNALS}, got {self.signal!r}", "signal")
         if self.chunk_prefix not in CHUNK_PREFIXES:
-            raise InvalidRequestError(f"chunk_prefix must be one of {CHUNK_PREFIXES}, got {self.chunk_prefix!r}")
+            raise InvalidRequestError(f"chunk_prefix must be one of {CHUNK_PREFIXES}, got {self.chunk_prefix!r}", "chunk_prefix")
         if self.selection not in SELECTIONS:
-            raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+            raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}", "selection")
         if not 0 <= self.sinks <= MAX_SINKS:
-            raise InvalidRequestError(f"sinks must be within [0, {MAX_SINKS}], got {self.sinks}")
+            raise InvalidRequestError(f"sinks must be within [0, {MAX_SINKS}], got {self.sinks}", "sinks")
         if not 0.0 <= self.budget_floor <= 1.0:
-            raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}")
+            raise InvalidRequestError(f"budget_floor must be within [0, 1], got {self.budget_floor}", "budget_floor")
         if not 2 <= self.shift_stride <= 4096:
-            raise InvalidRequestError(f"shift_stride must be within [2, 4096], got {self.shift_stride}")
+            raise InvalidRequestError(f"shift_stride must be within [2, 4096], got {self.shift_stride}", "shift_stride")
         if not 0.0 <= self.vdev <= 1.0:
-            raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}")
+            raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}", "vdev")
         if not 0.0 <= self.cover <= 1.0:
-            raise InvalidRequestError(f"cover must be within [0, 1], got {self.cover}")
+            raise InvalidRequestError(f"cover must be within [0, 1], got {self.cover}", "cover")
         if self.vdev and self.selection != "question":
-            raise InvalidRequestError("vdev (the V-deviation hybrid) combines with question selection only")
+            raise InvalidRequestError("vdev (the V-deviation hybrid) combines with question selection only", "vdev")
 
     @property
     def strategy(self) -> str:

@@ -126,13 +126,15 @@ def check_placement(conv: Sequence[dict[str, str]], placement: Sequence[DocPlace
 
 def _with_marks(conv: list[dict[str, str]], placement: Sequence[DocPlace] | None, n_docs: int) -> list[dict[str, str]]:
     """The conversation with a placeholder per document where it stands (``None``: all at
-    the start of the last user turn, or a bare cut there when there are none)."""
+    the start of the last user turn, or a bare cut there when there are none: at the start
+    of the last message when no user turn holds it either)."""
     if placement is None:
         users = [i for i, m in enumerate(conv) if m.get("role") == "user"]
-        if not users:
+        if not users and (n_docs or not conv):
             raise InvalidRequestError("the conversation needs a user message to hold the documents")
+        at = users[-1] if users else len(conv) - 1
         marks = "".join(_MARK.format(i) for i in range(n_docs)) or _CUT
-        conv[users[-1]]["content"] = marks + (conv[users[-1]]["content"] or "")
+        conv[at]["content"] = marks + (conv[at]["content"] or "")
         return conv
     check_placement(conv, placement, n_docs)
     by_message: dict[int, list[tuple[int, DocPlace]]] = {}

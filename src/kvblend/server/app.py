@@ -205,30 +205,32 @@ def _close_registry(state: ServerState) -> None:
     state.registry.close()
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _error_response(err: APIError) -> Response:
+    """The OpenAI error body, ASCII-escaped: a message may quote what the client sent, and
+    a lone surrogate escape in it (valid JSON, not valid UTF-8) must not turn a 4xx into a 500."""
+    return Response(err.json(), status_code=err.status, headers=err.headers, media_type="application/json")
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
-    async def _api(request: HTTPRequest, exc: APIError) -> JSONResponse:
+    async def _api(request: HTTPRequest, exc: APIError) -> Response:
         state.metrics.error(exc.type)
         access.info(json.dumps({"event": "request", "path": request.url.path, "tenant": tenant_of(request),
                                 "status": exc.status, "error": exc.type, "param": exc.param}))
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: HTTPRequest, exc: RequestValidationError) -> Response:
         err = from_validation(exc)
         state.metrics.error(err.type)
         return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+    async def _http(_: HTTPRequest, exc: StarletteHTTPException) -> Response:
+        return _error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
-    async def _internal(_: HTTPRequest, exc: Exception) -> JSONResponse:
+    async def _internal(_: HTTPRequest, exc: Exception) -> Response:
         err = from_exception(exc)  # logs the cause
         state.metrics.error(err.type)
         return _error_response(err)
@@ -295,9 +297,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def list_documents(request: HTTPRequest, limit: int = 100, after: str | None = None) -> dict[str, Any]:
         if not 1 <= limit <= 1000:
             raise APIError(400, "limit must be within 1..1000", "limit")
-        rows = await state.off_loop(state.registry.list, tenant_of(request), limit, after)
-        data = [r.public() for r in rows]
-        return {"object": "list", "data": data, "has_more": len(rows) == limit,
+        rows = await state.off_loop(state.registry.list, tenant_of(request), limit + 1, after)
+        more, rows = len(rows) > limit, rows[:limit]  # one row past the page says whether there is more
+        return {"object": "list", "data": [r.public() for r in rows], "has_more": more,
                 "last_id": rows[-1].id if rows else None}
 
     @app.get("/v1/documents/{doc_id}")

@@ -116,6 +116,8 @@ async def read_json(request: Request, limit: int) -> dict:
         raise APIError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", "body") from None
     except RecursionError:
         raise APIError(400, "malformed JSON: nested too deeply", "body") from None
+    except ValueError:  # not a syntax error: an integer past Python's limit on digits
+        raise APIError(400, "malformed JSON: a number has too many digits", "body") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", "body")
     return data

@@ -7,6 +7,7 @@ but every option that would change the answer and is not implemented is refused 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -15,7 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvblend.settings import BlendOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# OpenAI's metadata bounds (keys of 64 characters, string values of 512); kvblend allows 32 pairs
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 _DOC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+def check_metadata_text(text: str, limit: int, what: str) -> None:
+    """ValueError unless ``text`` is at most ``limit`` characters of valid Unicode."""
+    if len(text) > limit:
+        raise ValueError(f"a metadata {what} is longer than {limit} characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"a metadata {what} is not valid Unicode (lone surrogate escape)") from None
 
 
 def check_doc_id(value: str) -> str:
@@ -146,14 +159,49 @@ class DocumentCreate(BaseModel):
     def _id(cls, v: str | None) -> str | None:
         return None if v is None else check_doc_id(v)
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key, value in v.items():
+            check_metadata_text(key, MAX_METADATA_KEY_CHARS, "key")
+            if isinstance(value, str):
+                check_metadata_text(value, MAX_METADATA_VALUE_CHARS, f"value of {key!r}")
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"metadata value of {key!r} must be a finite number")
+            elif isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"metadata value of {key!r} must fit in 64 bits")
+        return v
+
+
+# vLLM's sampling and prompt extensions, each with the values that leave the answer as
+# kvblend computes it (a default sent explicitly is accepted; anything else is refused)
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+    "length_penalty": (None, 1), "use_beam_search": (None, False), "best_of": (None, 1),
+    "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "structured_outputs": (None,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "echo": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral`` (by type too: ``True`` is not ``1``)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
 
 def unsupported(body: _Common) -> tuple[str, str] | None:
     """(field, reason) of the first option that would change the answer and is not
     implemented, or None. Default-valued options (n=1, penalties 0, ...) are accepted."""
     extra = body.model_extra or {}
+    completion = isinstance(body, CompletionRequest)
     checks: list[tuple[str, bool, str]] = [
         ("n", body.n not in (None, 1), "only n=1 is supported"),
-        ("logprobs", body.logprobs not in (None, False, 0), "logprobs are not supported"),
+        # a completion's logprobs is a count (0: the sampled tokens' own); a chat's a flag
+        ("logprobs", not _neutral(body.logprobs, (None, False) if completion else (None, False, 0)),
+         "logprobs are not supported"),
         ("top_logprobs", body.top_logprobs not in (None, 0), "top_logprobs are not supported"),
         ("presence_penalty", body.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported"),
         ("frequency_penalty", body.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported"),
@@ -169,7 +217,12 @@ def unsupported(body: _Common) -> tuple[str, str] | None:
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "audio", "prediction"):
         checks.append((name, extra.get(name) is not None, f"{name} is not supported"))
     checks.append(("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"))
-    if isinstance(body, CompletionRequest):
+    for name, neutral in VLLM_NEUTRAL.items():
+        if name in extra:
+            checks.append((name, not _neutral(extra[name], neutral), f"{name} is not supported"))
+    checks.append(("stream_options", body.stream_options is not None and not body.stream,
+                   "stream_options is only allowed when stream is true"))
+    if completion:
         checks += [
             ("echo", bool(body.echo), "echo is not supported"),
             ("suffix", bool(body.suffix), "suffix is not supported"),

@@ -112,7 +112,8 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
         merged = BlendSettings.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = next((str(p) for p in err["loc"] if str(p) in values), None)
+        cause = (err.get("ctx") or {}).get("error")  # the config's own check names its field
+        field = getattr(cause, "field", None) or next((str(p) for p in err["loc"] if str(p) in values), None)
         raise bad_request(err["msg"].removeprefix("Value error, "),
                           f"kvblend.{field}" if field else "kvblend") from None
     return merged.method, merged.blend_config()
