@@ -137,3 +137,41 @@ def test_document_precompute_is_a_job_of_the_worker_and_a_full_lane_is_a_429(tmp
         metrics = client.get("/metrics").text
         assert 'kvblend:jobs_total{lane="jobs",model_name="tiny",outcome="dropped"} 1.0' in metrics
         assert 'kvblend:jobs_total{lane="jobs",model_name="tiny",outcome="ok"}' in metrics
+
+
+# a template whose roles must alternate (Gemma 3's and Mistral's instruct templates do this)
+ALTERNATING = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{{ '<start_of_turn>' + message['role'] + '\n' + message['content'] + '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(tmp_path) -> None:
+    loaded = make_loaded()
+    loaded.tokenizer.chat_template = ALTERNATING
+    app = create_app(Engine(loaded), Settings.load(model="tiny", state_dir=str(tmp_path)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        refused = client.post("/v1/chat/completions", json={**BODY, "documents": None, "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "assistant", "content": "the doctor"}]})
+        assert refused.status_code == 400, refused.text
+        err = refused.json()["error"]
+        assert err["param"] == "messages" and "alternate" in err["message"]
+        # the system turn alone: this template drops it, and the cut before it; served all the same
+        alone = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 2, "documents": None,
+                                                           "messages": [{"role": "system", "content": "hi"}]})
+        assert alone.status_code == 200, alone.text
+
+
+def test_stored_metadata_that_utf8_cannot_encode_is_still_listed(app_client) -> None:
+    """A row written before metadata was checked may hold a lone surrogate: its reads are
+    escaped JSON, not a 500."""
+    client, state = app_client
+    assert client.post("/v1/documents", json={"text": "the nurse works in rome .", "id": "d1"}).status_code == 200
+    row = state.registry.get("default", "d1")
+    state.registry.put("default", row._replace(metadata={"a": "\ud800"}))
+    for path in ("/v1/documents", "/v1/documents/d1"):
+        r = client.get(path)
+        assert r.status_code == 200 and "\\ud800" in r.text, r.text

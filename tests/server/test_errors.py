@@ -40,6 +40,7 @@ CASES = [
     ("increasing schedule", lambda m: chat(m, kvblend={"check_layers": [1], "schedule": [0.1, 0.5]}), 400,
      "kvblend.schedule"),
     ("check layer 0", lambda m: chat(m, kvblend={"check_layers": [0]}), 400, "kvblend.check_layers"),
+    ("schedule past 1", lambda m: chat(m, kvblend={"check_layers": [1], "schedule": [1.5]}), 400, "kvblend.schedule"),
     ("oracle selection is eval-only", lambda m: chat(m, kvblend={"selection": "oracle"}), 400, "kvblend.selection"),
     ("too many sinks", lambda m: chat(m, kvblend={"sinks": 10_000}), 400, "kvblend.sinks"),
     ("check layers with question selection", lambda m: chat(m, kvblend={"selection": "question", "check_layers": [1]}),

@@ -118,7 +118,8 @@ class BlendConfig:
             object.__setattr__(self, "schedule", tuple(self.schedule))
         for r in self.ratios:
             if not 0.0 <= r <= 1.0:
-                raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}", "ratio")
+                raise InvalidRequestError(f"recompute ratio must be within [0, 1], got {r}",
+                                          "schedule" if self.schedule is not None else "ratio")
         if any(b > a for a, b in zip(self.ratios, self.ratios[1:])):
             raise InvalidRequestError(f"schedule must be non-increasing (nested sets), got {self.ratios}", "schedule")
         if len(self.ratios) != len(self.check_layers):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvblend.errors import InvalidRequestError
+from kvblend.generation.stream import chat_text
 
 _CUT = "\x00KVBLEND_CUT\x00"  # a segment boundary without a document (no documents at all)
 _MARK = "\x00KVBLEND_DOC_{}\x00"
@@ -194,7 +195,9 @@ def render_layout(
     docs = tuple(tokenize_document(tokenizer, d) for d in documents)
     conv = _with_marks(conversation(system, messages, question), placement, len(docs))
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = chat_text(tokenizer, conv)
+        if not docs and not _MARKS.search(text):  # a template that drops a turn without a user message
+            return _from_segments(tokenizer, [[""], [text]], docs)  # took the cut with it: no cached prefix
         return _from_segments(tokenizer, [[s] for s in split_marked([text], len(docs))[0]], docs)
     if messages is not None:
         raise InvalidRequestError("this model has no chat template: send a question, not messages")

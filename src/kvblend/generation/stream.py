@@ -42,13 +42,23 @@ def validate_messages(messages: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+def chat_text(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+    """``conversation`` through the model's chat template, ready for the reply. A template
+    that refuses the conversation (e.g. one whose roles must alternate user/assistant) is
+    an InvalidRequestError naming its reason, not an internal error."""
+    from jinja2 import TemplateError  # transformers' templates are jinja2
+
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the model's chat template refused these messages: {exc}", "messages") from None
+
+
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of ``messages`` through the model's chat template, ready for the reply."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead")
-    text = tokenizer.apply_chat_template(list(validate_messages(messages)), tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(chat_text(tokenizer, list(validate_messages(messages))), add_special_tokens=False)["input_ids"]
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:

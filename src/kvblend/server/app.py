@@ -188,7 +188,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, 
         if state.retriever is not None:
             state.retriever.close()
 
-    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=_AsciiJSON)
     app.state.kvblend = state
     app.add_middleware(ApiKeyAuth, api_keys=settings.api_keys, admin_key=settings.admin_key,
                        max_body_bytes=settings.limits.max_body_bytes,
@@ -203,6 +204,15 @@ def _close_registry(state: ServerState) -> None:
     """Wait for the registry's running calls, then close it (blocks: run it off the loop)."""
     state.registry_pool.shutdown(wait=True)
     state.registry.close()
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII characters escaped: what a route returns may hold stored client
+    text (a document's metadata written before it was checked could hold a lone surrogate,
+    which UTF-8 cannot encode); escaped, it is still the same JSON to every client."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _error_response(err: APIError) -> Response:

@@ -91,6 +91,6 @@ def from_exception(exc: BaseException) -> APIError:
         log.error("internal error: %s", exc)
         return APIError(500, f"internal server error: {exc}", type_="InternalServerError")
     if isinstance(exc, (InvalidRequestError, KvblendError)):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), getattr(exc, "field", None))
     log.error("internal error: %s", type(exc).__name__, exc_info=exc)
     return APIError(500, "internal server error (logged on the server)", type_="InternalServerError")

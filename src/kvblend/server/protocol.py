@@ -7,6 +7,7 @@ but every option that would change the answer and is not implemented is refused 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -173,14 +174,17 @@ class DocumentCreate(BaseModel):
         return v
 
 
-# vLLM's sampling and prompt extensions, each with the values that leave the answer as
-# kvblend computes it (a default sent explicitly is accepted; anything else is refused)
-VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+# Options beyond the core (OpenAI's audio and predicted outputs, vLLM's sampling, guided
+# decoding and prompt extensions), each with the values that leave the answer as kvblend
+# computes it: a default sent explicitly is accepted; anything else is refused by name.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "audio": (None,), "prediction": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "logits_processors": (None,), "vllm_xargs": (None,),
     "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
     "length_penalty": (None, 1), "use_beam_search": (None, False), "best_of": (None, 1),
     "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
-    "structured_outputs": (None,), "prompt_logprobs": (None,),
-    "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "echo": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}),
@@ -190,6 +194,11 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``neutral`` (by type too: ``True`` is not ``1``)."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _refusal(name: str, neutral: tuple[Any, ...]) -> str:
+    default = neutral[-1]
+    return f"{name} is not supported" + (f" (only its default, {json.dumps(default)})" if default is not None else "")
 
 
 def unsupported(body: _Common) -> tuple[str, str] | None:
@@ -214,20 +223,14 @@ def unsupported(body: _Common) -> tuple[str, str] | None:
     fmt = extra.get("response_format")
     checks.append(("response_format", fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"),
                    "only response_format type 'text' is supported"))
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "audio", "prediction"):
-        checks.append((name, extra.get(name) is not None, f"{name} is not supported"))
     checks.append(("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"))
-    for name, neutral in VLLM_NEUTRAL.items():
-        if name in extra:
-            checks.append((name, not _neutral(extra[name], neutral), f"{name} is not supported"))
+    for name, neutral in NEUTRAL.items():  # sent as unknown fields, or typed (a completion's echo, best_of)
+        value = extra[name] if name in extra else getattr(body, name, None)
+        checks.append((name, not _neutral(value, neutral), _refusal(name, neutral)))
     checks.append(("stream_options", body.stream_options is not None and not body.stream,
                    "stream_options is only allowed when stream is true"))
     if completion:
-        checks += [
-            ("echo", bool(body.echo), "echo is not supported"),
-            ("suffix", bool(body.suffix), "suffix is not supported"),
-            ("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
-        ]
+        checks.append(("suffix", bool(body.suffix), "suffix is not supported"))
     for name, bad, reason in checks:
         if bad:
             return name, reason

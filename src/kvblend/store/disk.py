@@ -72,8 +72,10 @@ class DiskStore(IndexedTier):
 
     def _adopt(self, key: ChunkKey, path: Path) -> None:
         """Index an entry another process wrote, evicting entries to fit it as a put would.
-        One that does not fit this process's caps at all is served but not indexed: its
-        writer accounts for it, and counting it here would hold this tier over its cap."""
+        One this process would not take in (larger than a cap, or only by evicting past
+        the fair shares, ``ByteIndex.victims_for``) is served but not indexed: its writer
+        accounts for it, and counting it here would hold this tier over its cap. Each hit
+        on it tries again (a stat and the victims' check)."""
         try:
             size = path.stat().st_size
         except OSError:  # removed again meanwhile
