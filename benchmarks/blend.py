@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/blend.py [--dataset ../shared/data/musique_dev.json]
         [--limit 10] [--ratios 0.05,0.15,0.3,0.5] [--repeats 5] [--skip-quality]
-        [--blend-method blend:0.15:q+shift] [--threads 1]
+        [--blend-method blend:0.15:q+shift] [--also blend:0.3] [--model smollm2-135m] [--threads 1]
 
 TTFT part (``blend`` = the engine's default strategy at ``--ratio``, or the method spec
 ``--blend-method`` names; ``cacheblend`` = the paper's selection at ``--ratio``):
 6 documents of 512 tokens (MuSiQue passages cut to length), all cached; the
 prefix cache has seen them in another order, so `prefix` reuses the system prompt only.
 Methods are timed alternately so machine noise hits all alike; ratios are given of the
-medians, as the median of per-round ratios, and best against best. Ends with one JSON line.
+medians, as the median of per-round ratios, and best against best. ``--also`` times one more
+method spec beside them (e.g. the default blend at another ratio). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def fixed_length_docs(engine: Engine, examples, n_docs: int, tokens: int) -> lis
     return [tuple(stream[i * tokens : (i + 1) * tokens]) for i in range(n_docs)]
 
 
-def blend_specs(ratio: float, blend_method: str | None) -> dict[str, MethodSpec]:
+def blend_specs(ratio: float, blend_method: str | None, also: str | None = None) -> dict[str, MethodSpec]:
     """What ``blend`` and ``cacheblend`` time: ``blend_method`` (a method spec of blend, e.g.
     ``blend:0.15:q+shift``) or the engine's default blend at ``ratio``; the paper's selection
     at ``ratio``. ValueError for a spec that is not a blend."""
@@ -53,14 +54,17 @@ def blend_specs(ratio: float, blend_method: str | None) -> dict[str, MethodSpec]
                                                                         BlendConfig(ratio=ratio))
     if blend.method != "blend":
         raise ValueError(f"--blend-method must be a blend method (blend:..., cacheblend:...), got {blend_method!r}")
-    return {"blend": blend, "cacheblend": parse_method(f"cacheblend:{ratio}")}
+    specs = {"blend": blend, "cacheblend": parse_method(f"cacheblend:{ratio}")}
+    if also:
+        specs["also"] = parse_method(also)
+    return specs
 
 
-def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_method: str | None = None
-                 ) -> tuple[dict[str, float], dict[str, list[float]]]:
+def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_method: str | None = None,
+                 also: str | None = None) -> tuple[dict[str, float], dict[str, list[float]]]:
     docs = fixed_length_docs(engine, examples, 6, 512)
     question = musique_query(examples[0].question)
-    specs = blend_specs(ratio, blend_method)
+    specs = blend_specs(ratio, blend_method, also)
 
     def request(method: str, order=None, q: str = question) -> Request:
         """``blend``: the chosen blend method; ``cacheblend``: the paper's selection."""
@@ -72,7 +76,7 @@ def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_met
     engine.prepare(request("blend", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # store + prefix
     engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))
     engine.flush()
-    times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend", "cacheblend")}
+    times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend", "cacheblend", *specs)}
     for _ in range(repeats + 1):
         for m in times:
             t = time.perf_counter()
@@ -128,13 +132,15 @@ def main() -> None:
     ap.add_argument("--blend-method", default=None,
                     help="method spec timed as blend (default: the engine's default blend at --ratio), "
                          "e.g. blend:0.15:q+shift; cacheblend is always the paper's at --ratio")
+    ap.add_argument("--also", default=None, help="one more method spec timed beside them, e.g. blend:0.3")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    specs = blend_specs(args.ratio, args.blend_method)  # a bad spec fails before any model work
-    engine = Engine(load_model(DEFAULT_MODEL))
+    specs = blend_specs(args.ratio, args.blend_method, args.also)  # a bad spec fails before any model work
+    engine = Engine(load_model(args.model))
     examples = load_musique(args.dataset, n_docs=6, limit=max(args.limit, 3))
-    med, times = ttft_section(engine, examples, args.ratio, args.repeats, args.blend_method)
+    med, times = ttft_section(engine, examples, args.ratio, args.repeats, args.blend_method, args.also)
     result = {"ttft_full_s": med["full"], "ttft_prefix_s": med["prefix"], "ttft_reuse_s": med["reuse"],
               "ttft_blend_s": med["blend"],
               "ttft_cacheblend_s": med["cacheblend"],
@@ -146,7 +152,11 @@ def main() -> None:
               "blend_over_full_best": min(times["blend"]) / min(times["full"]),
               "blend_over_prefix_best": min(times["blend"]) / min(times["prefix"]), "blend_ratio": args.ratio,
               "blend_method": specs["blend"].label, "cacheblend_method": specs["cacheblend"].label,
-              "threads": args.threads}
+              "threads": args.threads, "model": args.model}
+    if args.also:
+        result.update({"also_method": specs["also"].label, "also_over_full": med["also"] / med["full"],
+                       "also_over_full_paired": paired_ratio(times["also"], times["full"]),
+                       "also_over_blend_paired": paired_ratio(times["also"], times["blend"])})
     if not args.skip_quality:
         engine.prefix_cache.clear()
         summary = quality_section(engine, examples[: args.limit], [float(r) for r in args.ratios.split(",")])
