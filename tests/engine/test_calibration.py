@@ -53,9 +53,11 @@ def test_a_model_the_shift_hurts_blends_without_it(smollm2, tiny) -> None:
     assert "shift" in strategy
     without, plain = ask(engine, shift=False)
     assert "shift" not in plain and not torch.equal(with_shift, without)
-    engine.shift_verdict = HURTS
-    got, said = ask(engine)  # the default config, and a request asking for the shift
-    assert said == plain and torch.equal(got, without)
+    engine.shift_verdict = HURTS  # the default config, a request asking for the shift: twice the ratio instead
+    got, said = ask(engine)
+    doubled, _ = ask(engine, shift=False, ratio=0.3)
+    assert said == plain and torch.equal(got, doubled) and not torch.equal(got, without)
+    assert torch.equal(ask(engine, shift=False)[0], without)  # shift: false keeps the ratio as given
     engine.shift_verdict = HELPS
     got, said = ask(engine)
     assert said == strategy and torch.equal(got, with_shift)
@@ -128,3 +130,14 @@ def test_a_test_that_fails_leaves_the_shift_as_configured_and_is_not_stored(home
     assert engine.shift_verdict is None and engine.blend_config(BlendConfig()).shift
     assert "the shift test failed" in capsys.readouterr().err
     assert not (home / "calibration").exists()
+
+
+@pytest.mark.parametrize("cfg,want", [
+    (BlendConfig(), {"ratio": 0.3}),
+    (BlendConfig(ratio=0.7), {"ratio": 1.0}),  # at most all
+    (BlendConfig(selection="deviation", check_layers=(1, 4), schedule=(0.4, 0.1)), {"schedule": (0.8, 0.2)}),
+    (BlendConfig(ratio="auto", r_min=0.15, r_max=0.25), {"r_min": 0.25}),  # auto: the floor, within r_max
+], ids=["default", "capped", "schedule", "auto"])
+def test_without_the_shift_a_blend_recomputes_twice_its_ratio(cfg, want) -> None:
+    got = cfg.without_shift()
+    assert not got.shift and all(getattr(got, k) == v for k, v in want.items()), got

@@ -170,6 +170,17 @@ class BlendConfig:
             raise ValueError("the ratio is 'auto': resolve it first (BlendConfig.with_ratio)")
         return self.schedule if self.schedule is not None else (float(self.ratio),) * len(self.check_layers)
 
+    def without_shift(self) -> BlendConfig:
+        """This config without the shift, recomputing twice its ratio instead (at most all):
+        every ratio of a schedule, or the floor ``r_min`` of ``auto`` (the loading controller
+        still picks within it). What a model whose shift test failed runs for a blend that
+        asked for the shift (``Engine.blend_config``)."""
+        if self.auto:
+            return replace(self, shift=False, r_min=min(self.r_max, 2 * self.r_min))
+        if self.schedule is not None:
+            return replace(self, shift=False, schedule=tuple(min(1.0, 2 * r) for r in self.schedule))
+        return replace(self, shift=False, ratio=min(1.0, 2 * float(self.ratio)))
+
     def with_ratio(self, ratio: float) -> BlendConfig:
         """This config with a fixed ratio (the controller's choice for one request)."""
         return replace(self, ratio=ratio)
