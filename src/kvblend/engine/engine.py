@@ -179,8 +179,8 @@ class Engine:
     ``self_check``: run (or read) the model's self-check at construction; a model that
     fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
     ``calibrate``: test once per model whether the blend's shift helps it
-    (``kvblend.engine.calibration``); on a model where it does not, every blend runs
-    without it and its stats' ``strategy`` says so.
+    (``kvblend.engine.calibration``); on a model where it does not, a blend that asks for
+    it runs without it at twice its ratio (``blend_config``) and its stats say so.
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
