@@ -19,9 +19,9 @@ from kvblend.errors import ContextLengthError, InvalidRequestError, KvblendError
 
 log = logging.getLogger("kvblend.server")
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-         404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
-         500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError",
-         504: "TimeoutError"}
+         404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError", 413: "RequestTooLargeError",
+         429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
+         503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
 class APIError(Exception):

@@ -22,14 +22,21 @@ MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 _DOC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
+def utf8_size(text: str) -> int | None:
+    """``text``'s size in UTF-8, or None when it holds a lone surrogate (JSON can escape one;
+    it is not Unicode text and cannot be stored, tokenized or sent back as UTF-8)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
 def check_metadata_text(text: str, limit: int, what: str) -> None:
     """ValueError unless ``text`` is at most ``limit`` characters of valid Unicode."""
     if len(text) > limit:
         raise ValueError(f"a metadata {what} is longer than {limit} characters")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"a metadata {what} is not valid Unicode (lone surrogate escape)") from None
+    if utf8_size(text) is None:
+        raise ValueError(f"a metadata {what} is not valid Unicode (lone surrogate escape)")
 
 
 def check_doc_id(value: str) -> str:

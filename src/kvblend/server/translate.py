@@ -22,7 +22,7 @@ from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
 from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported,
+    ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported, utf8_size,
 )
 from kvblend.settings import BlendSettings, Settings
 
@@ -38,10 +38,10 @@ def parse(model: type[BaseModel], data: dict) -> BaseModel:
 
 
 def utf8_len(text: str, param: str) -> int:
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise bad_request("the text is not valid Unicode (lone surrogate escape)", param) from None
+    size = utf8_size(text)
+    if size is None:
+        raise bad_request("the text is not valid Unicode (lone surrogate escape)", param)
+    return size
 
 
 def check_common(body: _Common, settings: Settings, model_ids: tuple[str, ...]) -> None:
