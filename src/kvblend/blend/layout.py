@@ -21,7 +21,7 @@ alone, so the layout is ``prefix | doc_1 | gap_1 | doc_2 | ... | doc_n | suffix`
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -187,15 +187,17 @@ def render_layout(
     system: str | None = None,
     use_chat_template: bool = True,
     placement: Sequence[DocPlace] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> PromptLayout:
     """Lay out a RAG prompt. Give ``question`` (one user turn) or chat ``messages``;
-    ``placement`` puts each document inside a message's text (see the module docstring)."""
+    ``placement`` puts each document inside a message's text (see the module docstring);
+    ``template_kwargs``: extra chat-template variables (``generation.stream.chat_text``)."""
     if (question is None) == (messages is None):
         raise InvalidRequestError("give exactly one of question or messages")
     docs = tuple(tokenize_document(tokenizer, d) for d in documents)
     conv = _with_marks(conversation(system, messages, question), placement, len(docs))
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = chat_text(tokenizer, conv)
+        text = chat_text(tokenizer, conv, template_kwargs)
         if not docs and not _MARKS.search(text):  # a template that drops a turn without a user message
             return _from_segments(tokenizer, [[""], [text]], docs)  # took the cut with it: no cached prefix
         return _from_segments(tokenizer, [[s] for s in split_marked([text], len(docs))[0]], docs)

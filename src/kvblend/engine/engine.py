@@ -516,7 +516,7 @@ class Engine:
         if request.layout is not None:
             return request.layout
         return render_layout(self.tokenizer, request.documents, request.question, request.messages,
-                             request.system, request.use_chat_template, request.placement)
+                             request.system, request.use_chat_template, request.placement, request.template_kwargs)
 
     def prepare(self, request: Request, extra_capacity: int = 0) -> Prepared:
         """Build the prompt's KV cache by the request's method; nothing is decoded yet.

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvblend.blend.config import METHODS, BlendConfig
 from kvblend.blend.layout import DocPlace, PromptLayout, check_placement, conversation
 from kvblend.errors import InvalidRequestError
-from kvblend.generation.stream import StreamEvent, collect, validate_messages
+from kvblend.generation.stream import StreamEvent, collect, validate_messages, validate_template_kwargs
 from kvblend.pipeline.controller import RatioChoice
 from kvblend.pipeline.loader import LoadStats
 
@@ -34,7 +34,8 @@ class Request:
     off by default, since only a caller that shows them needs them. ``layout``: this
     request's prompt already rendered (``engine.shaping.shape`` renders it once), so the
     engine does not render it again; its documents must be the request's (checked for
-    documents given as ids).
+    documents given as ids). ``template_kwargs``: extra chat-template variables (vLLM's
+    ``chat_template_kwargs``; ``generation.stream.validate_template_kwargs``).
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -48,6 +49,7 @@ class Request:
     explain: bool = False
     placement: Sequence[DocPlace] | None = None
     layout: PromptLayout | None = field(default=None, compare=False, repr=False)
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in REQUEST_METHODS:
@@ -57,6 +59,7 @@ class Request:
             raise InvalidRequestError("give exactly one of question or messages")
         if self.messages is not None:
             object.__setattr__(self, "messages", validate_messages(self.messages))
+        object.__setattr__(self, "template_kwargs", validate_template_kwargs(self.template_kwargs))
         for name in ("question", "system"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidRequestError(f"{name} must be text")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -108,12 +108,13 @@ class Draft:
     use_chat_template: bool = True
     match: bool = True
     explain: bool = False
+    template_kwargs: Mapping[str, Any] | None = None
 
     def base(self) -> Request:
         """The request without documents (validates every other field)."""
         return Request(question=self.question, messages=self.messages, system=self.system, method=self.method,
                        blend=self.blend, tenant=self.tenant, use_chat_template=self.use_chat_template,
-                       explain=self.explain)
+                       explain=self.explain, template_kwargs=self.template_kwargs or {})
 
 
 class SpanMatch(NamedTuple):

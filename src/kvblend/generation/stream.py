@@ -6,6 +6,8 @@ The decode rules (sampling, stop strings, EOS, max_tokens) are ``DecodeSlot``'s,
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -42,16 +44,80 @@ def validate_messages(messages: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def chat_text(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
-    """``conversation`` through the model's chat template, ready for the reply. A template
-    that refuses the conversation (e.g. one whose roles must alternate user/assistant) is
-    an InvalidRequestError naming its reason, not an internal error."""
+# apply_chat_template's own arguments and the variables kvblend sets itself: a client's
+# template variables may not name them (vLLM refuses chat_template and tokenize alike)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+    "tools", "documents", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "return_tensors", "tokenizer_kwargs", "processor_kwargs",
+})
+MAX_TEMPLATE_KWARGS = 32  # variables per request
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024  # their JSON, UTF-8
+TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
+
+
+def validate_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A copy of a client's extra chat-template variables (vLLM's ``chat_template_kwargs``,
+    e.g. ``{"enable_thinking": false}``), or InvalidRequestError naming the field: a mapping
+    of at most 32 identifiers, none of them one kvblend sets (``RESERVED_TEMPLATE_KWARGS``),
+    to JSON values of at most 16 KiB in all. A variable the template does not read changes
+    nothing, as in vLLM."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError("chat_template_kwargs must be an object", TEMPLATE_KWARGS_FIELD)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequestError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs", TEMPLATE_KWARGS_FIELD)
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier() or len(key) > 64:
+            raise InvalidRequestError(f"chat_template_kwargs key {str(key)[:64]!r} is not a template variable name "
+                                      "(an identifier of at most 64 characters)", TEMPLATE_KWARGS_FIELD)
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}: kvblend sets it",
+                                      TEMPLATE_KWARGS_FIELD)
+    try:
+        size = len(json.dumps(kwargs, ensure_ascii=False, allow_nan=False).encode())
+    except (TypeError, ValueError):  # not JSON, NaN, or text that is not Unicode
+        raise InvalidRequestError("chat_template_kwargs values must be JSON values (finite numbers, valid text)",
+                                  TEMPLATE_KWARGS_FIELD) from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequestError(f"chat_template_kwargs is {size} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}",
+                                  TEMPLATE_KWARGS_FIELD)
+    return copy.deepcopy(dict(kwargs))
+
+
+def chat_text(tokenizer: Any, conversation: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """``conversation`` through the model's chat template, ready for the reply, with the
+    client's ``template_kwargs`` (checked by ``validate_template_kwargs``) as extra template
+    variables. A template that refuses the conversation (e.g. one whose roles must
+    alternate user/assistant) is an InvalidRequestError naming its reason and the field at
+    fault (``chat_template_kwargs`` when the conversation renders without them), not an
+    internal error."""
     from jinja2 import TemplateError  # transformers' templates are jinja2
 
+    def render(extra: Mapping[str, Any]) -> str:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra)
+
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    except TemplateError as exc:
-        raise InvalidRequestError(f"the model's chat template refused these messages: {exc}", "messages") from None
+        return render(template_kwargs or {})
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        jinja_own = isinstance(exc, TemplateError)
+        if not template_kwargs and not jinja_own:
+            raise  # the template failing on messages alone, in a way jinja does not own: a bug to see
+        # a value of the wrong type is the variables'; the template's own refusal is theirs
+        # only when the conversation renders without them
+        field = TEMPLATE_KWARGS_FIELD if template_kwargs and (not jinja_own or _renders(render)) else "messages"
+        what = "these messages" if field == "messages" else "these chat_template_kwargs"
+        raise InvalidRequestError(f"the model's chat template refused {what}: {exc}", field) from None
+
+
+def _renders(render: Any) -> bool:
+    """Whether ``render`` succeeds without a client's template variables."""
+    try:
+        render({})
+    except Exception:  # noqa: BLE001 - any failure: the conversation alone fails too
+        return False
+    return True
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

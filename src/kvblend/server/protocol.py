@@ -145,6 +145,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM's extra chat-template variables (``{"enable_thinking": false}``); checked by
+    # ``generation.stream.validate_template_kwargs``
+    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(_Common):
@@ -198,6 +201,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+CHAT_ONLY = ("chat_template_kwargs",)  # implemented for chats (``ChatCompletionRequest``)
+
+
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``neutral`` (by type too: ``True`` is not ``1``)."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
@@ -232,6 +238,8 @@ def unsupported(body: _Common) -> tuple[str, str] | None:
                    "only response_format type 'text' is supported"))
     checks.append(("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"))
     for name, neutral in NEUTRAL.items():  # sent as unknown fields, or typed (a completion's echo, best_of)
+        if name in CHAT_ONLY and not completion:
+            continue  # a chat's own field (a completion renders no template: refused there)
         value = extra[name] if name in extra else getattr(body, name, None)
         checks.append((name, not _neutral(value, neutral), _refusal(name, neutral)))
     checks.append(("stream_options", body.stream_options is not None and not body.stream,

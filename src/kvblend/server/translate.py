@@ -18,6 +18,7 @@ from kvblend.engine.shaping import (
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
+from kvblend.generation.stream import validate_template_kwargs
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
 from kvblend.server.errors import APIError, bad_request, from_validation
@@ -141,8 +142,12 @@ def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int)
     match = body.kvblend is None or body.kvblend.match is not False
     explain = bool(body.kvblend and body.kvblend.explain)
     if isinstance(body, ChatCompletionRequest):
+        try:
+            template_kwargs = validate_template_kwargs(body.chat_template_kwargs)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.field) from None
         return Draft(documents=documents, messages=chat_messages(body, settings), method=method, blend=blend,
-                     tenant=tenant, match=match, explain=explain)
+                     tenant=tenant, match=match, explain=explain, template_kwargs=template_kwargs)
     assert isinstance(body, CompletionRequest)
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -194,7 +199,7 @@ def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: Docum
     except ContextLengthError as exc:
         raise APIError(400, str(exc), "input_tokens", "BadRequestError") from None
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param) from None
+        raise bad_request(str(exc), exc.field or param) from None
 
 
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
