@@ -74,6 +74,9 @@ CASES = [
     ("continue_final_message", lambda m: chat(m, continue_final_message=True), 400, "continue_final_message"),
     ("stream_options without stream", lambda m: chat(m, stream_options={"include_usage": True}), 400,
      "stream_options"),
+    ("chat add_special_tokens", lambda m: chat(m, add_special_tokens=True), 400, "add_special_tokens"),
+    ("completions: add_special_tokens false", lambda m: {"model": m, "prompt": "x", "add_special_tokens": False},
+     400, "add_special_tokens"),
     ("completions: several prompts", lambda m: {"model": m, "prompt": ["a", "b"]}, 400, "prompt"),
 ]
 
@@ -119,7 +122,7 @@ def test_malformed_bodies(alice, model_id, content, param) -> None:
 @pytest.mark.parametrize("fields", [
     {"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "bad_words": [],
      "use_beam_search": False, "echo": False, "add_generation_prompt": True, "continue_final_message": False,
-     "skip_special_tokens": True, "include_stop_str_in_output": False},
+     "skip_special_tokens": True, "include_stop_str_in_output": False, "add_special_tokens": False},
     {"stream_options": {"include_usage": True}, "stream": True},
 ], ids=["vLLM defaults sent explicitly", "stream_options with stream"])
 def test_neutral_values_of_refused_options_are_served(alice, model_id, fields) -> None:

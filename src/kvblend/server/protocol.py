@@ -242,6 +242,11 @@ def unsupported(body: _Common) -> tuple[str, str] | None:
             continue  # a chat's own field (a completion renders no template: refused there)
         value = extra[name] if name in extra else getattr(body, name, None)
         checks.append((name, not _neutral(value, neutral), _refusal(name, neutral)))
+    # vLLM's add_special_tokens: a chat's template writes its own (default false), a
+    # completion gets the tokenizer's (default true); the other value is not implemented
+    special = (None, True) if completion else (None, False)
+    checks.append(("add_special_tokens", not _neutral(extra.get("add_special_tokens"), special),
+                   _refusal("add_special_tokens", special)))
     checks.append(("stream_options", body.stream_options is not None and not body.stream,
                    "stream_options is only allowed when stream is true"))
     if completion:
