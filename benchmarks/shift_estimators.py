@@ -21,50 +21,16 @@ from pathlib import Path
 
 import torch
 
-import kvblend.blend.strategies as strategies
 from kvblend import rope as rope_lib
 from kvblend.engine import Engine
 from kvblend.eval.datasets import load_musique
 from kvblend.eval.runner import example_request, parse_method, warm_documents
 from kvblend.models import DEFAULT_MODEL, load_model
+from shift_probe import Recorder
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 ORACLES = False
 BUCKETS = ((0, 8), (8, 32), (32, 128), (128, 10**9))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.plan, self.layers = None, []
-        real_run, real_shift = strategies.run_strategy_steps, strategies.ShiftCorrection
-        rec = self
-
-        def run_strategy_steps(model, plan):
-            rec.plan = plan
-            return (yield from real_run(model, plan))
-
-        class Spy(real_shift):
-            def __call__(self, cache, layer, written, k, v, q=None):
-                r = self._rows_for(written)
-                if r is None:
-                    return super().__call__(cache, layer, written, k, v, q)
-                n = rec.plan.ids.shape[0]
-                sk, sv = cache.keys[layer][:, :n].float().clone(), cache.values[layer][:, :n].float().clone()
-                super().__call__(cache, layer, written, k, v, q)
-                ak = cache.keys[layer][:, :n].float() - sk
-                av = cache.values[layer][:, :n].float() - sv
-                rec.layers.append({"layer": layer, "stale": (sk, sv),
-                                   "applied": (ak[:, r.moved].clone(), av[:, r.moved].clone()),
-                                   "fresh": (k[:, r.rows].float().clone(), v[:, r.rows].float().clone()),
-                                   "pos": r.pos.clone(), "doc_of_row": r.doc_of_row.clone(),
-                                   "moved": r.moved.clone(), "doc_of_moved": r.doc_of_moved.clone(),
-                                   "spans": [self.spans[j] for j in r.doc_ids],
-                                   "written": written.clone()})
-
-        strategies.run_strategy_steps, strategies.ShiftCorrection = run_strategy_steps, Spy
-
-    def reset(self) -> None:
-        self.plan, self.layers = None, []
 
 
 def unrot(x, cos, sin, pos, interleaved):
@@ -198,7 +164,7 @@ def analyse(model, rec: Recorder, question: str) -> list[dict]:
         layer = L["layer"]
         cos, sin = tables[layer]
         spans = L["spans"]
-        pos_s, pos_m = L["pos"], L["moved"]
+        pos_s, pos_m = L["sample_pos"], L["moved"]
         ds, dm = L["doc_of_row"], L["doc_of_moved"]
         starts = torch.tensor([a for a, _ in spans])
         os_, om = pos_s - starts[ds], pos_m - starts[dm]
@@ -214,7 +180,7 @@ def analyse(model, rec: Recorder, question: str) -> list[dict]:
         for j, name in enumerate(("k", "v")):
             stale = L["stale"][j]
             fullx = (full.keys, full.values)[j][layer][:, :n].float()
-            fresh, applied = L["fresh"][j], L["applied"][j]
+            fresh, applied = L["fresh"][j], L["applied"][j][:, pos_m]
             if name == "k":
                 un = lambda x, p: unrot(x, cos, sin, p, inter)  # noqa: E731
             else:

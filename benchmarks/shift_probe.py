@@ -38,7 +38,9 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique
 
 class Recorder:
     """Patches the strategies module to keep the plan and, per layer of the shift, the stale
-    cache before it, the fresh K/V written, the rows it read and the cache after it."""
+    cache before it, the fresh K/V written, the rows it read (and their documents) and the
+    cache after it; with ``watch``, the question rows' queries too. Also used by
+    ``shift_estimators.py``."""
 
     def __init__(self) -> None:
         self.plan, self.layers, self.q = None, [], {}
@@ -67,8 +69,11 @@ class Recorder:
                 av = cache.values[layer][:, :n].float() - sv
                 q_start = int(max(b for _, b in self.spans))
                 rows_q = (written >= q_start).nonzero().squeeze(1)
+                watched = rec.q.get(layer)  # None unless ``watch`` ran
                 rec.layers.append({"layer": layer, "stale": (sk, sv), "applied": (ak, av),
-                                   "q": rec.q[layer][:, rows_q].float().clone(), "q_pos": written[rows_q].clone(),
+                                   "q": None if watched is None else watched[:, rows_q].float().clone(),
+                                   "q_pos": written[rows_q].clone(), "spans": [self.spans[j] for j in r.doc_ids],
+                                   "doc_of_row": r.doc_of_row.clone(), "doc_of_moved": r.doc_of_moved.clone(),
                                    "written": written.clone(), "kv": (k.float().clone(), v.float().clone()),
                                    "sample_pos": r.pos.clone(), "fresh": (k[:, r.rows].float(), v[:, r.rows].float()),
                                    "estimated": None if self.last_errors is None else self.last_errors.tolist(),
