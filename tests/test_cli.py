@@ -68,3 +68,63 @@ def test_unexpected_errors_are_one_line_with_a_failing_exit_code(capsys, monkeyp
     assert main(["models"]) == 1
     err = capsys.readouterr().err
     assert "RuntimeError: the allocator gave up" in err and len(err.strip().splitlines()) == 1
+
+
+def _tiny_ask(monkeypatch, tmp_path, *extra: str, text: str = "the doctor works in paris .") -> dict:
+    import kvblend.cli
+    from tests.conftest import make_loaded
+
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: make_loaded())
+    doc = tmp_path / "d.txt"
+    doc.write_text(text)
+    return ["ask", "--doc", str(doc), "who is the doctor ?", "--max-tokens", "2", "--json",
+            "--store-dir", str(tmp_path / "kv"), *extra]
+
+
+def test_ask_doc_stores_under_the_tenant_it_is_given(capsys, monkeypatch, tmp_path) -> None:
+    """``--tenant`` was ignored with ``--doc``: the KV went to tenant default."""
+    assert main(_tiny_ask(monkeypatch, tmp_path, "--tenant", "acme")) == 0
+    stored = [p.relative_to(tmp_path / "kv") for p in (tmp_path / "kv").rglob("*.safetensors")]
+    assert stored and all("acme" in str(p) and "default" not in str(p) for p in stored), stored
+
+
+def test_ask_doc_cuts_documents_as_the_server_does(capsys, monkeypatch, tmp_path) -> None:
+    """``documents.chunk_tokens`` (the server's cut) was ignored: a --doc file never shared
+    chunk KV with a server that changed it."""
+    monkeypatch.setenv("KVBLEND_DOCUMENTS__CHUNK_TOKENS", "4")
+    assert main(_tiny_ask(monkeypatch, tmp_path, text="the doctor works in paris . the city river")) == 0
+    docs = json.loads(capsys.readouterr().out)["stats"]["docs"]
+    assert [d["tokens"] for d in docs] == [4, 4, 1]  # 9 tokens in windows of 4
+
+
+def test_ask_doc_refuses_retrieval_flags_it_would_ignore(capsys, monkeypatch, tmp_path) -> None:
+    assert main(_tiny_ask(monkeypatch, tmp_path, "--chunks", "3", "--retriever", "bm25")) == 2
+    assert "--chunks, --retriever" in capsys.readouterr().err
+
+
+def test_a_store_flag_adds_its_tier_when_the_settings_leave_it_out(monkeypatch, tmp_path) -> None:
+    """``ingest --store-dir`` with ``store.tiers: [memory]`` dropped the flag and the KV."""
+    import argparse
+
+    from kvblend.commands.ingest import store_config
+
+    monkeypatch.setenv("KVBLEND_STORE__TIERS", '["memory"]')
+    args = argparse.Namespace(store_dir=str(tmp_path / "kv"), redis_url="redis://127.0.0.1:1/0")
+    config = store_config(args, "fp32", memory=False)
+    assert config.enabled_tiers == ("disk", "redis") and config.disk_dir == str(tmp_path / "kv")
+    assert store_config(argparse.Namespace(store_dir=None, redis_url=None), "fp32").enabled_tiers == ("memory",)
+
+
+def test_text_on_stdin_that_is_not_utf8_is_a_clear_error(capsys, monkeypatch) -> None:
+    import io
+
+    class Stdin:
+        buffer = io.BytesIO("café".encode("latin-1"))
+
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stdin", Stdin())
+    assert main(["generate", "--model", "/nowhere/x.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "stdin is not UTF-8 (byte 3)" in err and len(err.strip().splitlines()) == 1

@@ -37,7 +37,14 @@ def _read_text(value: str | None) -> str:
         return value
     if sys.stdin.isatty():
         raise KvblendError("no prompt given: pass it as an argument or on stdin")
-    return sys.stdin.read()
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text stream (tests)
+        return sys.stdin.read()
+    data = raw.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvblendError(f"the text on stdin is not UTF-8 (byte {exc.start})") from None
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -56,8 +63,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvblend.generation import encode_prompt, render_chat, stream
 
+    text = _read_text(args.prompt)  # before the model: a bad prompt fails at once
     loaded = _load(args)
-    text = _read_text(args.prompt)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = render_chat(loaded.tokenizer, messages + [{"role": "user", "content": text}])
@@ -109,9 +116,9 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    from kvblend.commands.ingest import _store
     from kvblend.engine import Engine
     from kvblend.engine.shaping import Draft, shape
-    from kvblend.store.codec import compute_dtype_name
 
     if not args.doc:
         from kvblend.commands.ingest import run_retrieval_ask
@@ -126,10 +133,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             raise KvblendError(f"cannot read document {path}: {exc.strerror}") from exc
         except UnicodeDecodeError as exc:
             raise KvblendError(f"cannot read document {path}: not UTF-8 text (byte {exc.start})") from exc
-    draft = Draft(documents=docs, question=_read_text(args.question), system=args.system,
+    _refuse_retrieval_flags(args)
+    draft = Draft(documents=docs, question=_read_text(args.question), system=args.system, tenant=args.tenant,
                   method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     loaded = _load(args)
-    engine = Engine(loaded, store=_store_from_args(args, compute_dtype_name(loaded.model.dtype)))
+    engine = Engine(loaded, store=_store(args, loaded))
     try:
         result = engine.generate(shape(engine, draft, cut=_document_cut(engine)).request, _sampling(args))
     finally:
@@ -142,20 +150,24 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_retrieval_flags(args: argparse.Namespace) -> None:
+    """``--doc`` names the documents: a retrieval flag given with it would be ignored."""
+    given = [flag for flag, value, default in (("--chunks", args.chunks, 6), ("--compare", args.compare, False),
+                                               ("--index", args.index, None), ("--retriever", args.retriever, None))
+             if value != default]
+    if given:
+        raise KvblendError(f"{', '.join(given)} retrieve documents: not with --doc, which names them")
+
+
 def _document_cut(engine):
-    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (the chunker's default size),
-    so that each chunk's KV is the one the server and ingest store."""
+    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (the server's
+    ``documents.chunk_tokens``, from the same settings), so that each chunk's KV is the one
+    the server and ingest store."""
     from kvblend.rag.chunking import ChunkerConfig, chunk_text
-
-    return lambda text: chunk_text(engine.tokenizer, text, ChunkerConfig(), engine.loaded.tokenizer_fingerprint)
-
-
-def _store_from_args(args: argparse.Namespace, compute_dtype: str):
-    """``--store-dir``/``--redis-url``, Redis reached and KV stored as the server's settings say."""
     from kvblend.settings import Settings
-    from kvblend.store.config import build_store
 
-    return build_store(Settings.load().store.flagged(args.store_dir, args.redis_url, compute_dtype=compute_dtype))
+    config = ChunkerConfig(size=Settings.load().documents.chunk_tokens)
+    return lambda text: chunk_text(engine.tokenizer, text, config, engine.loaded.tokenizer_fingerprint)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

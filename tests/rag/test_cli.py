@@ -22,11 +22,11 @@ def test_defaults_live_under_kvblend_home(monkeypatch, tmp_path):
 def test_empty_folder_says_so_and_loads_nothing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["ingest", str(tmp_path / "empty"), "--index", str(tmp_path / "idx")]) == 1
-    assert "the folder is empty" in capsys.readouterr().out
+    assert "the folder is empty" in capsys.readouterr().err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x.bin").write_bytes(b"\x00")
     assert main(["ingest", str(tmp_path / "bad"), "--index", str(tmp_path / "idx")]) == 1
-    assert "unsupported type .bin" in capsys.readouterr().out
+    assert "unsupported type .bin" in capsys.readouterr().err
     assert not (tmp_path / "idx").exists()  # nothing half-written
 
 

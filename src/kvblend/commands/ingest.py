@@ -30,15 +30,19 @@ def add_retrieval_args(p: argparse.ArgumentParser) -> None:
 
 def store_config(args: argparse.Namespace, compute_dtype: str, memory: bool = True):
     """The store ``kvblend serve`` uses (settings ``store.*``: ``KVBLEND_STORE__*``, the
-    ``KVBLEND_CONFIG`` file, defaults), with ``--store-dir``/``--redis-url`` over it, so
-    that ingest, ask and the server key and find the same chunk KV. ``memory=False`` drops
+    ``KVBLEND_CONFIG`` file, defaults), with ``--store-dir``/``--redis-url`` over it (their
+    tier added when ``store.tiers`` leaves it out: a flag is never dropped), so that
+    ingest, ask and the server key and find the same chunk KV. ``memory=False`` drops
     the memory tier (ingest only writes: a memory tier would only hold RAM)."""
     import dataclasses
 
     from kvblend.settings import Settings
 
     flags = {"disk_dir": getattr(args, "store_dir", None), "redis_url": getattr(args, "redis_url", None)}
-    settings = Settings.load().store.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    settings = Settings.load().store
+    named = {"disk": flags["disk_dir"], "redis": flags["redis_url"]}  # a tier a flag names is used
+    tiers = settings.tiers + tuple(t for t, v in named.items() if v is not None and t not in settings.tiers)
+    settings = settings.model_copy(update={**{k: v for k, v in flags.items() if v is not None}, "tiers": tiers})
     config = settings.store_config(compute_dtype)
     rest = tuple(t for t in config.enabled_tiers if t != "memory")
     return config if memory or not rest else dataclasses.replace(config, tiers=rest)
@@ -55,7 +59,7 @@ def open_retriever(args: argparse.Namespace, tokenizer_id: str):
     from kvblend.rag.retriever import Retriever, RetrieverConfig, default_index_dir
 
     folder = Path(args.index) if args.index else default_index_dir(tokenizer_id)
-    return Retriever(RetrieverConfig(folder, mode=args.retriever))
+    return Retriever(RetrieverConfig(folder, mode=args.retriever or "hybrid"))
 
 
 # ----- ingest ---------------------------------------------------------------------------
@@ -66,7 +70,8 @@ def add_ingest_command(sub) -> None:
     p = sub.add_parser("ingest", help="chunk, embed, index and precompute the KV of documents")
     p.add_argument("paths", nargs="+", help="files or folders (.txt .md .jsonl .html .pdf)")
     p.add_argument("--chunker", default="tokens", choices=CHUNKERS)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="tokens per chunk (default: documents.chunk_tokens, the server's cut)")
     p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--batch", type=int, default=32, help="chunks per atomic commit")
     p.add_argument("--precompute", default="all", choices=PRECOMPUTE,
@@ -90,15 +95,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from kvblend.rag.chunking import ChunkerConfig
     from kvblend.rag.ingest import IngestConfig, Ingestor, KvWarmer
     from kvblend.rag.readers import discover
+    from kvblend.settings import Settings
 
-    config = IngestConfig(ChunkerConfig(args.chunker, args.chunk_tokens, args.overlap), args.tenant, args.batch,
+    size = Settings.load().documents.chunk_tokens if args.chunk_tokens is None else args.chunk_tokens
+    config = IngestConfig(ChunkerConfig(args.chunker, size, args.overlap), args.tenant, args.batch,
                           args.precompute, args.precompute_after, args.text_field, dense=args.retriever != "bm25")
     files, skipped = discover([Path(p) for p in args.paths], args.hidden)
     if not files:
         print("nothing to ingest: " + ("no files found (the folder is empty)" if not skipped else
-                                       f"none of the {len(skipped)} file(s) can be read:"))
+                                       f"none of the {len(skipped)} file(s) can be read:"), file=sys.stderr)
         for path, reason in skipped:
-            print(f"  {path}: {reason}")
+            print(f"  {path}: {reason}", file=sys.stderr)
         return 1
     loaded = _load(args)
     engine = Engine(loaded, store=_store(args, loaded, memory=False), calibrate=False)  # computes chunks only
@@ -157,7 +164,7 @@ def add_ask_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=6, help="chunks to retrieve when no --doc is given (top-k)")
     p.add_argument("--compare", action="store_true", help="also run a full prefill and compare")
     p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")
-    p.add_argument("--retriever", default="hybrid", choices=("dense", "bm25", "hybrid"))
+    p.add_argument("--retriever", default=None, choices=("dense", "bm25", "hybrid"), help="default: hybrid")
     p.add_argument("--tenant", default="default")
 
 
