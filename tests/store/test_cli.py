@@ -59,8 +59,11 @@ def test_evict_and_clear_touch_only_the_tenant(capsys: pytest.CaptureFixture[str
     assert DiskStore(tmp_path, 1 << 30).stats().entries == 0
 
 
-def test_bad_invocations_fail_cleanly(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_bad_invocations_fail_cleanly(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))  # no store there: nothing to default to
     assert run(capsys, "stats")[0] == 2  # no location
+    assert not (tmp_path / "home").exists()  # a command that reads creates nothing
     assert run(capsys, "stats", "--disk-dir", str(tmp_path / "missing"))[0] == 2
     assert not (tmp_path / "missing").exists()
     assert run(capsys, "evict", "--disk-dir", str(tmp_path))[0] == 2  # nothing to evict given
@@ -72,8 +75,26 @@ def test_bad_invocations_fail_cleanly(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_unreachable_redis_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     from kvblend.store.localredis import free_port
 
-    code, out = run(capsys, "stats", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
-    assert code == 0 and "(unavailable)" in out
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    for command in (["stats"], ["ls"], ["clear"], ["evict", "--to-bytes", "0"]):
+        code, out = run(capsys, *command, "--redis-url", url)  # "cleared 0 entries", rc 0, before
+        assert code == 1 and "cannot reach the redis tier" in out and "cleared" not in out, command
+
+
+def test_without_flags_the_commands_open_the_servers_store(capsys: pytest.CaptureFixture[str], filled: list[str],
+                                                          tmp_path: Path, redis_server: LocalRedis,
+                                                          redis_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``store.*`` settings were ignored: against a server with its own prefix, ``clear``
+    cleared nothing and said so with rc 0."""
+    monkeypatch.setenv("KVBLEND_STORE__DISK_DIR", str(tmp_path))
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_PREFIX", redis_prefix)
+    code, out = run(capsys, "stats", "--tenant", "alice")
+    assert code == 0 and "disk     entries        3" in out and "redis    entries        3" in out
+    code, out = run(capsys, "clear", "--tenant", "alice")
+    assert code == 0 and "cleared 3 entries of tenant alice" in out  # each key once, from both tiers
+    code, out = run(capsys, "stats", "--tenant", "alice")
+    assert "disk     entries        0" in out and "redis    entries        0" in out
 
 
 def test_store_commands_work_against_a_cluster(capsys: pytest.CaptureFixture[str], redis_cluster: LocalRedisCluster,

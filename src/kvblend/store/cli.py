@@ -33,21 +33,26 @@ def add_store_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--disk-dir", help="disk tier directory")
+    """Where the store is: by default the server's (settings ``store.*``: its disk folder,
+    and its Redis with the same prefix, cluster and groups); a flag overrides one of them."""
+    p.add_argument("--disk-dir", help="disk tier directory (default: store.disk_dir, else $KVBLEND_HOME/kv)")
     p.add_argument("--redis-url", help="redis tier URL, e.g. redis://127.0.0.1:6379/0; with --redis-cluster, "
-                   "one or more node URLs, comma-separated")
-    p.add_argument("--redis-prefix", default="kvblend", help="key prefix of the redis tier")
-    p.add_argument("--redis-cluster", action="store_true", help="the URL names a Redis Cluster")
-    p.add_argument("--redis-groups", type=int, default=16,
-                   help="a cluster tier's hash-tag groups: the servers' store.redis_groups (default 16)")
+                   "one or more node URLs, comma-separated (default: store.redis_url)")
+    p.add_argument("--redis-prefix", default=None, help="key prefix of the redis tier (default: store.redis_prefix)")
+    p.add_argument("--redis-cluster", action=argparse.BooleanOptionalAction, default=None,
+                   help="the URL names a Redis Cluster (default: store.redis_cluster)")
+    p.add_argument("--redis-groups", type=int, default=None,
+                   help="a cluster tier's hash-tag groups (default: store.redis_groups)")
     p.add_argument("--tenant", type=_tenant, default="default", help="tenant namespace (default: default)")
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16", "int8"), default="fp32")
+    p.description = "The shape defaults are SmolLM2-135M's (the default model): give another model's."
+    p.add_argument("--layers", type=int, default=30, help="(default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--head-dim", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16", "int8"), default=None,
+                   help="storage dtype (default: store.kv_dtype)")
     p.add_argument("--budget", type=parse_size, default=parse_size("10GiB"))
     p.add_argument("--chunk-tokens", type=int, default=512)
 
@@ -60,9 +65,11 @@ def _tenant(text: str) -> str:
 
 
 def run_store_command(args: argparse.Namespace) -> int:
-    """Run a parsed ``store`` subcommand; returns the process exit code."""
+    """Run a parsed ``store`` subcommand; returns the process exit code (1 when a tier
+    cannot be reached: nothing there was read or changed, and saying "0 entries" would lie)."""
     if args.store_command == "plan":
         return _plan(args)
+    _fill_from_settings(args)
     if args.disk_dir and not os.path.isdir(args.disk_dir):
         print(f"kvblend store: no such directory: {args.disk_dir}", file=sys.stderr)
         return 2
@@ -77,9 +84,30 @@ def run_store_command(args: argparse.Namespace) -> int:
     commands: dict[str, Callable[[TieredStore, argparse.Namespace], int]] = {
         "stats": _stats, "ls": _ls, "evict": _evict, "clear": _clear}
     try:
+        down = [t for t in store.tiers if isinstance(t, RedisStore) and not t.ping()]
+        if down:
+            print(f"kvblend store: cannot reach the redis tier at {args.redis_url}", file=sys.stderr)
+            return 1
         return commands[args.store_command](store, args)
     finally:
         store.close()
+
+
+def _fill_from_settings(args: argparse.Namespace) -> None:
+    """Locations not given as flags, from the settings ``kvblend serve`` reads: the disk
+    folder when it exists (a command that only reads must not create it) and the disk tier
+    is on, the Redis URL, prefix, cluster flag and groups."""
+    from kvblend.settings import Settings
+
+    store = Settings.load().store
+    if args.disk_dir is None and args.redis_url is None:
+        if "disk" in store.tiers and os.path.isdir(store.disk_folder):
+            args.disk_dir = store.disk_folder
+        if "redis" in store.tiers:
+            args.redis_url = store.redis_url
+    for name in ("redis_prefix", "redis_cluster", "redis_groups"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(store, name))
 
 
 def _open(args: argparse.Namespace) -> TieredStore | None:
@@ -130,6 +158,10 @@ def _clear(store: TieredStore, args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.dtype is None:
+        from kvblend.settings import Settings
+
+        args.dtype = Settings.load().store.kv_dtype
     try:
         p = plan_capacity(args.layers, args.kv_heads, args.head_dim, args.dtype, args.budget, args.chunk_tokens)
     except ValueError as exc:
