@@ -77,14 +77,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _blend_config(args: argparse.Namespace):
+    """The flags' ``BlendConfig``, by the rule a request's ``kvblend`` options follow: a
+    knob of deviation selection (``--check-layers``, ``--schedule``, ``--signal``) without
+    ``--selection`` selects by deviation; with another selection it would change nothing
+    and is refused."""
     from kvblend.blend.config import BlendConfig
 
-    layers = tuple(int(x) for x in args.check_layers.split(","))
-    schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else None
     if args.method == "cacheblend":  # the paper's selection, whatever the strategy flags say
         return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
-    return BlendConfig(ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal,
-                       chunk_prefix=args.chunk_prefix, selection=args.selection, budget=args.budget,
+    knobs = {"check_layers": args.check_layers, "schedule": args.schedule, "signal": args.signal}
+    given = [name for name, value in knobs.items() if value is not None]
+    selection = args.selection or ("deviation" if given else BlendConfig.selection)
+    if given and selection != "deviation":
+        raise KvblendError(f"--{given[0].replace('_', '-')} applies to --selection deviation only, not {selection}")
+    try:
+        layers = tuple(int(x) for x in args.check_layers.split(",")) if args.check_layers else BlendConfig.check_layers
+        schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else None
+    except ValueError as exc:
+        raise KvblendError(f"--check-layers and --schedule take comma-separated numbers: {exc}") from None
+    return BlendConfig(ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal or BlendConfig.signal,
+                       chunk_prefix=args.chunk_prefix, selection=selection, budget=args.budget,
                        sinks=args.sinks, shift=args.shift, vdev=args.vdev)
 
 
@@ -99,12 +111,14 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
                    help="cacheblend: blend with the paper's selection (V deviation at layer 1)")
     p.add_argument("--ratio", type=_ratio, default=0.15,
                    help="recompute ratio in [0, 1], or 'auto' (the loading controller picks it)")
-    p.add_argument("--check-layers", default="1", help="comma-separated check layers (default: 1)")
-    p.add_argument("--schedule", default=None, help="ratio per check layer, non-increasing")
-    p.add_argument("--signal", default="v", choices=SIGNALS)
+    p.add_argument("--check-layers", default=None,
+                   help="comma-separated check layers of deviation selection (default: 1)")
+    p.add_argument("--schedule", default=None, help="deviation selection's ratio per check layer, non-increasing")
+    p.add_argument("--signal", default=None, choices=SIGNALS, help="deviation selection's signal (default: v)")
     p.add_argument("--chunk-prefix", default="bos", choices=CHUNK_PREFIXES)
-    p.add_argument("--selection", default=BlendConfig.selection, choices=("deviation", "question"),
-                   help="how recomputed tokens are chosen (see kvblend.blend.strategies)")
+    p.add_argument("--selection", default=None, choices=("deviation", "question"),
+                   help=f"how recomputed tokens are chosen (default: {BlendConfig.selection}; deviation when "
+                        "a deviation knob is given; see kvblend.blend.strategies)")
     p.add_argument("--budget", action=argparse.BooleanOptionalAction, default=BlendConfig.budget,
                    help="per-document budgets by attention mass")
     p.add_argument("--sinks", type=int, default=BlendConfig.sinks, help="first K tokens of each document always")

@@ -83,7 +83,7 @@ class StoreSettings(_Section):
     disk_bytes: Size = 10 * GiB
     redis_url: str | None = None
     redis_bytes: Size = 10 * GiB
-    redis_ttl_s: float | None = None
+    redis_ttl_s: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: entries do not expire
     redis_prefix: str = "kvblend"
     redis_cluster: bool = False  # redis_url names a Redis Cluster (node URLs, comma-separated)
     redis_groups: int = Field(16, ge=1, le=256)  # a cluster tier's hash-tag groups: caps hold per group
@@ -131,6 +131,16 @@ class StoreSettings(_Section):
 
 
 _BLEND = BlendConfig()  # the engine's defaults: the one place a default blend is decided
+DEVIATION_KNOBS = ("check_layers", "schedule", "signal")  # what only deviation selection reads
+
+
+def idle_deviation_knob(cfg: BlendConfig) -> str | None:
+    """The first knob of deviation selection ``cfg`` sets away from its default while
+    another selection runs (it would change nothing), or None: the settings and the
+    command line refuse it, as a request's ``kvblend`` options do."""
+    if cfg.selection == "deviation":
+        return None
+    return next((k for k in DEVIATION_KNOBS if getattr(cfg, k) != getattr(_BLEND, k)), None)
 SERVED_SELECTIONS = tuple(s for s in SELECTIONS if s != "oracle")  # oracle costs a full prefill: eval only
 
 
@@ -184,7 +194,17 @@ class BlendSettings(BlendOptions):
     @model_validator(mode="after")
     def _valid(self) -> BlendSettings:
         self.blend_config()  # InvalidRequestError is a ValueError: pydantic reports it
+        if knob := idle_deviation_knob(self.blend_config()):
+            raise ValueError(f"{knob} applies to selection 'deviation' only, not {self.selection!r}: "
+                             f"set selection: deviation, or leave {knob} out")
         return self
+
+    def check_model(self, num_layers: int) -> None:
+        """ValueError when these defaults cannot run on a model of ``num_layers`` layers
+        (checked when the server loads its model, not by every request's 400)."""
+        if max(self.check_layers) >= num_layers:
+            raise ValueError(f"blend.check_layers {list(self.check_layers)} must be below the model's "
+                             f"{num_layers} layers")
 
     def blend_config(self) -> BlendConfig:
         """The engine's ``BlendConfig`` of these settings (every knob they share)."""

@@ -80,6 +80,11 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("", {"KVBLEND_BLEND__RATIO": "inf"}, "ratio must be a finite number in [0, 1]"),
     ("blend:\n  r_max: .inf\n", {}, "r_max must be a finite number in [0, 1]"),
     ("guard:\n  fallback_ratio: .nan\n", {}, "fallback_ratio must be a finite number in [0, 1]"),
+    # found by an audit: accepted, then a late error naming no setting, or silently idle
+    ("", {"KVBLEND_STORE__REDIS_TTL_S": "nan"}, "store.redis_ttl_s"),
+    ("store:\n  redis_ttl_s: -5\n", {}, "store.redis_ttl_s"),
+    ("", {"KVBLEND_BLEND__SIGNAL": "k"}, "signal applies to selection 'deviation' only"),
+    ("blend:\n  selection: question\n  check_layers: [1, 5]\n", {}, "check_layers applies to selection"),
 ])
 def test_invalid_settings_are_named(tmp_path, monkeypatch, yaml_text, env, needle) -> None:
     for k, v in env.items():
@@ -129,3 +134,43 @@ def test_a_commands_store_flags_reach_redis_and_store_kv_as_the_server_does() ->
     assert config.redis_url == "redis://c:7000" and "disk" not in config.enabled_tiers
     assert store.flagged("/tmp/kv", None, kv_dtype="int8").kv_dtype == "int8"
     assert "redis" not in store.flagged("/tmp/kv", None).enabled_tiers
+
+
+def test_deviation_knobs_load_with_deviation_selection_and_do_not_follow_a_request_away() -> None:
+    from kvblend.server.protocol import ChatCompletionRequest
+    from kvblend.server.translate import blend_options
+
+    settings = Settings(blend={"selection": "deviation", "signal": "k", "check_layers": [1, 5]})
+    assert settings.blend.blend_config().signal == "k"
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 kvblend={"selection": "question"})
+    _, cfg = blend_options(body, settings, num_layers=30)  # was a 400 blaming the server's signal
+    assert (cfg.selection, cfg.signal, cfg.check_layers) == ("question", "v", (1,))
+
+
+def test_the_server_refuses_check_layers_its_model_does_not_have(monkeypatch) -> None:
+    """``blend.check_layers: [99]`` loaded, then every blend request got a 400 blaming the client."""
+    import kvblend.models
+    from kvblend.server.main import build_engine
+    from tests.conftest import make_loaded
+
+    monkeypatch.setattr(kvblend.models, "load_model", lambda *a, **k: make_loaded())
+    settings = Settings(blend={"selection": "deviation", "check_layers": [1, 99]}, store={"tiers": ["memory"]})
+    with pytest.raises(ValueError, match=r"blend.check_layers \[1, 99\] must be below the model's 2 layers"):
+        build_engine(settings)
+
+
+def test_cli_blend_flags_follow_the_request_rule(monkeypatch) -> None:
+    from kvblend.cli import _blend_config
+    from kvblend.errors import KvblendError
+
+    def cfg(*flags: str):
+        return _blend_config(build_parser().parse_args(["ask", "--doc", "d.txt", "q", *flags]))
+
+    assert cfg().selection == "question"
+    assert (cfg("--signal", "k").selection, cfg("--signal", "k").signal) == ("deviation", "k")  # was silently idle
+    assert cfg("--check-layers", "1,5", "--schedule", "0.5,0.15").check_layers == (1, 5)
+    with pytest.raises(KvblendError, match="--signal applies to --selection deviation only"):
+        cfg("--selection", "question", "--signal", "k")
+    with pytest.raises(KvblendError, match="comma-separated numbers"):
+        cfg("--check-layers", "a")

@@ -38,6 +38,7 @@ def shaping_engine(settings: Settings) -> Engine:
     from kvblend.store.config import build_store
 
     loaded = load_model(settings.model, "cpu", getattr(torch, settings.dtype), weights=False)
+    settings.blend.check_model(loaded.config.num_layers)
     config = settings.store.store_config(COMPUTE[settings.dtype])
     shared = tuple(t for t in config.tiers if t != "memory" and t in config.enabled_tiers)
     config = dataclasses.replace(config, tiers=shared or ("memory",), memory_bytes=0 if shared else 1)

@@ -50,6 +50,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from kvblend.pipeline.profile import measure_profile, profile_path, save_profile
     from kvblend.store.config import build_store
 
+    from kvblend.settings import Settings
+
+    args.kv_dtype = args.kv_dtype or Settings.load().store.kv_dtype
     loaded = load_model(args.model, args.device, getattr(torch, args.dtype))
     store = build_store(profiled_store(args))
     try:
@@ -99,16 +102,15 @@ def profiled_store(args: argparse.Namespace):  # noqa: ANN201 - kvblend.store.co
 
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> None:
-    from kvblend.models.registry import DEFAULT_MODEL
+    from kvblend.cliargs import add_model_args
     from kvblend.store.codec import STORAGE_DTYPES
 
     p = subparsers.add_parser("profile", help="measure prefill/recompute/load costs for the loading controller")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_model_args(p)  # --model, --device, --dtype: the same defaults (KVBLEND_* settings) as every command
     p.add_argument("--store-dir", default=None, help="disk tier directory to measure")
     p.add_argument("--redis-url", default=None, help="Redis tier to measure")
-    p.add_argument("--kv-dtype", default="fp32", choices=sorted(STORAGE_DTYPES), help="storage dtype of the tiers")
+    p.add_argument("--kv-dtype", default=None, choices=sorted(STORAGE_DTYPES),
+                   help="storage dtype of the tiers (default: store.kv_dtype)")
     p.add_argument("--no-quality", action="store_true", help="skip the KL-per-storage-dtype measurement")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)

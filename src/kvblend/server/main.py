@@ -50,6 +50,7 @@ def build_engine(settings: Settings):
     from kvblend.store.config import build_store
 
     loaded = load_model(settings.model, settings.device, getattr(torch, settings.dtype))
+    settings.blend.check_model(loaded.config.num_layers)
     compute = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[settings.dtype]
     store = build_store(settings.store.store_config(compute))
     return Engine(loaded, store=store, prefix_cache=PrefixCache(settings.store.prefix_cache_bytes),

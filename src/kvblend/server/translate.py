@@ -25,7 +25,7 @@ from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported, utf8_size,
 )
-from kvblend.settings import BlendSettings, Settings
+from kvblend.settings import DEVIATION_KNOBS, BlendSettings, Settings
 
 log = logging.getLogger("kvblend.server")
 MAX_STOP_CHARS = 256
@@ -84,9 +84,6 @@ def documents_of(body: _Common, settings: Settings) -> list[str | DocRef]:
     return out
 
 
-DEVIATION_KNOBS = ("check_layers", "schedule", "signal")
-
-
 def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[str, BlendConfig]:
     """The request's method and blend config: its ``kvblend`` options over the server's
     defaults, validated as one ``BlendSettings`` (a 400 naming the field when invalid).
@@ -107,6 +104,8 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     elif knobs and values["selection"] != "deviation":
         raise bad_request(f"{knobs[0]} applies to selection 'deviation' only, not {values['selection']!r}",
                           f"kvblend.{knobs[0]}")
+    elif values["selection"] != "deviation":  # the server's deviation knobs do not follow a request away
+        values.update({k: getattr(BlendConfig, k) for k in DEVIATION_KNOBS})
     if max(values["check_layers"]) >= num_layers:
         raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")
     try:
