@@ -412,6 +412,7 @@ class ModelSettings(BaseSettings):
 
         Raises SettingsError naming the offending setting."""
         config_file = config_file or os.environ.get("KVBLEND_CONFIG")
+        _check_env()
         explicit = {k: v for k, v in overrides.items() if v is not None}
         target = cls
         if config_file:
@@ -424,6 +425,24 @@ class ModelSettings(BaseSettings):
             return target(**explicit)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
+
+
+# KVBLEND_* variables that are not settings: the model cache, the settings file, tracebacks,
+# the allocator (``engine.allocator``)
+NON_SETTINGS_ENV = frozenset({"home", "config", "debug", "malloc_tuning"})
+
+
+def _check_env() -> None:
+    """SettingsError for a ``KVBLEND_*`` variable that names no setting (``KVBLEND_PROT``,
+    ``KVBLEND_STORE_MEMORY_BYTES`` with one underscore): pydantic-settings would ignore
+    it, and the server would run on a default its operator meant to change. A misspelt
+    name inside a section (``KVBLEND_STORE__MEMORYBYTES``) is refused by the section."""
+    known = set(Settings.model_fields) | NON_SETTINGS_ENV
+    unknown = sorted(name for name in os.environ if name.upper().startswith("KVBLEND_")
+                     and name[len("KVBLEND_"):].lower().split("__")[0] not in known)
+    if unknown:
+        raise SettingsError(f"unknown setting(s) in the environment: {', '.join(unknown)} (a setting is "
+                            "KVBLEND_<NAME>, one in a section KVBLEND_<SECTION>__<NAME>)")
 
 
 class Settings(ModelSettings):

@@ -82,6 +82,8 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("guard:\n  fallback_ratio: .nan\n", {}, "fallback_ratio must be a finite number in [0, 1]"),
     # found by an audit: accepted, then a late error naming no setting, or silently idle
     ("", {"KVBLEND_STORE__REDIS_TTL_S": "nan"}, "store.redis_ttl_s"),
+    ("", {"KVBLEND_PROT": "9000"}, "unknown setting(s) in the environment: KVBLEND_PROT"),
+    ("", {"KVBLEND_STORE_MEMORY_BYTES": "2GiB"}, "KVBLEND_STORE_MEMORY_BYTES"),
     ("store:\n  redis_ttl_s: -5\n", {}, "store.redis_ttl_s"),
     ("", {"KVBLEND_BLEND__SIGNAL": "k"}, "signal applies to selection 'deviation' only"),
     ("blend:\n  selection: question\n  check_layers: [1, 5]\n", {}, "check_layers applies to selection"),
