@@ -244,3 +244,36 @@ def test_the_chunk_index_follows_documents_written_by_a_version_that_knows_nothi
     cat._db.execute("DELETE FROM documents WHERE source = 'old.txt'")
     assert cat.unreferenced("default") == ["c1"]
     cat.close()
+
+
+def test_progress_moves_a_chunk_at_a_time_and_names_the_file_of_how_many(tmp_path, monkeypatch):
+    """The bar moved once per 32-chunk batch (0 chunks shown for minutes while KV was
+    being computed) and gave no total."""
+    import kvblend.rag.ingest as ingest_module
+
+    class Bar:
+        def __init__(self, **kw) -> None:
+            self.updates, self.postfixes = [], []
+
+        def __enter__(self):
+            bars.append(self)
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            self.updates.append(n)
+
+        def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+            self.postfixes.append(text)
+
+    bars: list[Bar] = []
+    monkeypatch.setattr(ingest_module, "_progress", lambda enabled: Bar)
+    write_corpus(tmp_path / "docs", 3)
+    engine, retriever, ingestor = pipeline(tmp_path)
+    summary = ingestor.ingest([tmp_path / "docs"], progress=True)
+    assert bars[0].updates == [1] * summary.chunks_new and summary.chunks_new > 3
+    assert bars[0].postfixes == ["file 1/3", "file 2/3", "file 3/3"]
+    retriever.close()
+    engine.close()

@@ -115,6 +115,7 @@ class _Run:
 
     summary: IngestSummary
     bar: Any
+    files: int | None = None  # files to read, when known (the progress line shows i/N)
     todo: list[tuple[Chunk, str]] = field(default_factory=list)
     queued: set[str] = field(default_factory=set)
     waiting: list[_Doc] = field(default_factory=list)
@@ -221,6 +222,8 @@ class Ingestor:
             summary.skipped.append((doc.source, str(exc)))
             return
         summary.documents += 1
+        if run.files:  # files opened of those found (a JSONL file holds many documents)
+            run.bar.set_postfix_str(f"file {summary.files}/{run.files}", refresh=False)
         old = self.catalog.document(tenant, doc.source)
         if old is not None and old.sha256 == sha:
             summary.unchanged += 1
@@ -266,10 +269,11 @@ class Ingestor:
                     summary.kv_tokens += len(row.token_ids)
 
     # ----- one batch ------------------------------------------------------------------
-    def _store_batch(self, batch: list[tuple[Chunk, str]], summary: IngestSummary) -> list[NewChunk]:
+    def _store_batch(self, batch: list[tuple[Chunk, str]], summary: IngestSummary, bar: Any) -> list[NewChunk]:
         tenant, lazy = self.config.tenant, self.config.precompute == "lazy"
         ready = []
         for chunk, _ in batch:
+            bar.update(1)  # a chunk at a time: computing one chunk's KV is what takes the time
             done = False
             if self.warmer is not None and not lazy:
                 t = time.perf_counter()
@@ -289,10 +293,9 @@ class Ingestor:
     def _flush(self, run: _Run) -> None:
         """Store the queued chunks (KV, vectors) and commit them with every document now complete."""
         batch, run.todo = run.todo, []
-        new = self._store_batch(batch, run.summary) if batch else []
+        new = self._store_batch(batch, run.summary, run.bar) if batch else []
         self._commit(new, run)
         run.queued.difference_update(c.chunk_id for c in new)
-        run.bar.update(len(batch))
 
     def _commit(self, new: list[NewChunk], run: _Run) -> None:
         """Commit ``new`` chunks and every sealed document no longer waiting on a chunk."""
@@ -341,7 +344,7 @@ class Ingestor:
         ``hidden``); bad files are skipped and listed in the summary."""
         start, summary = time.perf_counter(), IngestSummary()
         files, summary.skipped = discover([Path(p) for p in paths], hidden)
-        return self._run(_read(files, self.config.text_field, summary), progress, summary, start)
+        return self._run(_read(files, self.config.text_field, summary), progress, summary, start, len(files))
 
     def ingest_documents(self, docs: Iterable[Document], progress: bool = True, summary: IngestSummary | None = None,
                          start: float | None = None) -> IngestSummary:
@@ -350,18 +353,18 @@ class Ingestor:
         return self._run(iter(docs), progress, summary or IngestSummary(), start)
 
     def _run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
-             start: float) -> IngestSummary:
+             start: float, files: int | None = None) -> IngestSummary:
         """Every document through chunk -> store -> commit, a batch at a time, holding the
         index folder's ingest lock (``writing``)."""
         with writing(Path(self.retriever.config.folder)):
-            return self._locked_run(docs, progress, summary, start)
+            return self._locked_run(docs, progress, summary, start, files)
 
     def _locked_run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
-                    start: float) -> IngestSummary:
+                    start: float, files: int | None) -> IngestSummary:
         if self.config.dense:
             self.retriever.reconcile(self.config.tenant)
         with _progress(progress)(desc="chunks", unit="chunk") as bar:
-            run = _Run(summary, bar)
+            run = _Run(summary, bar, files)
             for doc in docs:
                 self._document(doc, run)
             self._flush(run)
@@ -406,7 +409,8 @@ def writing(folder: Path) -> Iterator[None]:
 
 
 def _progress(enabled: bool) -> Callable[..., Any]:
-    """tqdm (with ETA) on stderr, or a silent stand-in with the same calls."""
+    """tqdm on stderr (chunks stored, one at a time, and their rate; files opened of those
+    found), or a silent stand-in with the same calls."""
     from tqdm.auto import tqdm
 
     def bar(iterable=None, **kw):
