@@ -128,3 +128,22 @@ def test_text_on_stdin_that_is_not_utf8_is_a_clear_error(capsys, monkeypatch) ->
     assert main(["generate", "--model", "/nowhere/x.gguf"]) == 2
     err = capsys.readouterr().err
     assert "stdin is not UTF-8 (byte 3)" in err and len(err.strip().splitlines()) == 1
+
+
+def test_paths_that_are_not_what_a_command_needs_are_one_clear_line(capsys, tmp_path) -> None:
+    """FileExistsError, IsADirectoryError and the like were shown by class name."""
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("x")
+    assert main(["eval", "--dataset", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "No such file or directory" in err and "nope.json" in err and "Error:" not in err
+    assert main(["ask", "why?", "--index", str(tmp_path / "typo")]) == 2
+    assert "no index at" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+
+
+def test_demo_question_count_must_be_positive(capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--questions", "-2"])
+    assert "must be at least 1" in capsys.readouterr().err

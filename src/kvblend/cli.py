@@ -100,6 +100,13 @@ def _blend_config(args: argparse.Namespace):
                        sinks=args.sinks, shift=args.shift, vdev=args.vdev)
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _ratio(text: str) -> float | str:
     return text if text == "auto" else float(text)
 
@@ -254,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc", action="append", default=[], help="a document file (repeatable, in order)")
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    p.add_argument("--store-dir", default=None, help="disk tier directory (chunk KV persists across runs)")
+    p.add_argument("--store-dir", default=None,
+                   help="chunk KV disk tier (default: store.disk_dir, else $KVBLEND_HOME/kv: the server's)")
     p.add_argument("--redis-url", default=None)
     _add_model_args(p)
     _add_sampling_args(p)
@@ -265,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="ingest a small MuSiQue corpus, answer by retrieval + blend, TTFT vs full prefill")
     _add_model_args(p)
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--questions", type=int, default=2, help="questions to answer (of 3)")
+    p.add_argument("--questions", type=_count, default=2, help="questions to answer (of 3)")
     p.add_argument("--chunks", type=int, default=4, help="passages retrieved per question (top-k)")
     p.set_defaults(func=cmd_demo)
 
@@ -293,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ValueError as exc:
         print(f"kvblend: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that is missing, a file where a folder should be, ...
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"kvblend: error: {exc.strerror or type(exc).__name__}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -173,8 +173,11 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
     from kvblend.cliargs import load_from_args as _load
     from kvblend.cliargs import print_stats as _print_stats
     from kvblend.engine import Engine
+    from kvblend.errors import KvblendError
     from kvblend.rag.ask import ask
 
+    if args.index and not Path(args.index).is_dir():  # a mistyped folder: say so, create nothing
+        raise KvblendError(f"no index at {args.index}: run `kvblend ingest PATH --index {args.index}` first")
     loaded = _load(args)
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
     engine = Engine(loaded, store=_store(args, loaded))
