@@ -494,7 +494,19 @@ class Settings(ModelSettings):
         data["admin_key"] = _mask(self.admin_key) if self.admin_key else None
         if self.store.redis_url:
             data["store"]["redis_url"] = ",".join(_hide_password(u) for u in self.store.redis_url.split(","))
-        return data
+        return _finite(data)
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with non-finite floats as the strings a setting takes back ("inf"), so that
+    it prints as JSON (``Infinity`` is not JSON)."""
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_finite(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return str(data)
+    return data
 
 
 def _mask(key: str) -> str:

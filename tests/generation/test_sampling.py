@@ -56,7 +56,8 @@ def test_eos_stops_generation() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop=("",)), dict(temperature=float("nan")), dict(temperature=float("inf"))])
+                                 dict(stop=("",)), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(seed=2**64), dict(seed=-(2**63) - 1)])  # seeds: an overflow in torch, before
 def test_bad_sampling_params_are_rejected(bad) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)

@@ -107,6 +107,13 @@ def test_print_config_shows_the_merged_result_with_keys_hidden(tmp_path, monkeyp
     assert "very-secret" not in out and "admin-secret" not in out
 
 
+def test_print_config_is_json_with_an_endless_drain(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVBLEND_DRAIN_TIMEOUT_S", "inf")
+    assert main(["serve", "--print-config"]) == 0
+    data = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert data["drain_timeout_s"] == "inf" and Settings(drain_timeout_s=data["drain_timeout_s"]).drain_timeout_s > 1e308
+
+
 def test_cli_model_arguments_come_from_the_same_source(monkeypatch, capsys) -> None:
     monkeypatch.setenv("KVBLEND_DEVICE", "cuda:1")
     monkeypatch.setenv("KVBLEND_MODEL", "my-model")

@@ -45,6 +45,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # what a torch generator takes
+            raise InvalidRequestError(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
         object.__setattr__(self, "stop", tuple(self.stop))
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS
                                                     for s in self.stop):
