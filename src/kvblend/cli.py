@@ -285,9 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_commands(sub) -> None:
     from kvblend.eval.harness import add_eval_commands
     from kvblend.commands.profile import add_profile_command
+    from kvblend.commands.store import cmd_store
     from kvblend.store.cli import add_store_commands
 
-    add_store_commands(sub)
+    add_store_commands(sub, run=cmd_store)
     add_eval_commands(sub)
     add_profile_command(sub)
 

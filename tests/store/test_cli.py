@@ -6,16 +6,19 @@ from pathlib import Path
 import pytest
 
 from kvblend.store import DiskStore, RedisStore
-from kvblend.store.cli import add_store_commands, run_store_command
+from kvblend.commands.store import cmd_store
+from kvblend.store.cli import add_store_commands
 from kvblend.store.localredis import LocalRedis, LocalRedisCluster
 
 from tests.store.helpers import keyed
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``kvblend store ARGV`` as the command line runs it (locations not given from the settings)."""
     parser = argparse.ArgumentParser(prog="kvblend")
-    add_store_commands(parser.add_subparsers(dest="command", required=True))
-    code = run_store_command(parser.parse_args(["store", *argv]))
+    add_store_commands(parser.add_subparsers(dest="command", required=True), run=cmd_store)
+    args = parser.parse_args(["store", *argv])
+    code = args.func(args)
     out = capsys.readouterr()
     return code, out.out + out.err
 

@@ -18,8 +18,11 @@ from kvblend.store.tiered import TieredStore
 UNCAPPED = sys.maxsize  # the CLI never evicts by capacity when it opens a store
 
 
-def add_store_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register the ``store`` command and its subcommands on a parent parser's subparsers."""
+def add_store_commands(subparsers: argparse._SubParsersAction,
+                       run: Callable[[argparse.Namespace], int] | None = None) -> None:
+    """Register the ``store`` command and its subcommands on a parent parser's subparsers;
+    ``run`` (default ``run_store_command``) runs them: ``kvblend.commands.store`` fills the
+    locations not given from the settings first (this package sits below them)."""
     store = subparsers.add_parser("store", help="inspect and manage the chunk KV store")
     sub = store.add_subparsers(dest="store_command", required=True)
     for name, helptext in (("stats", "entries and bytes per tier"), ("ls", "list entries"),
@@ -29,12 +32,13 @@ def add_store_commands(subparsers: argparse._SubParsersAction) -> None:
     evict.add_argument("--to-bytes", type=parse_size, help="evict until the tenant holds at most this much")
     evict.add_argument("--key", action="append", default=[], help="digest of an entry to delete (repeatable)")
     _add_plan_flags(sub.add_parser("plan", help="KV bytes per token and chunks that fit a budget"))
-    store.set_defaults(func=run_store_command)
+    store.set_defaults(func=run or run_store_command)
 
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
-    """Where the store is: by default the server's (settings ``store.*``: its disk folder,
-    and its Redis with the same prefix, cluster and groups); a flag overrides one of them."""
+    """Where the store is: from ``kvblend store``, by default the server's (settings
+    ``store.*``: its disk folder, and its Redis with the same prefix, cluster and groups); a
+    flag overrides one of them. Unfilled, the prefix is kvblend, 16 groups, no cluster."""
     p.add_argument("--disk-dir", help="disk tier directory (default: store.disk_dir, else $KVBLEND_HOME/kv)")
     p.add_argument("--redis-url", help="redis tier URL, e.g. redis://127.0.0.1:6379/0; with --redis-cluster, "
                    "one or more node URLs, comma-separated (default: store.redis_url)")
@@ -69,7 +73,9 @@ def run_store_command(args: argparse.Namespace) -> int:
     cannot be reached: nothing there was read or changed, and saying "0 entries" would lie)."""
     if args.store_command == "plan":
         return _plan(args)
-    _fill_from_settings(args)
+    for name, default in (("redis_prefix", "kvblend"), ("redis_cluster", False), ("redis_groups", 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.disk_dir and not os.path.isdir(args.disk_dir):
         print(f"kvblend store: no such directory: {args.disk_dir}", file=sys.stderr)
         return 2
@@ -91,23 +97,6 @@ def run_store_command(args: argparse.Namespace) -> int:
         return commands[args.store_command](store, args)
     finally:
         store.close()
-
-
-def _fill_from_settings(args: argparse.Namespace) -> None:
-    """Locations not given as flags, from the settings ``kvblend serve`` reads: the disk
-    folder when it exists (a command that only reads must not create it) and the disk tier
-    is on, the Redis URL, prefix, cluster flag and groups."""
-    from kvblend.settings import Settings
-
-    store = Settings.load().store
-    if args.disk_dir is None and args.redis_url is None:
-        if "disk" in store.tiers and os.path.isdir(store.disk_folder):
-            args.disk_dir = store.disk_folder
-        if "redis" in store.tiers:
-            args.redis_url = store.redis_url
-    for name in ("redis_prefix", "redis_cluster", "redis_groups"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(store, name))
 
 
 def _open(args: argparse.Namespace) -> TieredStore | None:
@@ -158,10 +147,7 @@ def _clear(store: TieredStore, args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if args.dtype is None:
-        from kvblend.settings import Settings
-
-        args.dtype = Settings.load().store.kv_dtype
+    args.dtype = args.dtype or "fp32"
     try:
         p = plan_capacity(args.layers, args.kv_heads, args.head_dim, args.dtype, args.budget, args.chunk_tokens)
     except ValueError as exc:
