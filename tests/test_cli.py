@@ -113,6 +113,10 @@ def test_a_store_flag_adds_its_tier_when_the_settings_leave_it_out(monkeypatch, 
     config = store_config(args, "fp32", memory=False)
     assert config.enabled_tiers == ("disk", "redis") and config.disk_dir == str(tmp_path / "kv")
     assert store_config(argparse.Namespace(store_dir=None, redis_url=None), "fp32").enabled_tiers == ("memory",)
+    monkeypatch.setenv("KVBLEND_STORE__TIERS", '["memory", "redis"]')
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_URL", "redis://127.0.0.1:1/0")
+    flagged = argparse.Namespace(store_dir=str(tmp_path / "kv"), redis_url=None)
+    assert store_config(flagged, "fp32").enabled_tiers == ("memory", "disk", "redis")  # looked up in that order
 
 
 def test_text_on_stdin_that_is_not_utf8_is_a_clear_error(capsys, monkeypatch) -> None:

@@ -77,19 +77,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _blend_config(args: argparse.Namespace):
-    """The flags' ``BlendConfig``, by the rule a request's ``kvblend`` options follow: a
-    knob of deviation selection (``--check-layers``, ``--schedule``, ``--signal``) without
-    ``--selection`` selects by deviation; with another selection it would change nothing
-    and is refused."""
+    """The flags' ``BlendConfig``, by the rule a request's ``kvblend`` options and the
+    settings follow (``settings.deviation_selection``): a knob of deviation selection
+    (``--check-layers``, ``--schedule``, ``--signal``) without ``--selection`` selects by
+    deviation; with another selection it would change nothing and is refused."""
     from kvblend.blend.config import BlendConfig
 
     if args.method == "cacheblend":  # the paper's selection, whatever the strategy flags say
         return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
-    knobs = {"check_layers": args.check_layers, "schedule": args.schedule, "signal": args.signal}
-    given = [name for name, value in knobs.items() if value is not None]
-    selection = args.selection or ("deviation" if given else BlendConfig.selection)
-    if given and selection != "deviation":
-        raise KvblendError(f"--{given[0].replace('_', '-')} applies to --selection deviation only, not {selection}")
+    from kvblend.errors import InvalidRequestError
+    from kvblend.settings import DEVIATION_KNOBS, deviation_selection
+
+    given = [name for name in DEVIATION_KNOBS if getattr(args, name) is not None]
+    try:
+        selection = deviation_selection(given, args.selection) or BlendConfig.selection
+    except InvalidRequestError as exc:
+        raise KvblendError(f"--{(exc.field or '').replace('_', '-')} applies to --selection deviation only, "
+                           f"not {args.selection}") from None
     try:
         layers = tuple(int(x) for x in args.check_layers.split(",")) if args.check_layers else BlendConfig.check_layers
         schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else None
@@ -173,9 +177,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def _refuse_retrieval_flags(args: argparse.Namespace) -> None:
     """``--doc`` names the documents: a retrieval flag given with it would be ignored."""
-    given = [flag for flag, value, default in (("--chunks", args.chunks, 6), ("--compare", args.compare, False),
-                                               ("--index", args.index, None), ("--retriever", args.retriever, None))
-             if value != default]
+    given = [flag for flag, value in (("--chunks", args.chunks), ("--compare", args.compare or None),
+                                      ("--index", args.index), ("--retriever", args.retriever)) if value is not None]
     if given:
         raise KvblendError(f"{', '.join(given)} retrieve documents: not with --doc, which names them")
 
@@ -305,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as exc:  # a path that is missing, a file where a folder should be, ...
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"kvblend: error: {exc.strerror or type(exc).__name__}{where}", file=sys.stderr)
+        print(f"kvblend: error: {exc.strerror or str(exc) or type(exc).__name__}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -26,13 +26,13 @@ from pydantic_settings import (
 
 from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig
 from kvblend.engine.fair import TenantShare
-from kvblend.errors import KvblendError
+from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
 from kvblend.store.config import TIER_NAMES, StoreConfig
 from kvblend.store.keys import validate_tenant
 from kvblend.store.plan import parse_size
-from kvblend.store.remote import cluster_nodes
+from kvblend.store.remote import cluster_nodes, hide_password
 
 DTYPES = ("float32", "float16", "bfloat16")
 GiB = 1024**3
@@ -83,7 +83,7 @@ class StoreSettings(_Section):
     disk_bytes: Size = 10 * GiB
     redis_url: str | None = None
     redis_bytes: Size = 10 * GiB
-    redis_ttl_s: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: entries do not expire
+    redis_ttl_s: float | None = Field(None, gt=0, le=10 * 365 * 86400, allow_inf_nan=False)  # None: no expiry
     redis_prefix: str = "kvblend"
     redis_cluster: bool = False  # redis_url names a Redis Cluster (node URLs, comma-separated)
     redis_groups: int = Field(16, ge=1, le=256)  # a cluster tier's hash-tag groups: caps hold per group
@@ -111,8 +111,9 @@ class StoreSettings(_Section):
 
     def flagged(self, disk_dir: str | None, redis_url: str | None, kv_dtype: str | None = None,
                 compute_dtype: str = "fp32") -> StoreConfig:
-        """A command's ``--store-dir``/``--redis-url`` store (``kvblend ask --doc``,
-        ``kvblend profile``): memory, plus a disk tier at ``disk_dir`` and a Redis tier at
+        """``kvblend profile``'s ``--store-dir``/``--redis-url`` store (it measures the tiers
+        named, and writes only there; ``ask`` and ``ingest`` use the settings' store with the
+        flags over it, ``commands.ingest.store_config``): memory, plus a disk tier at ``disk_dir`` and a Redis tier at
         ``redis_url`` when given, Redis reached and capped as these settings say (a Redis
         Cluster, groups, prefix, timeouts, ``redis_bytes`` and ``tenant_bytes``: a command
         writing into the server's Redis must not evict down to another cap) and KV stored in
@@ -134,13 +135,26 @@ _BLEND = BlendConfig()  # the engine's defaults: the one place a default blend i
 DEVIATION_KNOBS = ("check_layers", "schedule", "signal")  # what only deviation selection reads
 
 
-def idle_deviation_knob(cfg: BlendConfig) -> str | None:
-    """The first knob of deviation selection ``cfg`` sets away from its default while
-    another selection runs (it would change nothing), or None: the settings and the
-    command line refuse it, as a request's ``kvblend`` options do."""
-    if cfg.selection == "deviation":
-        return None
-    return next((k for k in DEVIATION_KNOBS if getattr(cfg, k) != getattr(_BLEND, k)), None)
+def _knob(name: str, value: Any) -> Any:
+    """A knob's value as ``BlendConfig`` holds it (lists from YAML or JSON as tuples)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def deviation_selection(knobs: Sequence[str], selection: str | None) -> str | None:
+    """The one rule for knobs only deviation selection reads (``DEVIATION_KNOBS``), for a
+    request's ``kvblend`` options, the ``blend.*`` settings and the command line: given
+    ``knobs`` and no selection select by deviation; with another selection named they
+    would change nothing and are refused (InvalidRequestError naming the first); else
+    ``selection`` as given (None: not named)."""
+    if not knobs:
+        return selection
+    if selection is None:
+        return "deviation"
+    if selection != "deviation":
+        raise InvalidRequestError(f"{knobs[0]} applies to selection 'deviation' only, not {selection!r}", knobs[0])
+    return selection
+
+
 SERVED_SELECTIONS = tuple(s for s in SELECTIONS if s != "oracle")  # oracle costs a full prefill: eval only
 
 
@@ -189,14 +203,16 @@ class BlendSettings(BlendOptions):
         if not isinstance(data, dict):
             return data
         defaults = {name: getattr(_BLEND, name, None) for name in BlendOptions.model_fields} | {"method": "blend"}
+        # a knob set away from its default is a given one (a request's options arrive merged
+        # over these settings, every field present: ``server.translate`` applies the rule to
+        # what the request itself gave)
+        knobs = [k for k in DEVIATION_KNOBS if data.get(k) is not None and _knob(k, data[k]) != defaults[k]]
+        data = {**data, "selection": deviation_selection(knobs, data.get("selection"))}
         return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
     @model_validator(mode="after")
     def _valid(self) -> BlendSettings:
         self.blend_config()  # InvalidRequestError is a ValueError: pydantic reports it
-        if knob := idle_deviation_knob(self.blend_config()):
-            raise ValueError(f"{knob} applies to selection 'deviation' only, not {self.selection!r}: "
-                             f"set selection: deviation, or leave {knob} out")
         return self
 
     def check_model(self, num_layers: int) -> None:
@@ -493,7 +509,7 @@ class Settings(ModelSettings):
         data["api_keys"] = {f"{_mask(k)}#{i}": t for i, (k, t) in enumerate(self.api_keys.items())}
         data["admin_key"] = _mask(self.admin_key) if self.admin_key else None
         if self.store.redis_url:
-            data["store"]["redis_url"] = ",".join(_hide_password(u) for u in self.store.redis_url.split(","))
+            data["store"]["redis_url"] = hide_password(self.store.redis_url)
         return _finite(data)
 
 
@@ -511,16 +527,6 @@ def _finite(data: Any) -> Any:
 
 def _mask(key: str) -> str:
     return key[:3] + "..." if len(key) > 6 else "***"
-
-
-def _hide_password(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
-    parts = urlsplit(url.strip())
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _check_yaml(path: Path) -> None:

@@ -72,10 +72,13 @@ def test_replica_flags_merge_into_the_cluster_settings(tmp_path, monkeypatch, ca
 def test_the_guard_runs_with_replicas_and_its_checks_have_room_on_a_replica():
     from kvblend.cluster.app import check_settings
     from kvblend.cluster.model import max_ongoing
-    from kvblend.settings import Settings
+    from kvblend.settings import Settings, SettingsError
 
     guarded = Settings(guard={"enabled": True}, scheduler={"max_background": 5}, cluster={"replicas": 2})
     check_settings(guarded)  # accepted (it was refused before the checks could run on replicas)
+    deep = Settings(blend={"check_layers": [1, 99]}, cluster={"replicas": 2})
+    with pytest.raises(SettingsError, match="must be below the model's 30 layers"):
+        check_settings(deep)  # before any replica starts (and fails in Ray's logs)
     # every ingress's checks may wait in a replica's background lane, not only one's max_pending
     assert max_ongoing(guarded) == max_ongoing(Settings(cluster={"replicas": 2})) + 5
 

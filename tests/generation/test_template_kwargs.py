@@ -8,7 +8,7 @@ import pytest
 
 from kvblend.blend.layout import render_layout
 from kvblend.errors import InvalidRequestError
-from kvblend.generation.stream import chat_text, validate_template_kwargs
+from kvblend.generation.stream import RESERVED_TEMPLATE_KWARGS, chat_text, validate_template_kwargs
 from tests.conftest import CHATML, make_tokenizer
 
 THINKING = CHATML + "{% if enable_thinking is defined and not enable_thinking %}one two three{% endif %}"
@@ -73,3 +73,29 @@ def test_a_template_that_fails_on_a_variable_names_the_variables_not_the_message
     with pytest.raises(InvalidRequestError, match="one turn only") as err:
         chat_text(tok, MESSAGES * 2, {"budget": 1})
     assert err.value.field == "messages"
+
+
+def test_a_deep_nest_is_refused_before_it_is_copied() -> None:
+    """A 1.4 KB body nested 600 deep overflowed the copy's stack: a 500 and a long traceback."""
+    deep: object = 1
+    for _ in range(600):
+        deep = [deep]
+    with pytest.raises(InvalidRequestError, match="nest deeper than 16") as err:
+        validate_template_kwargs({"x": deep})
+    assert err.value.field == "chat_template_kwargs"
+    ok: object = 1
+    for _ in range(15):
+        ok = {"a": ok}
+    assert validate_template_kwargs({"x": ok})
+
+
+def test_an_argument_of_apply_chat_template_is_not_a_template_variable(tok) -> None:
+    """Names come from the tokenizer's own signature, whatever transformers adds next."""
+    import inspect
+
+    own = [p for p in inspect.signature(tok.apply_chat_template).parameters
+           if p not in ("conversation", "tokenize", "add_generation_prompt", "self", "kwargs")]
+    name = next(p for p in own if p not in RESERVED_TEMPLATE_KWARGS)  # one the fixed list does not name
+    with pytest.raises(InvalidRequestError, match=repr(name)) as err:
+        chat_text(tok, MESSAGES, {name: 1})
+    assert err.value.field == "chat_template_kwargs"

@@ -85,8 +85,10 @@ def test_precedence_flags_over_env_over_yaml(tmp_path, monkeypatch) -> None:
     ("", {"KVBLEND_PROT": "9000"}, "unknown setting(s) in the environment: KVBLEND_PROT"),
     ("", {"KVBLEND_STORE_MEMORY_BYTES": "2GiB"}, "KVBLEND_STORE_MEMORY_BYTES"),
     ("store:\n  redis_ttl_s: -5\n", {}, "store.redis_ttl_s"),
-    ("", {"KVBLEND_BLEND__SIGNAL": "k"}, "signal applies to selection 'deviation' only"),
+    ("", {"KVBLEND_BLEND__SIGNAL": "k", "KVBLEND_BLEND__SELECTION": "question"},
+     "signal applies to selection 'deviation' only"),
     ("blend:\n  selection: question\n  check_layers: [1, 5]\n", {}, "check_layers applies to selection"),
+    ("", {"KVBLEND_STORE__REDIS_TTL_S": "1e300"}, "store.redis_ttl_s"),
 ])
 def test_invalid_settings_are_named(tmp_path, monkeypatch, yaml_text, env, needle) -> None:
     for k, v in env.items():
@@ -151,6 +153,9 @@ def test_deviation_knobs_load_with_deviation_selection_and_do_not_follow_a_reque
 
     settings = Settings(blend={"selection": "deviation", "signal": "k", "check_layers": [1, 5]})
     assert settings.blend.blend_config().signal == "k"
+    # a knob without a selection selects by deviation, in the settings as in a request
+    assert Settings(blend={"signal": "k"}).blend.blend_config().selection == "deviation"
+    assert Settings(blend={"signal": "v"}).blend.blend_config().selection == "question"  # the default: no knob set
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                  kvblend={"selection": "question"})
     _, cfg = blend_options(body, settings, num_layers=30)  # was a 400 blaming the server's signal

@@ -124,3 +124,12 @@ def test_store_commands_work_against_a_cluster(capsys: pytest.CaptureFixture[str
     assert "cleared 1 entries of tenant bob" in out
     code, out = run(capsys, "stats", "--redis-url", redis_cluster.url, "--redis-prefix", redis_prefix)
     assert code == 2 and "cluster" in out  # several node URLs without --redis-cluster
+
+
+def test_an_unreachable_redis_is_named_without_its_password(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvblend.store.localredis import free_port
+
+    monkeypatch.setenv("KVBLEND_STORE__REDIS_URL", f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0")
+    code, out = run(capsys, "stats")
+    assert code == 1 and "cannot reach" in out and "s3cret" not in out and ":***@" in out

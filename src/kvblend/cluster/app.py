@@ -33,7 +33,17 @@ ROUTERS = ("affinity", "default")
 
 
 def check_settings(settings: Settings) -> None:
-    """Refuse what a replicated deployment cannot honour yet (SettingsError)."""
+    """Refuse what a replicated deployment cannot honour yet (SettingsError), and blend
+    defaults the model cannot run, before any replica starts (its config only, no weights)."""
+    import torch
+
+    from kvblend.models import load_model
+
+    try:
+        loaded = load_model(settings.model, "cpu", getattr(torch, settings.dtype), weights=False)
+        settings.blend.check_model(loaded.config.num_layers)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     if "memory" not in settings.store.tiers and settings.cluster.router == "affinity":
         log.warning("the affinity router routes on memory-tier residency, but store.tiers has no memory tier")
 

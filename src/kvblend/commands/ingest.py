@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 
+DEFAULT_CHUNKS = 6  # passages ``kvblend ask`` retrieves without --doc
+
+
 def default_store_dir() -> Path:
     """``$KVBLEND_HOME/kv``: the disk tier ``kvblend ingest`` fills and ``kvblend serve`` reads."""
     from kvblend.settings import StoreSettings
@@ -37,11 +40,13 @@ def store_config(args: argparse.Namespace, compute_dtype: str, memory: bool = Tr
     import dataclasses
 
     from kvblend.settings import Settings
+    from kvblend.store.config import TIER_NAMES
 
     flags = {"disk_dir": getattr(args, "store_dir", None), "redis_url": getattr(args, "redis_url", None)}
     settings = Settings.load().store
     named = {"disk": flags["disk_dir"], "redis": flags["redis_url"]}  # a tier a flag names is used
-    tiers = settings.tiers + tuple(t for t, v in named.items() if v is not None and t not in settings.tiers)
+    wanted = set(settings.tiers) | {t for t, v in named.items() if v is not None}
+    tiers = tuple(t for t in TIER_NAMES if t in wanted)  # lookup order: memory, disk, redis
     settings = settings.model_copy(update={**{k: v for k, v in flags.items() if v is not None}, "tiers": tiers})
     config = settings.store_config(compute_dtype)
     rest = tuple(t for t in config.enabled_tiers if t != "memory")
@@ -161,7 +166,8 @@ def _economics(ingestor, engine, loaded):
 
 # ----- ask by retrieval -----------------------------------------------------------------
 def add_ask_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=6, help="chunks to retrieve when no --doc is given (top-k)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help=f"chunks to retrieve when no --doc is given (top-k; default {DEFAULT_CHUNKS})")
     p.add_argument("--compare", action="store_true", help="also run a full prefill and compare")
     p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")
     p.add_argument("--retriever", default=None, choices=("dense", "bm25", "hybrid"), help="default: hybrid")
@@ -183,7 +189,8 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
     engine = Engine(loaded, store=_store(args, loaded))
     show = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
-        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=args.chunks, request_kw=request_kw,
+        top_k = DEFAULT_CHUNKS if args.chunks is None else args.chunks
+        answer = ask(engine, retriever, question, tenant=args.tenant, top_k=top_k, request_kw=request_kw,
                      sampling=sampling, compare=args.compare, on_text=show)
     finally:
         engine.close()

@@ -21,17 +21,18 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def fill_from_settings(args: argparse.Namespace) -> None:
-    """Locations not given as flags, from the settings ``kvblend serve`` reads: the disk
-    folder when it exists (a command that only reads must not create it) and the disk tier
-    is on, the Redis URL, prefix, cluster flag and groups."""
+    """With neither location flag, the store the settings ``kvblend serve`` reads name: the
+    disk folder when the disk tier is on and the folder exists (a command that only reads
+    must not create it), the Redis URL with its prefix, cluster flag and groups."""
     from kvblend.settings import Settings
 
+    if args.disk_dir is not None or args.redis_url is not None:
+        return  # the flags name the store (store.cli's defaults for the rest)
     store = Settings.load().store
-    if args.disk_dir is None and args.redis_url is None:
-        if "disk" in store.tiers and os.path.isdir(store.disk_folder):
-            args.disk_dir = store.disk_folder
-        if "redis" in store.tiers:
-            args.redis_url = store.redis_url
+    if "disk" in store.tiers and os.path.isdir(store.disk_folder):
+        args.disk_dir = store.disk_folder
+    if "redis" in store.tiers:
+        args.redis_url = store.redis_url
     for name in ("redis_prefix", "redis_cluster", "redis_groups"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(store, name))

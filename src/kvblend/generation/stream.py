@@ -7,6 +7,7 @@ The decode rules (sampling, stop strings, EOS, max_tokens) are ``DecodeSlot``'s,
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -53,6 +54,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 MAX_TEMPLATE_KWARGS = 32  # variables per request
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024  # their JSON, UTF-8
+MAX_TEMPLATE_KWARGS_DEPTH = 16  # lists and objects within each other (a deep one overflows the copy's stack)
 TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
 
 
@@ -75,6 +77,9 @@ def validate_template_kwargs(kwargs: Any) -> dict[str, Any]:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}: kvblend sets it",
                                       TEMPLATE_KWARGS_FIELD)
+    if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise InvalidRequestError(f"chat_template_kwargs nest deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
+                                  TEMPLATE_KWARGS_FIELD)
     try:
         size = len(json.dumps(kwargs, ensure_ascii=False, allow_nan=False).encode())
     except (TypeError, ValueError):  # not JSON, NaN, or text that is not Unicode
@@ -86,6 +91,35 @@ def validate_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(kwargs))
 
 
+def _depth(value: Any) -> int:
+    """How deep lists and mappings nest in ``value`` (1 for a mapping of scalars), walked
+    without recursion and stopping past the bound."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_TEMPLATE_KWARGS_DEPTH:
+            break
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _own_arguments(tokenizer: Any) -> frozenset[str]:
+    """The named arguments of this tokenizer's ``apply_chat_template`` (a client's template
+    variable must not become one of them, whatever transformers version adds)."""
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 def chat_text(tokenizer: Any, conversation: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None) -> str:
     """``conversation`` through the model's chat template, ready for the reply, with the
     client's ``template_kwargs`` (checked by ``validate_template_kwargs``) as extra template
@@ -94,6 +128,11 @@ def chat_text(tokenizer: Any, conversation: list[dict[str, str]], template_kwarg
     fault (``chat_template_kwargs`` when the conversation renders without them), not an
     internal error."""
     from jinja2 import TemplateError  # transformers' templates are jinja2
+
+    taken = sorted(set(template_kwargs or ()) & _own_arguments(tokenizer))
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {taken[0]!r}: kvblend sets it",
+                                  TEMPLATE_KWARGS_FIELD)
 
     def render(extra: Mapping[str, Any]) -> str:
         return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra)

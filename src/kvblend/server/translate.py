@@ -25,7 +25,7 @@ from kvblend.server.errors import APIError, bad_request, from_validation
 from kvblend.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DocumentRef, _Common, ignored_fields, unsupported, utf8_size,
 )
-from kvblend.settings import DEVIATION_KNOBS, BlendSettings, Settings
+from kvblend.settings import DEVIATION_KNOBS, BlendSettings, Settings, deviation_selection
 
 log = logging.getLogger("kvblend.server")
 MAX_STOP_CHARS = 256
@@ -99,12 +99,11 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
     if "check_layers" in given and "schedule" not in given:
         values["schedule"] = None
     knobs = [k for k in DEVIATION_KNOBS if k in given]
-    if knobs and "selection" not in given:
-        values["selection"] = "deviation"  # check layers, schedules and signals are deviation's
-    elif knobs and values["selection"] != "deviation":
-        raise bad_request(f"{knobs[0]} applies to selection 'deviation' only, not {values['selection']!r}",
-                          f"kvblend.{knobs[0]}")
-    elif values["selection"] != "deviation":  # the server's deviation knobs do not follow a request away
+    try:
+        values["selection"] = deviation_selection(knobs, given.get("selection")) or values["selection"]
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), f"kvblend.{exc.field}") from None
+    if values["selection"] != "deviation":  # the server's deviation knobs do not follow a request away
         values.update({k: getattr(BlendConfig, k) for k in DEVIATION_KNOBS})
     if max(values["check_layers"]) >= num_layers:
         raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")

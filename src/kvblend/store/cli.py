@@ -11,7 +11,7 @@ from typing import Callable
 from kvblend.store.disk import DiskStore
 from kvblend.store.keys import ChunkKey, validate_tenant
 from kvblend.store.plan import format_size, parse_size, plan_capacity
-from kvblend.store.remote import RedisStore
+from kvblend.store.remote import RedisStore, hide_password
 from kvblend.store.tier import Tier
 from kvblend.store.tiered import TieredStore
 
@@ -36,12 +36,13 @@ def add_store_commands(subparsers: argparse._SubParsersAction,
 
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
-    """Where the store is: from ``kvblend store``, by default the server's (settings
-    ``store.*``: its disk folder, and its Redis with the same prefix, cluster and groups); a
-    flag overrides one of them. Unfilled, the prefix is kvblend, 16 groups, no cluster."""
-    p.add_argument("--disk-dir", help="disk tier directory (default: store.disk_dir, else $KVBLEND_HOME/kv)")
+    """Where the store is: from ``kvblend store`` with neither ``--disk-dir`` nor
+    ``--redis-url``, the server's (settings ``store.*``: its disk folder, and its Redis with
+    the same prefix, cluster and groups); with either, the flags alone (prefix kvblend, 16
+    groups, no cluster unless given)."""
+    p.add_argument("--disk-dir", help="disk tier directory (with neither location flag: the settings' store)")
     p.add_argument("--redis-url", help="redis tier URL, e.g. redis://127.0.0.1:6379/0; with --redis-cluster, "
-                   "one or more node URLs, comma-separated (default: store.redis_url)")
+                   "one or more node URLs, comma-separated (with neither location flag: the settings' store)")
     p.add_argument("--redis-prefix", default=None, help="key prefix of the redis tier (default: store.redis_prefix)")
     p.add_argument("--redis-cluster", action=argparse.BooleanOptionalAction, default=None,
                    help="the URL names a Redis Cluster (default: store.redis_cluster)")
@@ -92,7 +93,7 @@ def run_store_command(args: argparse.Namespace) -> int:
     try:
         down = [t for t in store.tiers if isinstance(t, RedisStore) and not t.ping()]
         if down:
-            print(f"kvblend store: cannot reach the redis tier at {args.redis_url}", file=sys.stderr)
+            print(f"kvblend store: cannot reach the redis tier at {hide_password(args.redis_url)}", file=sys.stderr)
             return 1
         return commands[args.store_command](store, args)
     finally:

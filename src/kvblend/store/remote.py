@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from typing import Any, Callable, NamedTuple, TypeVar
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import redis
 import torch
@@ -542,6 +542,20 @@ class RedisStore(Tier):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+def hide_password(urls: str) -> str:
+    """A Redis URL, or several comma-separated, with each password shown as ``***``
+    (``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``): for messages
+    and printed settings."""
+    out = []
+    for url in urls.split(","):
+        parts = urlsplit(url.strip())
+        if parts.password is not None:
+            host = parts.netloc.rsplit("@", 1)[1]
+            url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+        out.append(url)
+    return ",".join(out)
 
 
 def _connect(url: str, timeout_s: float) -> redis.Redis:
