@@ -151,3 +151,9 @@ def test_demo_question_count_must_be_positive(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["demo", "--questions", "-2"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_an_unknown_device_is_one_line_before_any_loading(capsys) -> None:
+    assert main(["generate", "--device", "banana", "hi"]) == 2  # was torch's long RuntimeError, rc 1
+    err = capsys.readouterr().err
+    assert "unknown torch device 'banana'" in err and len(err.strip().splitlines()) == 1

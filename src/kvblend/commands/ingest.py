@@ -112,6 +112,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for path, reason in skipped:
             print(f"  {path}: {reason}", file=sys.stderr)
         return 1
+    if args.quiet:  # transformers' own bars too (loading the weights, the embedder)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     loaded = _load(args)
     engine = Engine(loaded, store=_store(args, loaded, memory=False), calibrate=False)  # computes chunks only
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvblend.errors import ModelNotFoundError, UnsupportedModelError
+from kvblend.errors import KvblendError, ModelNotFoundError, UnsupportedModelError
 from kvblend.models.config import ModelConfig, kv_config_digest
 from kvblend.models.gguf import META_FILE, cache_home, convert_gguf
 from kvblend.models.registry import resolve_packaged
@@ -128,7 +128,13 @@ def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype =
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
                weights: bool = True) -> LoadedModel:
     """Load by packaged short name, Hugging Face folder, or GGUF file path
-    (``weights``: see ``load_hf_folder``)."""
+    (``weights``: see ``load_hf_folder``). An unknown ``device`` is a KvblendError before
+    anything is read."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise KvblendError(f"unknown torch device {device!r} (e.g. cpu, cuda, cuda:1): {first[:200]}") from None
     path = Path(spec)
     if path.suffix == ".gguf":
         return load_hf_folder(convert_gguf(path), device, dtype, weights=weights)
