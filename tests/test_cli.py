@@ -70,7 +70,8 @@ def test_unexpected_errors_are_one_line_with_a_failing_exit_code(capsys, monkeyp
     assert "RuntimeError: the allocator gave up" in err and len(err.strip().splitlines()) == 1
 
 
-def _tiny_ask(monkeypatch, tmp_path, *extra: str, text: str = "the doctor works in paris .") -> dict:
+def _tiny_ask(monkeypatch, tmp_path, *extra: str, text: str = "the doctor works in paris .") -> list[str]:
+    """argv of ``ask --doc`` on the tiny model (loaded in place of the real one)."""
     import kvblend.cli
     from tests.conftest import make_loaded
 

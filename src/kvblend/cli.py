@@ -184,14 +184,15 @@ def _refuse_retrieval_flags(args: argparse.Namespace) -> None:
 
 
 def _document_cut(engine):
-    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (the server's
-    ``documents.chunk_tokens``, from the same settings), so that each chunk's KV is the one
-    the server and ingest store."""
-    from kvblend.rag.chunking import ChunkerConfig, chunk_text
+    """A ``--doc`` file cut as ``POST /v1/documents`` cuts it (``server.translate.document_chunks``
+    at the server's ``documents.chunk_tokens``, from the same settings), so that each
+    chunk's KV is the one the server and ingest store."""
+    import functools
+
+    from kvblend.server.translate import document_chunks
     from kvblend.settings import Settings
 
-    config = ChunkerConfig(size=Settings.load().documents.chunk_tokens)
-    return lambda text: chunk_text(engine.tokenizer, text, config, engine.loaded.tokenizer_fingerprint)
+    return functools.partial(document_chunks, engine, chunk_tokens=Settings.load().documents.chunk_tokens)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

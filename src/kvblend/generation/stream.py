@@ -129,7 +129,7 @@ def chat_text(tokenizer: Any, conversation: list[dict[str, str]], template_kwarg
     internal error."""
     from jinja2 import TemplateError  # transformers' templates are jinja2
 
-    taken = sorted(set(template_kwargs or ()) & _own_arguments(tokenizer))
+    taken = sorted(set(template_kwargs) & _own_arguments(tokenizer)) if template_kwargs else []
     if taken:
         raise InvalidRequestError(f"chat_template_kwargs may not set {taken[0]!r}: kvblend sets it",
                                   TEMPLATE_KWARGS_FIELD)

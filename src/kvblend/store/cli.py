@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Callable
 
+from kvblend.store.config import StoreConfig
 from kvblend.store.disk import DiskStore
 from kvblend.store.keys import ChunkKey, validate_tenant
 from kvblend.store.plan import format_size, parse_size, plan_capacity
@@ -74,9 +75,9 @@ def run_store_command(args: argparse.Namespace) -> int:
     cannot be reached: nothing there was read or changed, and saying "0 entries" would lie)."""
     if args.store_command == "plan":
         return _plan(args)
-    for name, default in (("redis_prefix", "kvblend"), ("redis_cluster", False), ("redis_groups", 16)):
+    for name in ("redis_prefix", "redis_cluster", "redis_groups"):  # StoreConfig's defaults, not copies
         if getattr(args, name) is None:
-            setattr(args, name, default)
+            setattr(args, name, getattr(StoreConfig, name))
     if args.disk_dir and not os.path.isdir(args.disk_dir):
         print(f"kvblend store: no such directory: {args.disk_dir}", file=sys.stderr)
         return 2
