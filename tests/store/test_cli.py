@@ -133,3 +133,10 @@ def test_an_unreachable_redis_is_named_without_its_password(capsys: pytest.Captu
     monkeypatch.setenv("KVBLEND_STORE__REDIS_URL", f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0")
     code, out = run(capsys, "stats")
     assert code == 1 and "cannot reach" in out and "s3cret" not in out and ":***@" in out
+
+
+def test_the_commands_add_nothing_to_the_folder_they_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("a folder given by mistake")
+    for command in ("stats", "ls", "clear"):
+        assert run(capsys, command, "--disk-dir", str(tmp_path))[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no .tmp, nothing deleted

@@ -104,7 +104,7 @@ def run_store_command(args: argparse.Namespace) -> int:
 def _open(args: argparse.Namespace) -> TieredStore | None:
     tiers: list[Tier] = []
     if args.disk_dir:
-        tiers.append(DiskStore(args.disk_dir, UNCAPPED))
+        tiers.append(DiskStore(args.disk_dir, UNCAPPED, create=False))
     if args.redis_url:
         tiers.append(RedisStore(args.redis_url, UNCAPPED, prefix=args.redis_prefix, retry_s=0,
                                 cluster=args.redis_cluster, groups=args.redis_groups))

@@ -47,14 +47,18 @@ class DiskStore(IndexedTier):
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, policy: EvictionPolicy | None = None,
                  tenant_bytes: int | None = None, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, create: bool = True) -> None:
+        """``create``: make ``root`` and its temporary folder (a serving tier); False opens an
+        existing store without adding anything to the folder (``kvblend store``: it lists and
+        deletes entries, and a folder given by mistake must not gain a ``.tmp``)."""
         super().__init__(max_bytes, policy=policy, tenant_bytes=tenant_bytes, kv_dtype=kv_dtype,
                          compute_dtype=compute_dtype)
         self.root = Path(root)
         self.fsync = fsync
         self._tmp = self.root / TMP_DIR
-        self._tmp.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_files(self._tmp)
+        if create:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+            remove_stale_temp_files(self._tmp)
         self._rebuild_index()
 
     # -- paths and index ---------------------------------------------------------------
