@@ -131,6 +131,15 @@ def test_remove_document_drops_its_texts() -> None:
     assert [c for _, _, c in spans(index, a + b)] == ["c1"]
 
 
+def test_a_stored_text_seen_inline_again_keeps_its_document() -> None:
+    a = passage(11)
+    index = indexed(a)  # stored as document d0
+    index.add("t", [text(a, "c0", None)])  # the same text sent inline in a request
+    assert [m.document for m in index.match("t", [a])] == ["d0"]
+    assert index.remove_document("t", "d0") == 1  # so deleting the document still finds it
+    assert spans(index, a) == []
+
+
 def test_best_spans_is_weighted_interval_scheduling() -> None:
     assert best_spans([(0, 10, 1), (5, 30, 2), (10, 20, 3)]) == [(5, 30, 2)]
     assert best_spans([(0, 10, 1), (10, 20, 2), (5, 15, 3)]) == [(0, 10, 1), (10, 20, 2)]

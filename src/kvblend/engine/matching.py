@@ -323,6 +323,8 @@ class DocumentIndex:
         if serial is not None:  # already indexed: refresh its recency and names
             old = index.remove(serial)
             self.nbytes -= old.nbytes
+            if entry.document is None:  # seen inline again: it is still the stored document's text
+                entry = entry._replace(document=old.document)
         self._serial += 1
         self.nbytes += entry.nbytes - index.add(self._serial, entry)
 
