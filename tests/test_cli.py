@@ -158,3 +158,11 @@ def test_an_unknown_device_is_one_line_before_any_loading(capsys) -> None:
     assert main(["generate", "--device", "banana", "hi"]) == 2  # was torch's long RuntimeError, rc 1
     err = capsys.readouterr().err
     assert "unknown torch device 'banana'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_misspelt_setting_in_a_section_stops_every_command(capsys, monkeypatch) -> None:
+    """``generate``, ``models``, ``eval`` read only the model settings and ignored a misspelt
+    ``KVBLEND_STORE__MEMORYBYTES``; the README promises every command refuses it."""
+    monkeypatch.setenv("KVBLEND_STORE__MEMORYBYTES", "1")
+    assert main(["models"]) == 2
+    assert "store.memorybytes" in capsys.readouterr().err

@@ -77,31 +77,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _blend_config(args: argparse.Namespace):
-    """The flags' ``BlendConfig``, by the rule a request's ``kvblend`` options and the
-    settings follow (``settings.deviation_selection``): a knob of deviation selection
-    (``--check-layers``, ``--schedule``, ``--signal``) without ``--selection`` selects by
-    deviation; with another selection it would change nothing and is refused."""
+    """The flags' ``BlendConfig`` over the ``blend.*`` settings (the flags' defaults), by the
+    rule a request's ``kvblend`` options and the settings follow
+    (``settings.deviation_selection``): a knob of deviation selection (``--check-layers``,
+    ``--schedule``, ``--signal``) without ``--selection`` selects by deviation; with another
+    selection it would change nothing and is refused. With no such flag, the settings'
+    own knobs and selection stand unless ``--selection`` names another."""
+    from dataclasses import replace
+
     from kvblend.blend.config import BlendConfig
 
     if args.method == "cacheblend":  # the paper's selection, whatever the strategy flags say
         return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
     from kvblend.errors import InvalidRequestError
-    from kvblend.settings import DEVIATION_KNOBS, deviation_selection
+    from kvblend.settings import DEVIATION_KNOBS, blend_defaults, deviation_selection
 
+    base = blend_defaults().blend_config()
     given = [name for name in DEVIATION_KNOBS if getattr(args, name) is not None]
     try:
-        selection = deviation_selection(given, args.selection) or BlendConfig.selection
+        selection = deviation_selection(given, args.selection) or base.selection
     except InvalidRequestError as exc:
         raise KvblendError(f"--{(exc.field or '').replace('_', '-')} applies to --selection deviation only, "
                            f"not {args.selection}") from None
     try:
-        layers = tuple(int(x) for x in args.check_layers.split(",")) if args.check_layers else BlendConfig.check_layers
-        schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else None
+        layers = tuple(int(x) for x in args.check_layers.split(",")) if args.check_layers else base.check_layers
+        schedule = tuple(float(x) for x in args.schedule.split(",")) if args.schedule else base.schedule
     except ValueError as exc:
         raise KvblendError(f"--check-layers and --schedule take comma-separated numbers: {exc}") from None
-    return BlendConfig(ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal or BlendConfig.signal,
-                       chunk_prefix=args.chunk_prefix, selection=selection, budget=args.budget,
-                       sinks=args.sinks, shift=args.shift, vdev=args.vdev)
+    if args.check_layers and not args.schedule:
+        schedule = None  # a schedule is one ratio per check layer: the settings' would not fit new layers
+    return replace(base, ratio=args.ratio, check_layers=layers, schedule=schedule, signal=args.signal or base.signal,
+                   chunk_prefix=args.chunk_prefix, selection=selection, budget=args.budget,
+                   sinks=args.sinks, shift=args.shift, vdev=args.vdev)
 
 
 def _count(text: str) -> int:
@@ -116,28 +123,36 @@ def _ratio(text: str) -> float | str:
 
 
 def _add_blend_args(p: argparse.ArgumentParser) -> None:
+    """The blend flags, each defaulting to its ``blend.*`` setting (``settings.blend_defaults``)."""
     from kvblend.blend.config import CHUNK_PREFIXES, METHODS, SIGNALS, BlendConfig
+    from kvblend.settings import blend_defaults
 
-    p.add_argument("--method", default="blend", choices=(*METHODS, "cacheblend"),
-                   help="cacheblend: blend with the paper's selection (V deviation at layer 1)")
-    p.add_argument("--ratio", type=_ratio, default=0.15,
-                   help="recompute ratio in [0, 1], or 'auto' (the loading controller picks it)")
+    b = blend_defaults()
+    method = b.method if b.method in METHODS else "blend"  # "auto" needs the server's quality guard
+    p.add_argument("--method", default=method, choices=(*METHODS, "cacheblend"),
+                   help=f"default: {method} (blend.method); cacheblend: blend with the paper's selection "
+                        "(V deviation at layer 1)")
+    p.add_argument("--ratio", type=_ratio, default=b.ratio,
+                   help=f"recompute ratio in [0, 1], or 'auto' (the loading controller picks it); default {b.ratio}")
     p.add_argument("--check-layers", default=None,
-                   help="comma-separated check layers of deviation selection (default: 1)")
+                   help="comma-separated check layers of deviation selection (default: blend.check_layers, "
+                        f"{','.join(map(str, b.check_layers))})")
     p.add_argument("--schedule", default=None, help="deviation selection's ratio per check layer, non-increasing")
-    p.add_argument("--signal", default=None, choices=SIGNALS, help="deviation selection's signal (default: v)")
-    p.add_argument("--chunk-prefix", default="bos", choices=CHUNK_PREFIXES)
+    p.add_argument("--signal", default=None, choices=SIGNALS,
+                   help=f"deviation selection's signal (default: blend.signal, {b.signal})")
+    p.add_argument("--chunk-prefix", default=b.chunk_prefix, choices=CHUNK_PREFIXES)
     p.add_argument("--selection", default=None, choices=("deviation", "question"),
-                   help=f"how recomputed tokens are chosen (default: {BlendConfig.selection}; deviation when "
-                        "a deviation knob is given; see kvblend.blend.strategies)")
-    p.add_argument("--budget", action=argparse.BooleanOptionalAction, default=BlendConfig.budget,
+                   help=f"how recomputed tokens are chosen (default: blend.selection, {b.selection}; deviation "
+                        "when a deviation knob is given; see kvblend.blend.strategies)")
+    p.add_argument("--budget", action=argparse.BooleanOptionalAction, default=b.budget,
                    help="per-document budgets by attention mass")
-    p.add_argument("--sinks", type=int, default=BlendConfig.sinks, help="first K tokens of each document always")
-    p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=BlendConfig.shift,
+    p.add_argument("--sinks", type=int, default=b.sinks, help="first K tokens of each document always")
+    p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=b.shift,
                    help="correct tokens not recomputed by their document's mean residual")
     p.add_argument("--vdev", type=float, default=BlendConfig.vdev,
                    help="with --selection question: weight in [0, 1] of the layer-1 V deviation's "
                         "within-document rank in a hybrid score (0.5: equal; 0: off)")
+    p.set_defaults(calibrate=b.calibrate)  # blend.calibrate: whether the engine tests the shift
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -162,7 +177,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     draft = Draft(documents=docs, question=_read_text(args.question), system=args.system, tenant=args.tenant,
                   method="blend" if args.method == "cacheblend" else args.method, blend=_blend_config(args))
     loaded = _load(args)
-    engine = Engine(loaded, store=_store(args, loaded))
+    engine = Engine(loaded, store=_store(args, loaded), calibrate=args.calibrate)
     try:
         result = engine.generate(shape(engine, draft, cut=_document_cut(engine)).request, _sampling(args))
     finally:

@@ -552,6 +552,13 @@ def _describe(exc: ValidationError) -> str:
     return "invalid settings: " + "; ".join(parts)
 
 
+def blend_defaults() -> BlendSettings:
+    """The ``blend.*`` settings (``KVBLEND_BLEND__*``, the ``KVBLEND_CONFIG`` file, the
+    engine's defaults), for the blend flags of ``kvblend ask``: the command line blends as
+    the server does unless a flag says otherwise."""
+    return Settings.load().blend
+
+
 def model_defaults() -> ModelSettings:
     """Model, device and dtype from the environment (and ``KVBLEND_CONFIG``), for the
     model arguments of every command."""
@@ -559,4 +566,4 @@ def model_defaults() -> ModelSettings:
 
 
 __all__ = ["BlendOptions", "BlendSettings", "ClusterSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
-           "StoreSettings", "model_defaults"]
+           "StoreSettings", "blend_defaults", "model_defaults"]

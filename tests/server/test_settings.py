@@ -188,3 +188,27 @@ def test_cli_blend_flags_follow_the_request_rule(monkeypatch) -> None:
         cfg("--selection", "question", "--signal", "k")
     with pytest.raises(KvblendError, match="comma-separated numbers"):
         cfg("--check-layers", "a")
+
+
+def test_ask_blends_with_the_servers_blend_settings(monkeypatch) -> None:
+    """``kvblend ask`` took its blend knobs from literal flag defaults: ``blend.*`` (and
+    ``blend.calibrate``) changed the server and not the command line."""
+    from kvblend.cli import _blend_config
+
+    def parsed(*flags: str):
+        return build_parser().parse_args(["ask", "--doc", "d.txt", "q", *flags])
+
+    monkeypatch.setenv("KVBLEND_BLEND__RATIO", "0.3")
+    monkeypatch.setenv("KVBLEND_BLEND__SINKS", "2")
+    monkeypatch.setenv("KVBLEND_BLEND__SELECTION", "deviation")
+    monkeypatch.setenv("KVBLEND_BLEND__SIGNAL", "k")
+    monkeypatch.setenv("KVBLEND_BLEND__CALIBRATE", "false")
+    monkeypatch.setenv("KVBLEND_BLEND__METHOD", "reuse")
+    args = parsed()
+    cfg = _blend_config(args)
+    assert (cfg.ratio, cfg.sinks, cfg.selection, cfg.signal) == (0.3, 2, "deviation", "k")
+    assert args.calibrate is False and args.method == "reuse"
+    assert _blend_config(parsed("--ratio", "0.5", "--selection", "question")).ratio == 0.5  # a flag still wins
+    assert _blend_config(parsed("--selection", "question")).selection == "question"
+    monkeypatch.setenv("KVBLEND_BLEND__METHOD", "auto")  # the guard's method: ask has no guard
+    assert parsed().method == "blend"

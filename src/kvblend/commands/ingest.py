@@ -190,7 +190,7 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
         raise KvblendError(f"no index at {args.index}: run `kvblend ingest PATH --index {args.index}` first")
     loaded = _load(args)
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
-    engine = Engine(loaded, store=_store(args, loaded))
+    engine = Engine(loaded, store=_store(args, loaded), calibrate=args.calibrate)
     show = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
         top_k = DEFAULT_CHUNKS if args.chunks is None else args.chunks
