@@ -65,8 +65,11 @@ def test_evict_and_clear_touch_only_the_tenant(capsys: pytest.CaptureFixture[str
 def test_bad_invocations_fail_cleanly(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))  # no store there: nothing to default to
-    assert run(capsys, "stats")[0] == 2  # no location
+    code, out = run(capsys, "stats")  # a fresh install: the settings' folder is not there yet
+    assert code == 1 and f"nothing stored yet: the settings' disk folder {tmp_path / 'home' / 'kv'}" in out
     assert not (tmp_path / "home").exists()  # a command that reads creates nothing
+    monkeypatch.setenv("KVBLEND_STORE__TIERS", '["memory"]')
+    assert run(capsys, "stats")[0] == 2  # no location at all
     assert run(capsys, "stats", "--disk-dir", str(tmp_path / "missing"))[0] == 2
     assert not (tmp_path / "missing").exists()
     assert run(capsys, "evict", "--disk-dir", str(tmp_path))[0] == 2  # nothing to evict given
