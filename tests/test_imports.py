@@ -1,9 +1,7 @@
 """The package's modules form layers: no import circle, not even through an import
-inside a function (#10 tidy), and neither do its packages (#21): engine, guard, eval,
-rag, pipeline, server... import each other one way only, lazy imports included
-(model → rope → generation → blend → store → pipeline → engine → guard → rag → server →
-cluster → commands → cli). Only ``kvblend.cluster`` imports ray (the optional
-``cluster`` extra)."""
+inside a function (#10 tidy), and neither do its packages (#21): they import each other
+one way only, lazy imports included, in the order ``LAYERS`` lists (docs/structure.md
+says the same). Only ``kvblend.cluster`` imports ray (the optional ``cluster`` extra)."""
 
 from __future__ import annotations
 
@@ -65,6 +63,20 @@ def test_no_package_imports_one_that_imports_it_back() -> None:
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as exc:
         raise AssertionError(f"package import circle: {exc.args[1]}") from None
+
+
+# bottom to top: a package imports only those listed before it (errors, metrics and data
+# import nothing of kvblend)
+LAYERS = ("errors", "metrics", "data", "rope", "models", "generation", "store", "blend", "pipeline", "engine",
+          "guard", "rag", "settings", "cliargs", "eval", "server", "cluster", "commands", "demo", "cli", "__main__")
+
+
+def test_packages_import_in_the_documented_order() -> None:
+    rank = {f"kvblend.{name}": i for i, name in enumerate(LAYERS)}
+    edges = {(_package(m), _package(d)) for m, deps in _imports().items() for d in deps}
+    assert {a for a, _ in edges} <= set(rank), sorted({a for a, _ in edges} - set(rank))  # a new package: place it
+    upward = sorted(f"{a} -> {b}" for a, b in edges if a != b and rank[b] > rank[a])
+    assert not upward, upward
 
 
 def _imports_ray(path: Path) -> bool:
