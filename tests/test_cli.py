@@ -166,3 +166,17 @@ def test_a_misspelt_setting_in_a_section_stops_every_command(capsys, monkeypatch
     monkeypatch.setenv("KVBLEND_STORE__MEMORYBYTES", "1")
     assert main(["models"]) == 2
     assert "store.memorybytes" in capsys.readouterr().err
+
+
+def test_help_is_shown_while_the_settings_are_broken(capsys, monkeypatch) -> None:
+    """A broken setting stopped even ``kvblend ask --help``, which a user reads to fix it."""
+    import pytest
+
+    monkeypatch.setenv("KVBLEND_BLEND__RATIO", "7")
+    with pytest.raises(SystemExit) as exit_:
+        main(["ask", "--help"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0 and "--ratio" in out.out and "default 0.15" in out.out  # built-in defaults
+    assert "blend.ratio" in out.err  # the error is said first
+    assert main(["models"]) == 2  # a command still refuses to run on them
+    assert "blend.ratio" in capsys.readouterr().err

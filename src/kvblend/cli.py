@@ -312,9 +312,25 @@ def _add_optional_commands(sub) -> None:
     add_profile_command(sub)
 
 
+def _parser(argv: Sequence[str] | None) -> argparse.ArgumentParser:
+    """The parser, its defaults from the settings (invalid ones: SettingsError). Help is
+    still shown while the settings are broken: the error first, then the built-in defaults."""
+    from kvblend.settings import SettingsError, builtin_defaults
+
+    try:
+        return build_parser()
+    except SettingsError as exc:
+        words = list(sys.argv[1:] if argv is None else argv)
+        if words and not {"-h", "--help"} & set(words):
+            raise
+        print(f"kvblend: warning: {exc}; the defaults shown are the built-in ones", file=sys.stderr)
+        with builtin_defaults():
+            return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)  # inside: invalid KVBLEND_* defaults are a clear error
+        args = _parser(argv).parse_args(argv)  # invalid KVBLEND_* defaults are a clear error (help aside)
         return args.func(args)
     except KvblendError as exc:
         print(f"kvblend: error: {exc}", file=sys.stderr)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -400,6 +402,21 @@ class ClusterSettings(_Section):
     health_check_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
 
 
+# set by ``builtin_defaults``: settings built from flags and defaults only
+_BUILTIN_ONLY: ContextVar[bool] = ContextVar("kvblend_builtin_settings", default=False)
+
+
+@contextmanager
+def builtin_defaults() -> Iterator[None]:
+    """Within: ``load`` reads neither the environment nor ``KVBLEND_CONFIG`` (the built-in
+    defaults, for ``kvblend --help`` while the settings are broken)."""
+    token = _BUILTIN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _BUILTIN_ONLY.reset(token)
+
+
 class ModelSettings(BaseSettings):
     """The model arguments every command shares (``--model``, ``--device``, ``--dtype``)."""
 
@@ -416,6 +433,8 @@ class ModelSettings(BaseSettings):
         env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        if _BUILTIN_ONLY.get():
+            return (init_settings,)
         yaml_file = settings_cls.model_config.get("yaml_file")
         sources = [init_settings, env_settings]
         if yaml_file:
@@ -427,8 +446,11 @@ class ModelSettings(BaseSettings):
         """Merge flags (``overrides``; None values are ignored) > env > YAML > defaults.
 
         Raises SettingsError naming the offending setting."""
-        config_file = config_file or os.environ.get("KVBLEND_CONFIG")
-        _check_env()
+        if _BUILTIN_ONLY.get():
+            config_file = None
+        else:
+            config_file = config_file or os.environ.get("KVBLEND_CONFIG")
+            _check_env()
         explicit = {k: v for k, v in overrides.items() if v is not None}
         target = cls
         if config_file:
@@ -566,4 +588,4 @@ def model_defaults() -> ModelSettings:
 
 
 __all__ = ["BlendOptions", "BlendSettings", "ClusterSettings", "DTYPES", "GuardSettings", "LimitSettings", "RetrievalSettings", "ModelSettings", "SchedulerSettings", "Settings", "SettingsError",
-           "StoreSettings", "blend_defaults", "model_defaults"]
+           "StoreSettings", "blend_defaults", "builtin_defaults", "model_defaults"]
