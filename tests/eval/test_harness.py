@@ -56,6 +56,7 @@ def _count_prepares(engine: Engine) -> list[int]:
 # ----- method grammar ---------------------------------------------------------------
 def test_parse_method_grammar() -> None:
     assert parse_method("blend:0.15").blend.ratios == (0.15,)
+    assert parse_method("blend:@2").blend.check_layers == (2,)  # the layer was dropped without a ratio
     single = parse_method("blend:0.2@2").blend
     assert (single.check_layers, single.ratios) == ((2,), (0.2,))
     prog = parse_method("blend:0.3,0.15@1,2:kv").blend
@@ -147,6 +148,107 @@ def test_rerun_with_other_settings_is_refused(engine: Engine, tmp_path: Path) ->
     assert len(_lines(tmp_path / EXAMPLES_FILE)) == 1
 
 
+def test_rerun_on_another_dtype_or_shift_verdict_is_refused(engine: Engine, tmp_path: Path) -> None:
+    """A rerun with ``--dtype bfloat16`` (or ``--no-calibrate``) added its records to float32
+    ones (or to ones where the shift test dropped the shift) under the same labels."""
+    config = EvalConfig(("full", "reuse"), 3, 2, progress=False)
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path, config, {"dataset": "x"})
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert (run["dtype"], run["device"], run["shift"]) == ("float32", "cpu", "untested" if
+                                                           engine.shift_verdict is None else run["shift"])
+    for key, other in (("dtype", "bfloat16"), ("shift", "dropped")):
+        (tmp_path / "run.json").write_text(json.dumps({**run, key: other}))
+        with pytest.raises(ValueError, match=f"{key}: '{other}' -> "):
+            evaluate_examples(engine, EXAMPLES, tmp_path, config, {"dataset": "x"})
+    (tmp_path / "run.json").unlink()  # records whose settings are unknown are not added to
+    with pytest.raises(ValueError, match="no readable run.json"):
+        evaluate_examples(engine, EXAMPLES, tmp_path, config, {"dataset": "x"})
+    assert len(_lines(tmp_path / EXAMPLES_FILE)) == 2
+
+
+def test_a_dataset_file_resumes_by_any_path_to_it(engine: Engine, tmp_path: Path, monkeypatch) -> None:
+    from kvblend.eval.harness import dataset_meta
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    config = EvalConfig(("full",), 3, 2, progress=False)
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path / "out", config, dataset_meta(str(data), None))
+    monkeypatch.chdir(tmp_path)
+    assert evaluate_examples(engine, EXAMPLES[:1], tmp_path / "out", config,
+                             dataset_meta("d.jsonl", None)).computed == 0
+
+
+def test_a_method_the_model_cannot_run_is_refused_before_any_work(engine: Engine, tmp_path: Path) -> None:
+    calls = _count_prepares(engine)
+    with pytest.raises(ValueError, match=r"check layers \[5\] must be below the model's 2 layers"):
+        evaluate_examples(engine, EXAMPLES, tmp_path, EvalConfig(("full", "blend:0.2@5"), 3, 2, progress=False))
+    bare = Example("q ?", (), ("x",), "bare")
+    with pytest.raises(ValueError, match="'maprerank' needs documents; example 'bare' has none"):
+        evaluate_examples(engine, [*EXAMPLES, bare], tmp_path, EvalConfig(("full", "maprerank"), 3, 2, progress=False))
+    assert calls[0] == 0
+
+
+HUGE = Example("what is it ?", ("word " * 400,), ("it",), "huge")  # past the tiny model's 256 positions
+
+
+def test_an_example_that_fails_is_named_and_the_rest_is_summarised(engine: Engine, tmp_path: Path, capsys) -> None:
+    config = EvalConfig(("full", "reuse"), 3, 2, progress=False)
+    with pytest.raises(ValueError, match="example 'huge': .*context"):
+        evaluate_examples(engine, [EXAMPLES[0], HUGE, EXAMPLES[1]], tmp_path, config)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reuse"]["n"] == 1  # example a, done before it
+    assert "stopped after 2 of 6 runs" in json.loads((tmp_path / "run.json").read_text())["partial"]
+    assert "rerun the same command to resume" in capsys.readouterr().err
+
+
+def test_skip_errors_records_the_failure_and_goes_on(engine: Engine, tmp_path: Path) -> None:
+    config = EvalConfig(("full", "reuse"), 3, 2, progress=False, skip_errors=True)
+    result = evaluate_examples(engine, [EXAMPLES[0], HUGE, EXAMPLES[1]], tmp_path, config)
+    errors = [r for r in _lines(tmp_path / EXAMPLES_FILE) if "error" in r]
+    assert [(r["example_id"], r["method"]) for r in errors] == [("huge", "full"), ("huge", "reuse")]
+    assert "context" in errors[0]["error"]
+    s = result.summary["reuse"]
+    assert (s["n"], s["errors"]) == (3, 1)
+    assert s["kl"] == pytest.approx(sum(r["kl"] for r in result.records if r["method"] == "reuse" and "kl" in r) / 2)
+    assert "partial" not in json.loads((tmp_path / "run.json").read_text())
+
+
+def test_an_interrupted_run_keeps_its_time_and_writes_a_partial_report(engine: Engine, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    import kvblend.eval.harness as harness
+
+    score = harness.score_spec
+
+    def interrupted(engine, ex, spec, ref, config):
+        if ex.id == "b":
+            raise KeyboardInterrupt
+        return score(engine, ex, spec, ref, config)
+
+    monkeypatch.setattr(harness, "score_spec", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["compute_s"] > 0 and "stopped after 4 of 6 runs" in run["partial"]  # a's 3 and b's full
+    assert json.loads((tmp_path / "summary.json").read_text())["full"]["n"] == 2
+    monkeypatch.setattr(harness, "score_spec", score)
+    assert evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG).computed == 2
+
+
+def test_a_smaller_rerun_says_its_report_is_a_subset(engine: Engine, tmp_path: Path, capsys) -> None:
+    evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 4, 2, progress=False))
+    assert "covers 1 of the 6 results" in capsys.readouterr().err
+    assert "covers 1 of the 6 results" in (tmp_path / "report.md").read_text()
+
+
+def test_a_line_that_is_no_record_is_named(engine: Engine, tmp_path: Path) -> None:
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, 2, progress=False))
+    with (tmp_path / EXAMPLES_FILE).open("a") as f:
+        f.write("[1, 2]\n")
+    with pytest.raises(ValueError, match="record 2 is not an evaluation record"):
+        evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, 2, progress=False))
+
+
 def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
     path = tmp_path / EXAMPLES_FILE
     path.write_text('{"example_id": "a", "method": "full"}\n{"example_id": "a", "method": "reuse"}')
@@ -181,6 +283,23 @@ def test_evaluate_a_jsonl_file_through_the_cli(tmp_path: Path, monkeypatch, caps
     assert [r["method"] for r in _lines(out / EXAMPLES_FILE)] == ["full", "blend:0.5,0.2@1,2", "maprerank"]
     assert "3 runs computed" in capsys.readouterr().out
     assert kvblend.cli.main(argv) == 0 and "0 runs computed" in capsys.readouterr().out
+
+
+def test_the_cli_checks_the_dataset_and_the_folder_before_loading_the_model(tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
+    import kvblend.cli
+    import kvblend.eval.harness as harness
+
+    def no_model(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(harness, "load_from_args", no_model)
+    monkeypatch.chdir(tmp_path)
+    assert kvblend.cli.main(["eval", "--dataset", "missing.json", "--out", "o", "--no-progress"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    (tmp_path / "d.jsonl").write_text(json.dumps({"documents": ["a b c"], "question": "q", "answers": ["a"]}))
+    assert kvblend.cli.main(["eval", "--dataset", "d.jsonl", "--out", "", "--no-progress"]) == 2
+    assert "--out needs a directory" in capsys.readouterr().err and list(tmp_path.iterdir()) == [tmp_path / "d.jsonl"]
 
 
 def test_evaluate_a_synthetic_spec(engine: Engine, tmp_path: Path) -> None:

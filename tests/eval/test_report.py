@@ -26,14 +26,25 @@ def test_summarize_hand_computed() -> None:
     s = summarize(RECORDS)
     assert list(s) == ["full", "blend"]
     assert s["blend"] == {"agree_f1": 0.75, "first_token_agree": 0.5, "kl": 0.5, "ttft_s": 0.75, "gold_nll": 2.0,
-                          "n": 2}  # NaN skipped, bools as 0/1, strings/lists/`picked` not averaged
+                          "n": 2, "errors": 0, "nonfinite": 1}  # NaN skipped from the mean and counted,
+    # bools as 0/1, strings/lists/`picked` not averaged
     assert s["full"]["ttft_s"] == 3.0 and s["full"]["n"] == 2
 
 
 def test_summarize_follows_labels_and_keeps_empty_methods() -> None:
     s = summarize(RECORDS, ["blend", "prefix"])
-    assert list(s) == ["blend", "prefix"] and s["prefix"] == {"n": 0}
+    assert list(s) == ["blend", "prefix"] and s["prefix"] == {"n": 0, "errors": 0, "nonfinite": 0}
     assert summarize([{"method": "m", "kl": math.inf}])["m"]["kl"] is None
+
+
+def test_broken_and_failed_records_are_counted_not_hidden() -> None:
+    """A NaN or infinite KL vanished from the mean while ``n`` counted it: the worst
+    examples disappeared and the method looked better than it was."""
+    s = summarize([{"method": "m", "kl": 0.01}, {"method": "m", "kl": math.inf}, {"method": "m", "kl": math.nan},
+                   {"method": "m", "error": "past the context"}])["m"]
+    assert (s["kl"], s["n"], s["nonfinite"], s["errors"]) == (0.01, 4, 2, 1)
+    table = summary_table({"m": s})
+    assert "| errors | non-finite |" in table and table.endswith("| 1 | 2 |")
 
 
 def test_speedups_and_table() -> None:

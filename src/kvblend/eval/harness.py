@@ -7,8 +7,13 @@ written to a directory that a rerun resumes.
     out/report.md        tables, and the quality-vs-TTFT plot (quality_vs_ttft.png)
 
 A rerun skips the example × method pairs already in examples.jsonl; a half-written last
-line (a crash mid-write) is dropped. Full prefill is always run: it is the reference
-every other method is scored against (`kvblend.eval.runner`).
+line (a crash mid-write) is dropped; a rerun whose settings differ (`RESUME_KEYS`: the
+dataset, the model, its dtype and device, the shift test's verdict, lengths, layout) is
+refused. Full prefill is always run: it is the reference every other method is scored
+against (`kvblend.eval.runner`). An example a method cannot run (a prompt past the
+context, ...) stops the run naming the example, or with ``skip_errors`` is recorded as an
+``error`` record and left out of the means. A run stopped by an error or Ctrl-C still
+writes the summary and report of what it finished (marked partial).
 
     kvblend eval --dataset PATH|synthetic:n=..,docs=..,doc_tokens=.. \\
         --methods full,prefix,reuse,blend:0.15,mapreduce,maprerank --out DIR [--layout after|before|inline]
@@ -27,6 +32,7 @@ from typing import Any, NamedTuple
 
 from kvblend.cliargs import add_model_args, load_from_args
 from kvblend.engine import Engine, Request
+from kvblend.errors import KvblendError
 from kvblend.eval.baselines import BaselineConfig, score_baseline
 from kvblend.eval.datasets import LAYOUTS, Example, check_layout, load_dataset, musique_prompt
 from kvblend.eval.report import Summary, machine_info, summarize, write_report
@@ -39,7 +45,8 @@ SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"
 DEFAULT_METHODS = ("full", "prefix", "reuse", "blend:0.15")
 # must not change when a run resumes
-RESUME_KEYS = ("dataset", "model", "n_docs", "store", "max_tokens", "kl_tokens", "map_tokens", "layout")
+RESUME_KEYS = ("dataset", "model", "dtype", "device", "shift", "n_docs", "store", "max_tokens", "kl_tokens",
+               "map_tokens", "layout")
 RESUME_DEFAULTS = {"layout": "after"}  # what a run.json written before the key existed was computed with
 
 Record = dict[str, Any]
@@ -61,6 +68,7 @@ class EvalConfig:
     map_tokens: int = 32
     progress: bool = True
     layout: str = "after"
+    skip_errors: bool = False
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -150,13 +158,25 @@ def score_spec(engine: Engine, ex: Example, spec: MethodSpec, ref: Reference, co
 
 def run_pending(engine: Engine, ex: Example, todo: Sequence[MethodSpec], config: EvalConfig,
                 emit: Callable[[Record], None]) -> None:
-    """Score the methods ``todo`` on ``ex``; ``emit`` gets each record as soon as it is done."""
-    warm_documents(engine, ex, todo, config.layout)
-    engine.flush()
-    ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens, config.layout)
-    for spec in todo:
-        scores = full if spec.label == "full" else score_spec(engine, ex, spec, ref, config)
-        emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
+    """Score the methods ``todo`` on ``ex``; ``emit`` gets each record as soon as it is done.
+    An error a user can act on (the example's prompt past the context, ...) is raised as a
+    ValueError naming the example, or with ``config.skip_errors`` emitted as an ``error``
+    record for each method not done (full prefill failing fails them all)."""
+    left = list(todo)
+    try:
+        warm_documents(engine, ex, todo, config.layout)
+        engine.flush()
+        ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens, config.layout)
+        while left:
+            spec = left[0]
+            scores = full if spec.label == "full" else score_spec(engine, ex, spec, ref, config)
+            emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
+            left.pop(0)
+    except (KvblendError, ValueError) as exc:
+        if not config.skip_errors:
+            raise ValueError(f"example {ex.id!r}: {exc} (--skip-errors records it and goes on)") from exc
+        for spec in left:
+            emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), "error": str(exc)})
 
 
 def _check_ids(examples: Sequence[Example]) -> None:
@@ -187,11 +207,29 @@ class _Sink:
         self.bar.update()
 
 
+def _read_results(out: Path) -> list[Record]:
+    """The records of ``out``; a line that is JSON but no record is a ValueError naming it."""
+    records = read_records(out / EXAMPLES_FILE)
+    for i, r in enumerate(records, 1):
+        if not (isinstance(r, dict) and isinstance(r.get("example_id"), str) and isinstance(r.get("method"), str)):
+            raise ValueError(f"{out / EXAMPLES_FILE}: record {i} is not an evaluation record")
+    return records
+
+
 def _read_run(out: Path) -> dict[str, Any]:
     try:
         return json.loads((out / RUN_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+def engine_meta(engine: Engine) -> dict[str, Any]:
+    """What of the engine decides the numbers: its compute dtype, device and the shift
+    test's verdict (``Engine.blend_config`` drops the shift where it does not help)."""
+    verdict = engine.shift_verdict
+    shift = "untested" if verdict is None else ("kept" if verdict.helps else "dropped")
+    return {"model": engine.loaded.name, "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "device": str(engine.model.device), "shift": shift}
 
 
 def _open_run(out: Path, examples: Sequence[Example], config: EvalConfig,
@@ -201,8 +239,11 @@ def _open_run(out: Path, examples: Sequence[Example], config: EvalConfig,
     _check_ids(examples)
     meta = {**meta, "max_tokens": config.max_tokens, "kl_tokens": config.kl_tokens, "map_tokens": config.map_tokens,
             "layout": config.layout}
-    done = {(r["example_id"], r["method"]): r for r in read_records(out / EXAMPLES_FILE)}
+    done = {(r["example_id"], r["method"]): r for r in _read_results(out)}
     before = _read_run(out) if done else {}
+    if done and not before:
+        raise ValueError(f"{out} holds results but no readable {RUN_FILE}: what they were computed with is "
+                         "unknown; use another output directory")
     check_resumable(out, before, meta)
     meta["compute_s"] = before.get("compute_s", 0.0)  # summed over the invocations that added results
     (out / RUN_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -215,37 +256,85 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
     summary, run.json and the report. ``meta`` (dataset, model, ...) goes into run.json
     and the report; a rerun with other `RESUME_KEYS` settings raises ValueError."""
     out, specs, start = Path(out_dir), config.specs, time.perf_counter()
-    meta, done = _open_run(out, examples, config, meta or {})
+    check_methods(engine, specs, examples)
+    meta, done = _open_run(out, examples, config, {**(meta or {}), **engine_meta(engine)})
     pending = [(ex, [s for s in specs if (ex.id, s.label) not in done]) for ex in examples]
     total = len(examples) * len(specs)
     bar = _progress(total, total - sum(len(todo) for _, todo in pending), config.progress, out.name)
     sink = _Sink(out / EXAMPLES_FILE, done, bar)
-    if any(todo for _, todo in pending):
-        warm_prefix(engine, config.layout)
-    for ex, todo in pending:
-        if todo:
-            run_pending(engine, ex, todo, config, sink)
-    bar.close()
-    if sink.computed:
-        meta["compute_s"] += time.perf_counter() - start
+    finished = False
+    try:
+        if any(todo for _, todo in pending):
+            warm_prefix(engine, config.layout)
+        for ex, todo in pending:
+            if todo:
+                run_pending(engine, ex, todo, config, sink)
+        finished = True
+    finally:  # an error or Ctrl-C: what is done is summarised, the time spent counted
+        bar.close()
+        if sink.computed:
+            meta["compute_s"] += time.perf_counter() - start
+        if not finished:
+            meta["partial"] = f"stopped after {len(done)} of {total} runs; rerun the same command to resume"
+            print(f"kvblend eval: {meta['partial']} (results so far in {out}/)", file=sys.stderr)
+            _finish(out, examples, specs, done, sink.computed, meta)
+    meta.pop("partial", None)
     return _finish(out, examples, specs, done, sink.computed, meta)
+
+
+def dataset_meta(dataset: str, n_docs: int | None) -> dict[str, Any]:
+    """The dataset as run.json records it: a file by its absolute path (so that a rerun
+    from another folder, or by a relative path, resumes), a synthetic spec as given."""
+    return {"dataset": _dataset_name(dataset), "n_docs": n_docs or "dataset default"}
+
+
+def _dataset_name(dataset: Any) -> Any:
+    if not isinstance(dataset, str) or dataset.startswith("synthetic:"):
+        return dataset
+    return str(Path(dataset).resolve())
 
 
 def check_resumable(out: Path, before: dict[str, Any], meta: dict[str, Any]) -> None:
     """Refuse to add to results computed with other settings (`RESUME_KEYS`; a key an
-    older run.json lacks counts as its `RESUME_DEFAULTS` value)."""
+    older run.json lacks counts as its `RESUME_DEFAULTS` value; dataset paths compared
+    resolved)."""
     if before:
         before = {**RESUME_DEFAULTS, **before}
-    changed = [k for k in RESUME_KEYS if k in before and k in meta and before[k] != meta[k]]
+
+    def same(key: str) -> bool:
+        if key == "dataset":
+            return _dataset_name(before[key]) == _dataset_name(meta[key])
+        return before[key] == meta[key]
+
+    changed = [k for k in RESUME_KEYS if k in before and k in meta and not same(k)]
     if changed:
         diff = ", ".join(f"{k}: {before[k]!r} -> {meta[k]!r}" for k in changed)
         raise ValueError(f"{out} holds results computed with other settings ({diff}); use another output directory")
 
 
+def check_methods(engine: Engine, specs: Sequence[MethodSpec], examples: Sequence[Example]) -> None:
+    """Before any model work: every method can run on this model and on these examples
+    (a check layer past the model, a baseline on an example without documents)."""
+    layers = engine.model.cfg.num_layers
+    for spec in specs:
+        blend = spec.blend
+        if spec.method == "blend" and max(blend.check_layers) >= layers:
+            raise ValueError(f"method {spec.label!r}: check layers {list(blend.check_layers)} must be below the "
+                             f"model's {layers} layers")
+        if spec.method in BASELINES:
+            empty = next((ex.id for ex in examples if not ex.documents), None)
+            if empty is not None:
+                raise ValueError(f"method {spec.label!r} needs documents; example {empty!r} has none")
+
+
 def _finish(out: Path, examples: Sequence[Example], specs: Sequence[MethodSpec], done: dict, computed: int,
             meta: dict[str, Any]) -> EvalResult:
-    records = [done[(ex.id, s.label)] for ex in examples for s in specs]
+    records = [done[(ex.id, s.label)] for ex in examples for s in specs if (ex.id, s.label) in done]
     summary = summarize(records, [s.label for s in specs])
+    others = len(done) - len(records)
+    if others:  # a rerun with fewer examples or methods: say that the report is a subset
+        meta = {**meta, "subset": f"this report covers {len(records)} of the {len(done)} results in {out}"}
+        print(f"kvblend eval: note: {meta['subset']} (the examples and methods asked for)", file=sys.stderr)
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     meta = {"title": "kvblend evaluation", **meta, "examples": len(examples),
             "methods": ", ".join(s.label for s in specs), "machine": _machine_line()}
@@ -269,7 +358,7 @@ def evaluate(dataset: str, out_dir: str | Path, config: EvalConfig = EvalConfig(
         from kvblend.models import DEFAULT_MODEL, load_model
 
         engine = Engine(load_model(model or DEFAULT_MODEL))
-    meta = {"dataset": dataset, "model": engine.loaded.name, "n_docs": n_docs or "dataset default"}
+    meta = dataset_meta(dataset, n_docs)
     try:
         return evaluate_examples(engine, examples, out_dir, config, meta)
     finally:
@@ -297,6 +386,9 @@ def add_eval_commands(sub: Any) -> None:
                         "with the passages pasted into the message text as RAG frameworks do, found there by "
                         "matching (inline) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--skip-errors", action="store_true",
+                   help="an example a method cannot run (a prompt past the context, ...) is recorded as an error "
+                        "and the run goes on (default: the run stops, naming it)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="run +shift as asked on every model (default: dropped on a model whose test "
                         "found it does not help, as the server does)")
@@ -306,11 +398,14 @@ def add_eval_commands(sub: Any) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
-                        not args.no_progress, args.layout)
+                        not args.no_progress, args.layout, args.skip_errors)
+    if not args.out.strip():
+        raise ValueError("--out needs a directory (an empty one would write into the current folder)")
+    examples = load_dataset(args.dataset, limit=args.limit, n_docs=args.docs)  # before the model: fails at once
     engine = Engine(load_from_args(args), calibrate=not args.no_calibrate)
     start = time.perf_counter()
     try:
-        result = evaluate(args.dataset, args.out, config, limit=args.limit, n_docs=args.docs, engine=engine)
+        result = evaluate_examples(engine, examples, args.out, config, dataset_meta(args.dataset, args.docs))
     finally:
         engine.close()
     _print_summary(result, time.perf_counter() - start)
@@ -319,8 +414,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _print_summary(result: EvalResult, elapsed: float) -> None:
     print(f"{result.computed} runs computed in {elapsed:.1f} s; results in {result.out_dir}/")
-    print(f"{'method':22s} {'n':>3s} {'agree_f1':>8s} {'kl':>8s} {'gold_f1':>7s} {'ttft_s':>7s}")
+    print(f"{'method':22s} {'n':>3s} {'agree_f1':>8s} {'kl':>8s} {'gold_f1':>7s} {'ttft_s':>7s} failed")
     for label, s in result.summary.items():
         vals = [s.get(k) for k in ("agree_f1", "kl", "gold_f1", "ttft_s")]
         cells = ["       –" if v is None else f"{v:8.3f}" for v in vals]
-        print(f"{label:22s} {s['n']:3d} {' '.join(cells)}")
+        failed = f"{s['errors']} errors, {s['nonfinite']} non-finite" if s["errors"] or s["nonfinite"] else ""
+        print(f"{label:22s} {s['n']:3d} {' '.join(cells)} {failed}")

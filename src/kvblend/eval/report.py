@@ -39,8 +39,10 @@ COLUMNS = (
     Column("load_s", "load s", "{:.3f}"),
     Column("prefill_s", "prefill s", "{:.2f}"),
     Column("recompute_frac", "recompute", "{:.3f}"),
+    Column("errors", "errors", "{:.0f}"),  # records left out of the means (an error, not a score)
+    Column("nonfinite", "non-finite", "{:.0f}"),  # records with a NaN or infinite score
 )
-SUMMARY_KEYS = tuple(c.key for c in COLUMNS if c.key not in ("n", "speedup"))
+SUMMARY_KEYS = tuple(c.key for c in COLUMNS if c.key not in ("n", "errors", "nonfinite", "speedup"))
 
 
 def _is_number(value: Any) -> bool:
@@ -64,9 +66,16 @@ def summarize(records: Iterable[Mapping[str, Any]], labels: Sequence[str] | None
 
 
 def _summarize_one(records: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
-    keys = dict.fromkeys(k for r in records for k, v in r.items() if _is_number(v) and k not in NOT_METRICS)
-    out: dict[str, float | None] = {k: _mean(r[k] for r in records if _is_number(r.get(k))) for k in keys}
+    """Means over the records that ran (an ``error`` record is only counted, in
+    ``errors``), each metric over its finite values; ``nonfinite`` counts the records with
+    a NaN or infinite metric (a broken result must not vanish from the table)."""
+    scored = [r for r in records if "error" not in r]
+    keys = dict.fromkeys(k for r in scored for k, v in r.items() if _is_number(v) and k not in NOT_METRICS)
+    out: dict[str, float | None] = {k: _mean(r[k] for r in scored if _is_number(r.get(k))) for k in keys}
     out["n"] = len(records)
+    out["errors"] = len(records) - len(scored)
+    out["nonfinite"] = sum(1 for r in scored if any(_is_number(r.get(k)) and not math.isfinite(float(r[k]))
+                                                    for k in keys))
     return out
 
 

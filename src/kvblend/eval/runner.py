@@ -79,9 +79,9 @@ def _blend_options(spec: str, rest: list[str], base: BlendConfig) -> BlendConfig
             raise ValueError(f"method {spec!r}: signal must be one of {SIGNALS} (or a selection: "
                              f"{', '.join(SELECTION_NAMES)})")
         base = replace(base, selection="deviation", signal=choice)
-    if not ratio_text:
+    if not ratio_text and not at:
         return replace(base)
-    ratios = _floats(ratio_text, "ratios", spec)
+    ratios = _floats(ratio_text, "ratios", spec) if ratio_text else (base.ratio,)  # ``blend:@2``: the ratio as is
     if at:
         layers = _floats(layer_text, "check layers", spec, int)
     else:
