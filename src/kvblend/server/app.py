@@ -546,7 +546,12 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         out = StreamResult()
         return SSEResponse(handle, out, finish, sse_stream(handle, shape, include_usage, out, finish, continuous),
                            headers={"Cache-Control": "no-cache", **headers})
-    out = await run_to_end(handle, http)
+    out = StreamResult()
+    try:
+        await run_to_end(handle, http, out)
+    except asyncio.CancelledError:  # the client left and the proxy cancelled this handler
+        finish(out)
+        raise
     finish(out)
     if out.error is not None:
         return _error_response(out.error)

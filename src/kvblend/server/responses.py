@@ -118,14 +118,19 @@ async def _wait_disconnect(request: HTTPRequest) -> None:
             return
 
 
-async def run_to_end(handle: RequestHandle, request: HTTPRequest) -> StreamResult:
-    """Collect the request, racing it against the client's disconnect; on a disconnect
-    the request is cancelled (its slot freed) and ``disconnected`` is set."""
-    out = StreamResult()
+async def run_to_end(handle: RequestHandle, request: HTTPRequest, out: StreamResult) -> StreamResult:
+    """Collect the request into ``out``, racing it against the client's disconnect; on a
+    disconnect the request is cancelled (its slot freed) and ``disconnected`` is set. When
+    the caller's task is cancelled instead (Ray Serve's proxy cancels the handler of a
+    client that left, where uvicorn sends ``http.disconnect``), the request is cancelled,
+    ``disconnected`` set, and the cancellation goes on."""
     work = asyncio.ensure_future(_collect(handle, out))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        out.disconnected = True
+        raise
     finally:
         watch.cancel()
         if not work.done():
