@@ -232,6 +232,20 @@ def test_a_client_leaving_a_stream_cancels_its_request_on_the_replica(cluster):
     # 1500 tokens would take far longer than this: the request was cancelled, not finished
 
 
+def test_a_streams_last_chunk_reports_the_replicas_queue_time(cluster):
+    """``kvblend.queue_s`` of a stream's finish chunk was always 0.0 with replicas: the
+    replica's queue time arrived only with the end, after that chunk was built."""
+    import json
+
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3,
+            "temperature": 0, "stream": True, "documents": [{"text": passage("queueing")}]}
+    with cluster.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    blocks = [ch["kvblend"] for ch in chunks if "kvblend" in ch]
+    assert blocks and blocks[-1]["queue_s"] > 0
+
+
 @pytest.mark.parametrize("path", ["/v1/models", "/health"])
 def test_ingress_answers_like_one_process(cluster, path):
     with cluster.client() as c:

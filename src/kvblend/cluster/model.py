@@ -34,7 +34,9 @@ from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
-from kvblend.cluster.wire import INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, WireError, to_wire
+from kvblend.cluster.wire import (
+    INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
+)
 from kvblend.engine.scheduler import DrainingError
 from kvblend.guard.quality import start_check
 from kvblend.guard.shadow import ShadowResult
@@ -85,8 +87,12 @@ class ModelReplica:
         self.unanswered.add(handle)
         try:
             yield Accepted(self.replica)  # inside the try: a call cancelled here cancels the request too
+            started = False
             async for item in handle.aevents():
                 self.unanswered.discard(handle)  # its stats or first token: its prefill is done
+                if not started:
+                    started = True
+                    yield Started(handle.queue_s)
                 yield item
         except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
             yield Ended(handle.queue_s, to_wire(exc))

@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
-from kvblend.cluster.wire import Accepted, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, WireError, rebuild
+from kvblend.cluster.wire import (
+    Accepted, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, Started, WireError, rebuild,
+)
 from kvblend.engine import Engine, Request
 from kvblend.engine.request import Result
 from kvblend.engine.scheduler import DrainingError, SchedulerObserver, WorkerDeadError
@@ -113,6 +115,9 @@ class RemoteHandle:
                     item = await self._next()
                 except StopAsyncIteration:
                     raise _lost(RuntimeError("the stream ended without its end")) from None
+                if isinstance(item, Started):
+                    self.queue_s = item.queue_s
+                    continue
                 if isinstance(item, Ended):
                     self.queue_s = item.queue_s
                     if item.error is not None:

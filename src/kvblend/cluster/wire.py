@@ -78,6 +78,14 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class Started:
+    """The request left the replica's queue after ``queue_s`` seconds (sent before its first
+    output, so that a stream's last chunk reports it as one process's does)."""
+
+    queue_s: float
+
+
+@dataclass(frozen=True)
 class Ended:
     """The request's end: the seconds it waited in the replica's queue, and its error."""
 
@@ -116,4 +124,4 @@ def rebuild(error: WireError) -> Exception:
     return cls(error.message)
 
 
-__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "WireError", "rebuild", "to_wire"]
+__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "Started", "WireError", "rebuild", "to_wire"]
