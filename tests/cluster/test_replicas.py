@@ -76,6 +76,21 @@ def test_a_document_computed_on_one_replica_is_a_redis_hit_on_the_other(cluster)
     assert sources == ["redis", "memory"]
 
 
+def test_a_deleted_document_leaves_the_replica_that_held_it(cluster):
+    """DELETE removed the chunk KV from the ingress's (shared) tiers only: the replica's
+    memory tier kept it and served it to the next request with the same text."""
+    x = passage("tungsten", 1)
+    with cluster.client() as c:
+        assert c.post("/v1/documents", json={"id": "tungsten", "text": x}).status_code == 200
+        time.sleep(STATS_S)
+        replica, sources = served(chat(c, [{"id": "tungsten"}]))
+        assert sources == ["memory"]
+        assert c.delete("/v1/documents/tungsten").status_code == 200
+        time.sleep(STATS_S)  # the replicas follow the purge log every routing-stats period
+        again, sources = served(chat(c, [{"text": x}]))
+    assert sources == ["computed"], (replica, again)
+
+
 def _model_replicas() -> dict[str, str]:
     from ray import serve
 

@@ -20,7 +20,8 @@ replaces the replica) and ``record_routing_stats`` (the resident chunk keys of t
 tier as a ``cluster.affinity.ResidentSummary``, the queue, and the requests not answering
 yet, for the request router).
 Replicas push their Prometheus exposition to the ``cluster.metrics`` board for the
-ingress's ``/metrics``.
+ingress's ``/metrics``, and follow ``cluster.purge``'s log of deleted documents' chunk keys
+(deleting them from their own memory and disk tiers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
+from kvblend.cluster.purge import PurgeFollower
 from kvblend.cluster.wire import (
     INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
 )
@@ -73,6 +75,7 @@ class ModelReplica:
         self.metrics = server_metrics(settings.model_id, self.engine, self.scheduler)
         self.scheduler.start()
         self.pusher = MetricsPusher(self.replica, self.metrics.registry, settings.cluster.routing_stats_period_s)
+        self.purger = PurgeFollower(self.engine.store, settings.cluster.routing_stats_period_s).start()
         self.unanswered = Unanswered()
         self._closed = threading.Event()
         log.info("model replica %s ready", self.replica)
@@ -171,6 +174,7 @@ class ModelReplica:
             return
         closed.set()
         self.pusher.close()
+        self.purger.close()
         try:
             self.scheduler.drain(self.settings.drain_timeout_s)
         finally:

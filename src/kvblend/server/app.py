@@ -87,6 +87,9 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     exposition: Callable[[], bytes] | None = None  # /metrics body; None: this app's registry (Ray Serve: cluster.metrics)
+    # told the chunk keys a deletion freed, after they left this app's store (Ray Serve: the
+    # replicas' own tiers, cluster.purge); None: this store is the only one
+    purge: Callable[[list[str]], None] | None = None
     registry_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         REGISTRY_THREADS, thread_name_prefix="kvblend-registry"))
     document_locks: KeyedLocks = field(default_factory=KeyedLocks)  # one POST/DELETE per (tenant, id) at a time
@@ -372,6 +375,12 @@ async def _delete_unused(state: ServerState, tenant: str, keys: list[str], doc_i
     unused = [key for key in dict.fromkeys(keys) if key not in shared]
     if unused:
         await anyio.to_thread.run_sync(_delete_keys, state.engine, unused)
+    if unused and state.purge is not None:
+        try:
+            await anyio.to_thread.run_sync(state.purge, unused)
+        except Exception:  # noqa: BLE001 - the document is deleted; its copies elsewhere are not
+            log.error("could not tell the other replicas to delete %d chunk entries of tenant %s", len(unused),
+                      tenant, exc_info=True)
 
 
 def _delete_keys(engine: Engine, keys: list[str]) -> None:
