@@ -69,6 +69,7 @@ class Ingress:
         ingress_id = serve.get_replica_context().replica_id.unique_id
         state.exposition = ClusterExposition(ingress_id, state.metrics.registry)
         state.purge = publish_purged  # a DELETE's freed chunk keys leave the replicas' own tiers too
+        state.request_id_header = False  # Serve's proxy answers X-Request-ID (the client's, or its own)
         return app
 
     def __del__(self) -> None:

@@ -90,6 +90,9 @@ class ServerState:
     # told the chunk keys a deletion freed, after they left this app's store (Ray Serve: the
     # replicas' own tiers, cluster.purge); None: this store is the only one
     purge: Callable[[list[str]], None] | None = None
+    # answer X-Request-Id (the completion's id); False behind Ray Serve's proxy, which
+    # answers its own request id there (a second one would make the header a list)
+    request_id_header: bool = True
     registry_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         REGISTRY_THREADS, thread_name_prefix="kvblend-registry"))
     document_locks: KeyedLocks = field(default_factory=KeyedLocks)  # one POST/DELETE per (tenant, id) at a time
@@ -538,7 +541,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
     shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
                   explain=explains.block if explains is not None else None, replica=handle.replica)
-    headers = {"X-Request-Id": shape.object_id}
+    headers = {"X-Request-Id": shape.object_id} if state.request_id_header else {}
     if handle.replica is not None:
         headers["X-Kvblend-Replica"] = handle.replica
     options = body.stream_options

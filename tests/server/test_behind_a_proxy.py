@@ -1,6 +1,7 @@
-"""A client that leaves a non-streamed request is counted and logged however the server
-learns of it: uvicorn sends ``http.disconnect`` (tests/server/test_load_and_metrics.py);
-Ray Serve's proxy cancels the handler's task instead, which is what this test does."""
+"""The app behind Ray Serve's proxy answers as it does alone under uvicorn: a client that
+leaves a non-streamed request is counted and logged however the server learns of it
+(uvicorn sends ``http.disconnect``, tests/server/test_load_and_metrics.py; the proxy
+cancels the handler's task, as here), and a response carries one request id."""
 
 from __future__ import annotations
 
@@ -51,3 +52,19 @@ def test_a_cancelled_handler_cancels_its_request_and_is_counted(tmp_path, caplog
         assert _metric(client, "kvblend:generation_tokens_total") < 200
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS]
     assert [line["status"] for line in lines if line.get("route") == "chat"] == [499]
+
+
+def test_behind_ray_serves_proxy_a_response_has_one_request_id(tmp_path) -> None:
+    """Ray Serve wraps every app in its RequestIdMiddleware, which appends X-Request-ID:
+    with the app's own, a client saw two ("chatcmpl-..., 567e...")."""
+    from ray.serve._private.http_util import RequestIdMiddleware
+
+    app = create_app(Engine(make_loaded()), Settings.load(model="tiny", state_dir=str(tmp_path)))
+    body = {**BODY, "max_tokens": 2}
+    with TestClient(app) as client:
+        alone = client.post("/v1/chat/completions", json=body)
+        assert alone.headers.get_list("x-request-id") == [alone.json()["id"]]  # one process: the completion's id
+        app.state.kvblend.request_id_header = False  # as the Ray Serve ingress sets it
+        proxied = TestClient(RequestIdMiddleware(app))
+        r = proxied.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "client-42"})
+        assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["client-42"]
