@@ -54,6 +54,21 @@ def test_errors_cross_the_hop_with_their_status(error, status):
         assert "secret" not in remote.message and "boom" not in remote.message
 
 
+def test_a_bad_field_keeps_its_name_and_a_subclass_its_status_across_the_hop():
+    """``param`` was lost (the wire carried no field), and an error class the wire did not
+    list became a 500 where one process answers 400."""
+    from kvblend.errors import InvalidRequestError
+
+    class TemplateRefused(InvalidRequestError):
+        pass
+
+    remote = from_exception(rebuild(to_wire(InvalidRequestError("too hot", "temperature"))))
+    assert (remote.status, remote.param) == (400, "temperature")
+    error = TemplateRefused("no", "messages")
+    local, remote = from_exception(error), from_exception(rebuild(to_wire(error)))
+    assert (remote.status, remote.param) == (local.status, local.param) == (400, "messages")
+
+
 def test_replica_flags_merge_into_the_cluster_settings(tmp_path, monkeypatch, capsys):
     import json
 

@@ -63,11 +63,13 @@ class ShadowCall:
 
 @dataclass(frozen=True)
 class WireError:
-    """An exception as data: its class name, message and Retry-After seconds (429s)."""
+    """An exception as data: its class name, message, Retry-After seconds (429s) and the
+    request field at fault (a 400's ``param``)."""
 
     kind: str
     message: str
     retry_after_s: int | None = None
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,15 @@ INTERNAL = "InternalRequestError"
 
 def to_wire(exc: BaseException) -> WireError:
     """``exc`` as data; an unexpected exception's message stays on the replica (the
-    client gets the bare 500, as in one process)."""
-    kind = type(exc).__name__
-    if kind not in _KNOWN:
+    client gets the bare 500, as in one process). A subclass of a known error travels as
+    the nearest known class (an ``InvalidRequestError`` of any kind stays a 400)."""
+    kind = next((cls.__name__ for cls in type(exc).__mro__ if _KNOWN.get(cls.__name__) is cls), None)
+    if kind is None:
         return WireError(INTERNAL, "internal server error (logged on the server)")
     retry = getattr(exc, "retry_after_s", None)
-    return WireError(kind, str(exc), int(retry) if retry is not None else None)
+    field = getattr(exc, "field", None)
+    return WireError(kind, str(exc), int(retry) if retry is not None else None,
+                     field if isinstance(field, str) else None)
 
 
 def rebuild(error: WireError) -> Exception:
@@ -121,6 +126,8 @@ def rebuild(error: WireError) -> Exception:
     cls = _KNOWN.get(error.kind, sched.InternalRequestError)
     if cls is sched.QueueFullError:
         return sched.QueueFullError(error.message, error.retry_after_s or 1)
+    if issubclass(cls, kvblend_errors.InvalidRequestError):
+        return cls(error.message, error.field)
     return cls(error.message)
 
 
