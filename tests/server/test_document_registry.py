@@ -389,17 +389,19 @@ def test_a_tenants_totals_are_exact_for_any_number_of_documents_and_kept_by_any_
 
 
 def test_a_deletion_tells_the_other_stores_which_chunk_keys_it_freed(tmp_path, caplog) -> None:
-    """The hook replicas follow (``ServerState.purge``, set by the Ray Serve ingress): the
-    keys no other document uses, once they left this app's store; a failing hook does
-    not fail the DELETE."""
+    """The hooks replicas follow (``ServerState.purge``/``revive``, set by the Ray Serve
+    ingress): the keys no other document uses, once they left this app's store, and a
+    stored document's keys; a failing hook does not fail the DELETE."""
     client, state = app_client(tmp_path, documents={"chunk_tokens": 4})
     told: list[list[str]] = []
-    state.purge = told.append
+    revived: list[list[str]] = []
+    state.purge, state.revive = told.append, revived.append
     with client:
         shared_text = "the doctor works in paris ."
         assert client.post("/v1/documents", json={"id": "a", "text": shared_text + " the river"}).status_code == 200
         assert client.post("/v1/documents", json={"id": "b", "text": shared_text}).status_code == 200
         a_keys, b_keys = (state.registry.get("default", doc).keys for doc in ("a", "b"))
+        assert revived == [a_keys, b_keys]  # a stored document's keys are kept wherever they were deleted
         assert client.delete("/v1/documents/a").status_code == 200
         assert told == [[k for k in a_keys if k not in b_keys]] and told[0]  # b's chunks stay in use
 

@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from kvblend.cluster.metrics import ClusterExposition
-from kvblend.cluster.purge import publish_purged
+from kvblend.cluster.purge import PurgePublisher
 from kvblend.cluster.remote import RemoteScheduler, watch_replicas
 from kvblend.engine import Engine, PrefixCache
 from kvblend.server.app import create_app
@@ -68,7 +68,9 @@ class Ingress:
         watch_replicas(scheduler, context.replica_id.deployment_id.app_name, MODEL_DEPLOYMENT, REPLICA_WATCH_S, self._stop)
         ingress_id = serve.get_replica_context().replica_id.unique_id
         state.exposition = ClusterExposition(ingress_id, state.metrics.registry)
-        state.purge = publish_purged  # a DELETE's freed chunk keys leave the replicas' own tiers too
+        app_name = context.replica_id.deployment_id.app_name
+        publisher = PurgePublisher(app_name)  # a DELETE's freed chunk keys leave the replicas' own tiers too
+        state.purge, state.revive = publisher.purge, publisher.revive
         state.request_id_header = False  # Serve's proxy answers X-Request-ID (the client's, or its own)
         return app
 

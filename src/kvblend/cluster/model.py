@@ -35,7 +35,7 @@ from typing import Any
 
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
-from kvblend.cluster.purge import PurgeFollower
+from kvblend.cluster.purge import PurgeFollower, log_reader
 from kvblend.cluster.wire import (
     INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
 )
@@ -53,6 +53,12 @@ def _replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def _app_name() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.deployment_id.app_name
 
 
 def memory_tier(store: Any) -> Any | None:
@@ -75,9 +81,10 @@ class ModelReplica:
         self.metrics = server_metrics(settings.model_id, self.engine, self.scheduler)
         self.scheduler.start()
         self.pusher = MetricsPusher(self.replica, self.metrics.registry, settings.cluster.routing_stats_period_s)
-        self.purger = PurgeFollower(self.engine.store, settings.cluster.routing_stats_period_s).start()
         self.unanswered = Unanswered()
         self._closed = threading.Event()
+        self.purger = PurgeFollower(self.engine.store, settings.cluster.routing_stats_period_s,
+                                    log_reader(_app_name())).start()
         log.info("model replica %s ready", self.replica)
 
     # -- requests
@@ -174,7 +181,8 @@ class ModelReplica:
             return
         closed.set()
         self.pusher.close()
-        self.purger.close()
+        if getattr(self, "purger", None) is not None:
+            self.purger.close()
         try:
             self.scheduler.drain(self.settings.drain_timeout_s)
         finally:

@@ -3,10 +3,11 @@
 With one process, a DELETE removes the document's chunk KV from every tier of the one
 store. With replicas, the ingress's store holds only the shared tiers (disk on its node,
 Redis); each model replica keeps its own memory tier, and the disk tier of its own node.
-So the ingress appends the keys it deleted to a small named Ray actor (``PurgeLog``, the
-last ``KEEP`` keys, numbered), and every model replica follows the log (``PurgeFollower``,
-one thread, every ``period_s``) and deletes those keys from its memory and disk tiers
-(Redis, shared, was done by the ingress). A replica starting (or restarted) reads the
+So the ingress appends the keys it deleted to a small named Ray actor (``PurgeLog``, one
+per Serve application, the last ``KEEP`` keys, numbered), and every model replica follows
+the log (``PurgeFollower``, one thread, every ``period_s``) and deletes those keys from its
+memory and disk tiers (Redis, shared, was done by the ingress). A document stored again
+revives its keys in the log, so that a replica replaying it does not delete the new copy. A replica starting (or restarted) reads the
 whole log first, so a node's disk tier also loses the entries deleted while no replica
 ran there, as far back as the log reaches. A key is content-addressed and names its
 tenant: deleting it from a tier that does not hold it is a no-op, and no other tenant's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,50 +36,81 @@ LOCAL_TIERS = ("memory", "disk")  # a replica's own tiers (Redis is shared: the 
 
 class PurgeLog:
     """Deleted chunk keys in order, each with its sequence number (1, 2, ...); the last
-    ``keep`` are kept (a Ray actor: ``purge_actor``)."""
+    ``keep`` are kept (a Ray actor: ``purge_actor``). ``epoch`` names this log: a log
+    created again (its actor's node died) has another, and its readers start over."""
 
     def __init__(self, keep: int = KEEP) -> None:
         self._keys: deque[str] = deque(maxlen=keep)
         self._last = 0
+        self._revived: set[str] = set()  # stored again since their deletion: not to be deleted
+        self.epoch = uuid.uuid4().hex
 
     def add(self, keys: Iterable[str]) -> int:
         """Append ``keys``; the sequence number of the last."""
         for key in keys:
             self._keys.append(key)
+            self._revived.discard(key)
             self._last += 1
         return self._last
 
-    def since(self, seq: int) -> tuple[list[str], int]:
-        """The keys numbered after ``seq`` that are still kept, and the last number
-        (``seq`` 0: every key kept)."""
+    def revive(self, keys: Iterable[str]) -> None:
+        """``keys`` are stored again (a document posted after its deletion): a reader that
+        has not applied their deletion yet, or replays the log, leaves them alone."""
+        logged = set(self._keys)
+        self._revived.update(k for k in keys if k in logged)
+
+    def since(self, seq: int, epoch: str | None = None) -> tuple[list[str], int, str]:
+        """The keys numbered after ``seq`` that are still kept and not revived, the last
+        number and the epoch (``seq`` 0, or another ``epoch`` than this log's: every key kept)."""
+        if epoch != self.epoch:
+            seq = 0
+        if seq >= self._last:
+            return [], self._last, self.epoch
         first = self._last - len(self._keys) + 1  # the number of the oldest kept key
         skip = max(0, seq - first + 1)
-        return list(itertools.islice(self._keys, skip, None)), self._last
+        keys = [k for k in itertools.islice(self._keys, skip, None) if k not in self._revived]
+        return keys, self._last, self.epoch
 
 
-def purge_actor(create: bool = True) -> Any | None:
-    """The named log (created, detached, on first use when ``create``); None when absent."""
+def purge_actor(app: str, create: bool = True) -> Any | None:
+    """The named log of Serve application ``app`` (created, detached, on first use when
+    ``create``); None when absent. One per application: two applications serving the same
+    model (staging and production) must not delete each other's entries."""
     import ray
 
     try:
         if create:
             return ray.remote(num_cpus=0)(PurgeLog).options(
-                name=PURGE_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote()
-        return ray.get_actor(PURGE_NAME, namespace=NAMESPACE)
+                name=f"{PURGE_NAME}:{app}", namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+        return ray.get_actor(f"{PURGE_NAME}:{app}", namespace=NAMESPACE)
     except ValueError:
         return None
 
 
-def publish_purged(keys: list[str]) -> None:
-    """The ingress's ``ServerState.purge``: append the keys a DELETE freed to the log
-    (waits for the actor: once the DELETE answers, the keys are in the log)."""
-    import ray
+class PurgePublisher:
+    """The ingress's side (``ServerState.purge`` and ``ServerState.revive``): a DELETE's
+    freed keys appended to application ``app``'s log, a stored document's keys revived
+    (each waits for the actor: once the request answers, the log says so)."""
 
-    ray.get(purge_actor().add.remote(keys), timeout=10.0)
+    def __init__(self, app: str) -> None:
+        self.app = app
+
+    def purge(self, keys: list[str]) -> None:
+        import ray
+
+        ray.get(purge_actor(self.app).add.remote(keys), timeout=10.0)
+
+    def revive(self, keys: list[str]) -> None:
+        import ray
+
+        actor = purge_actor(self.app, create=False)
+        if actor is not None:  # no log: nothing was deleted in this application yet
+            ray.get(actor.revive.remote(keys), timeout=10.0)
 
 
 def delete_local(store: Any, keys: Iterable[str]) -> int:
-    """Delete ``keys`` from ``store``'s memory and disk tiers; how many entries were there."""
+    """Delete ``keys`` from ``store``'s memory and disk tiers; how many entries were there.
+    A key a tier fails to delete (an unreadable file, ...) is logged and passed over."""
     tiers = [t for t in getattr(store, "tiers", ()) if t.name in LOCAL_TIERS]
     removed = 0
     for text in keys:
@@ -85,20 +118,25 @@ def delete_local(store: Any, keys: Iterable[str]) -> int:
             key = ChunkKey.parse(text)
         except ValueError:
             continue
-        removed += sum(bool(tier.delete(key)) for tier in tiers)
+        for tier in tiers:
+            try:
+                removed += bool(tier.delete(key))
+            except Exception:  # noqa: BLE001 - one entry must not stop the others' purge
+                log.warning("could not purge %s from the %s tier", text, tier.name, exc_info=True)
     return removed
 
 
 class PurgeFollower:
     """A model replica's thread: every ``period_s``, the log's keys after the last one
     applied are deleted from this replica's memory and disk tiers (``delete_local``). A
-    failed read is logged and retried next period. ``read(seq)`` answers as
-    ``PurgeLog.since`` (default: the named actor)."""
+    failed read is logged and retried next period. ``read(seq, epoch)`` answers as
+    ``PurgeLog.since`` (``log_reader(app)``: the application's actor)."""
 
-    def __init__(self, store: Any, period_s: float, read: Callable[[int], tuple[list[str], int]] | None = None) -> None:
+    def __init__(self, store: Any, period_s: float,
+                 read: Callable[[int, str | None], tuple[list[str], int, str]]) -> None:
         self.store, self.period_s = store, period_s
-        self.seq = 0  # the whole log first: a restarted replica's disk tier may hold deleted entries
-        self._read = read or _read_actor
+        self.seq, self.epoch = 0, None  # the whole log first: a restarted replica's disk may hold deleted entries
+        self._read = read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvblend-purge", daemon=True)
 
@@ -108,33 +146,52 @@ class PurgeFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.follow()
+            try:
+                self.follow()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                log.warning("purging deleted documents failed", exc_info=True)
             self._stop.wait(self.period_s)
 
     def follow(self) -> int:
         """Apply the log's new keys now; how many entries were deleted here."""
         try:
-            keys, last = self._read(self.seq)
+            keys, last, epoch = self._read(self.seq, self.epoch)
         except Exception:  # noqa: BLE001 - purging must not take a replica down; retried next period
             log.warning("reading the purge log failed", exc_info=True)
             return 0
         removed = delete_local(self.store, keys)
-        self.seq = last
+        self.seq, self.epoch = last, epoch
         if removed:
             log.info("purged %d deleted chunk entries from this replica's tiers", removed)
         return removed
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Stop, and wait for a pass in progress (before the store closes)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
 
-def _read_actor(seq: int) -> tuple[list[str], int]:
+def log_reader(app: str) -> Callable[[int, str | None], tuple[list[str], int, str]]:
+    """``PurgeFollower``'s reader of application ``app``'s log (the actor handle kept;
+    looked up again after a failure)."""
     import ray
 
-    actor = purge_actor(create=False)
-    if actor is None:  # no DELETE yet in this cluster
-        return [], seq
-    return ray.get(actor.since.remote(seq), timeout=10.0)
+    handle: list[Any] = []
+
+    def read(seq: int, epoch: str | None) -> tuple[list[str], int, str]:
+        if not handle:
+            actor = purge_actor(app, create=False)
+            if actor is None:  # no DELETE yet in this application
+                return [], seq, epoch or ""
+            handle.append(actor)
+        try:
+            return ray.get(handle[0].since.remote(seq, epoch), timeout=10.0)
+        except Exception:
+            handle.clear()
+            raise
+
+    return read
 
 
-__all__ = ["KEEP", "PurgeFollower", "PurgeLog", "delete_local", "publish_purged", "purge_actor"]
+__all__ = ["KEEP", "PurgeFollower", "PurgeLog", "PurgePublisher", "delete_local", "log_reader", "purge_actor"]

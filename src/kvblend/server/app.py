@@ -87,9 +87,11 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     exposition: Callable[[], bytes] | None = None  # /metrics body; None: this app's registry (Ray Serve: cluster.metrics)
-    # told the chunk keys a deletion freed, after they left this app's store (Ray Serve: the
-    # replicas' own tiers, cluster.purge); None: this store is the only one
+    # told the chunk keys a deletion freed, after they left this app's store, and those a
+    # stored document uses, before they are computed (Ray Serve: the replicas' own tiers,
+    # cluster.purge); None: this store is the only one
     purge: Callable[[list[str]], None] | None = None
+    revive: Callable[[list[str]], None] | None = None
     # answer X-Request-Id (the completion's id); False behind Ray Serve's proxy, which
     # answers its own request id there (a second one would make the header a list)
     request_id_header: bool = True
@@ -378,12 +380,20 @@ async def _delete_unused(state: ServerState, tenant: str, keys: list[str], doc_i
     unused = [key for key in dict.fromkeys(keys) if key not in shared]
     if unused:
         await anyio.to_thread.run_sync(_delete_keys, state.engine, unused)
-    if unused and state.purge is not None:
-        try:
-            await anyio.to_thread.run_sync(state.purge, unused)
-        except Exception:  # noqa: BLE001 - the document is deleted; its copies elsewhere are not
-            log.error("could not tell the other replicas to delete %d chunk entries of tenant %s", len(unused),
-                      tenant, exc_info=True)
+    if unused:
+        await _tell_replicas(state.purge, unused, tenant, "delete")
+
+
+async def _tell_replicas(tell: Callable[[list[str]], None] | None, keys: list[str], tenant: str, what: str) -> None:
+    """``ServerState.purge``/``revive`` on a thread; a failure is logged, not raised: the
+    request's own work is done (a copy left or deleted elsewhere is a cache's, not an answer's)."""
+    if tell is None or not keys:
+        return
+    try:
+        await anyio.to_thread.run_sync(tell, keys)
+    except Exception:  # noqa: BLE001 - see above
+        log.error("could not tell the other replicas to %s %d chunk entries of tenant %s", what, len(keys), tenant,
+                  exc_info=True)
 
 
 def _delete_keys(engine: Engine, keys: list[str]) -> None:
@@ -427,9 +437,11 @@ async def _store_document(state: ServerState, tenant: str, body: DocumentCreate)
         """Cut and key the text (a thread), compute the missing chunks' KV on the model
         worker (its jobs lane: 429 when full), store them (a thread)."""
         chunks, prefix, plan = await anyio.to_thread.run_sync(cut)
+        keys = [str(k) for k in plan.keys]
+        # before they are computed: a replica replaying an earlier deletion must not drop them
+        await _tell_replicas(state.revive, keys, tenant, "keep")
         if plan.todo:
             await _compute_documents(state, plan.todo, prefix, f"document ({tenant})")
-        keys = [str(k) for k in plan.keys]
         stored = [StoredChunk(c.chunk_id, k, c.token_ids) for c, k in zip(chunks, keys)]
         indexed.extend(chunk_texts(body.text, chunks, doc_id))
         return stored, await anyio.to_thread.run_sync(_tiers_holding_all, state.engine, keys)
