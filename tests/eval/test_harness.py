@@ -151,7 +151,7 @@ def test_rerun_with_other_settings_is_refused(engine: Engine, tmp_path: Path) ->
 def test_rerun_on_another_dtype_or_shift_verdict_is_refused(engine: Engine, tmp_path: Path) -> None:
     """A rerun with ``--dtype bfloat16`` (or ``--no-calibrate``) added its records to float32
     ones (or to ones where the shift test dropped the shift) under the same labels."""
-    config = EvalConfig(("full", "reuse"), 3, 2, progress=False)
+    config = EvalConfig(("full", "blend:0.3"), 3, 2, progress=False)  # the default strategy: with the shift
     evaluate_examples(engine, EXAMPLES[:1], tmp_path, config, {"dataset": "x"})
     run = json.loads((tmp_path / "run.json").read_text())
     assert (run["dtype"], run["device"], run["shift"]) == ("float32", "cpu", "untested" if
@@ -173,6 +173,7 @@ def test_a_dataset_file_resumes_by_any_path_to_it(engine: Engine, tmp_path: Path
     data.write_text("")
     config = EvalConfig(("full",), 3, 2, progress=False)
     evaluate_examples(engine, EXAMPLES[:1], tmp_path / "out", config, dataset_meta(str(data), None))
+    assert "shift" not in json.loads((tmp_path / "out" / "run.json").read_text())  # no method here uses it
     monkeypatch.chdir(tmp_path)
     assert evaluate_examples(engine, EXAMPLES[:1], tmp_path / "out", config,
                              dataset_meta("d.jsonl", None)).computed == 0
@@ -198,6 +199,9 @@ def test_an_example_that_fails_is_named_and_the_rest_is_summarised(engine: Engin
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["reuse"]["n"] == 1  # example a, done before it
     assert "stopped after 2 of 6 runs" in json.loads((tmp_path / "run.json").read_text())["partial"]
+    with pytest.raises(ValueError, match="example 'huge'"):  # other results in the folder are not this run's
+        evaluate_examples(engine, [HUGE], tmp_path, EvalConfig(("full",), 3, 2, progress=False))
+    assert "stopped after 0 of 1 runs" in json.loads((tmp_path / "run.json").read_text())["partial"]
     assert "rerun the same command to resume" in capsys.readouterr().err
 
 
@@ -211,6 +215,27 @@ def test_skip_errors_records_the_failure_and_goes_on(engine: Engine, tmp_path: P
     assert (s["n"], s["errors"]) == (3, 1)
     assert s["kl"] == pytest.approx(sum(r["kl"] for r in result.records if r["method"] == "reuse" and "kl" in r) / 2)
     assert "partial" not in json.loads((tmp_path / "run.json").read_text())
+
+
+def test_one_failing_method_does_not_fail_the_others_and_errors_are_retried(engine: Engine, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    import kvblend.eval.harness as harness
+
+    score = harness.score_spec
+
+    def reuse_breaks(engine, ex, spec, ref, config):
+        if spec.label == "reuse":
+            raise ValueError("reuse broke")
+        return score(engine, ex, spec, ref, config)
+
+    monkeypatch.setattr(harness, "score_spec", reuse_breaks)
+    config = EvalConfig(("full", "reuse", "blend:0.3"), 3, 2, progress=False, skip_errors=True)
+    result = evaluate_examples(engine, EXAMPLES[:1], tmp_path, config)
+    assert [("error" in r, r["method"]) for r in result.records] == [(False, "full"), (True, "reuse"),
+                                                                      (False, "blend:0.3")]
+    monkeypatch.setattr(harness, "score_spec", score)  # the cause fixed: a rerun tries the error again
+    again = evaluate_examples(engine, EXAMPLES[:1], tmp_path, config)
+    assert again.computed == 1 and again.summary["reuse"]["errors"] == 0 and again.summary["reuse"]["n"] == 1
 
 
 def test_an_interrupted_run_keeps_its_time_and_writes_a_partial_report(engine: Engine, tmp_path: Path,

@@ -54,17 +54,21 @@ def test_a_cancelled_handler_cancels_its_request_and_is_counted(tmp_path, caplog
     assert [line["status"] for line in lines if line.get("route") == "chat"] == [499]
 
 
-def test_behind_ray_serves_proxy_a_response_has_one_request_id(tmp_path) -> None:
+def test_behind_ray_serves_proxy_a_response_has_one_request_id(tmp_path, caplog) -> None:
     """Ray Serve wraps every app in its RequestIdMiddleware, which appends X-Request-ID:
     with the app's own, a client saw two ("chatcmpl-..., 567e...")."""
     from ray.serve._private.http_util import RequestIdMiddleware
 
     app = create_app(Engine(make_loaded()), Settings.load(model="tiny", state_dir=str(tmp_path)))
     body = {**BODY, "max_tokens": 2}
-    with TestClient(app) as client:
+    with TestClient(app) as client, caplog.at_level(logging.INFO, logger=ACCESS):
         alone = client.post("/v1/chat/completions", json=body)
         assert alone.headers.get_list("x-request-id") == [alone.json()["id"]]  # one process: the completion's id
         app.state.kvblend.request_id_header = False  # as the Ray Serve ingress sets it
         proxied = TestClient(RequestIdMiddleware(app))
         r = proxied.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "client-42"})
         assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["client-42"]
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == ACCESS]
+    # the log line ties the completion's id to the one the client saw
+    assert [(line["id"], line.get("request_id")) for line in lines] == [
+        (alone.json()["id"], None), (r.json()["id"], "client-42")]

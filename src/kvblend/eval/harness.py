@@ -162,21 +162,25 @@ def run_pending(engine: Engine, ex: Example, todo: Sequence[MethodSpec], config:
     An error a user can act on (the example's prompt past the context, ...) is raised as a
     ValueError naming the example, or with ``config.skip_errors`` emitted as an ``error``
     record for each method not done (full prefill failing fails them all)."""
-    left = list(todo)
+    def failed(specs: Sequence[MethodSpec], exc: Exception) -> None:
+        if not config.skip_errors:
+            raise ValueError(f"example {ex.id!r}: {exc} (--skip-errors records it and goes on)") from exc
+        for spec in specs:
+            emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), "error": str(exc)})
+
     try:
         warm_documents(engine, ex, todo, config.layout)
         engine.flush()
         ref, full = reference(engine, ex, config.max_tokens, config.kl_tokens, config.layout)
-        while left:
-            spec = left[0]
+    except (KvblendError, ValueError) as exc:  # no reference: no method can be scored
+        return failed(todo, exc)
+    for spec in todo:
+        try:
             scores = full if spec.label == "full" else score_spec(engine, ex, spec, ref, config)
-            emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
-            left.pop(0)
-    except (KvblendError, ValueError) as exc:
-        if not config.skip_errors:
-            raise ValueError(f"example {ex.id!r}: {exc} (--skip-errors records it and goes on)") from exc
-        for spec in left:
-            emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), "error": str(exc)})
+        except (KvblendError, ValueError) as exc:
+            failed([spec], exc)
+            continue
+        emit({"example_id": ex.id, "method": spec.label, "gold": list(ex.answers), **scores})
 
 
 def _check_ids(examples: Sequence[Example]) -> None:
@@ -257,8 +261,12 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
     and the report; a rerun with other `RESUME_KEYS` settings raises ValueError."""
     out, specs, start = Path(out_dir), config.specs, time.perf_counter()
     check_methods(engine, specs, examples)
-    meta, done = _open_run(out, examples, config, {**(meta or {}), **engine_meta(engine)})
-    pending = [(ex, [s for s in specs if (ex.id, s.label) not in done]) for ex in examples]
+    engine_keys = engine_meta(engine)
+    if not any(s.method == "blend" and s.blend.shift for s in specs):
+        engine_keys.pop("shift")  # no method here asks for the shift: its verdict changes none of them
+    meta, done = _open_run(out, examples, config, {**(meta or {}), **engine_keys})
+    # an error record is tried again (its cause may be fixed); a new one replaces it
+    pending = [(ex, [s for s in specs if "error" in done.get((ex.id, s.label), {"error": ""})]) for ex in examples]
     total = len(examples) * len(specs)
     bar = _progress(total, total - sum(len(todo) for _, todo in pending), config.progress, out.name)
     sink = _Sink(out / EXAMPLES_FILE, done, bar)
@@ -275,9 +283,13 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
         if sink.computed:
             meta["compute_s"] += time.perf_counter() - start
         if not finished:
-            meta["partial"] = f"stopped after {len(done)} of {total} runs; rerun the same command to resume"
+            ran = sum((ex.id, s.label) in done for ex in examples for s in specs)
+            meta["partial"] = f"stopped after {ran} of {total} runs; rerun the same command to resume"
             print(f"kvblend eval: {meta['partial']} (results so far in {out}/)", file=sys.stderr)
-            _finish(out, examples, specs, done, sink.computed, meta)
+            try:
+                _finish(out, examples, specs, done, sink.computed, meta)
+            except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to see
+                print(f"kvblend eval: the partial report could not be written: {exc}", file=sys.stderr)
     meta.pop("partial", None)
     return _finish(out, examples, specs, done, sink.computed, meta)
 

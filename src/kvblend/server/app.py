@@ -564,7 +564,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         guarded = {}
         if routing is not None:  # the shadow check is queued, never awaited
             guarded = {"guard": routing.fallback, "shadow": state.guard.after(routing, out)}
-        _account(state, handle, tenant, shape, out, started, guarded)
+        _account(state, handle, tenant, shape, out, started, {**guarded, **_client_request_id(http)})
 
     if body.stream:
         out = StreamResult()
@@ -574,7 +574,10 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     try:
         await run_to_end(handle, http, out)
     except asyncio.CancelledError:  # the client left and the proxy cancelled this handler
-        finish(out)
+        try:
+            finish(out)
+        except Exception:  # noqa: BLE001 - the cancellation goes on whatever the accounting did
+            log.exception("accounting for a cancelled request failed")
         raise
     finish(out)
     if out.error is not None:
@@ -608,6 +611,19 @@ def _shape(state: ServerState, draft: Any, param: str) -> Any:
     if state.index_feed is not None:
         state.index_feed.catch_up(REQUEST_CATCH_UP, wait=False)
     return shape_body(state.engine, draft, state.settings, state.registry, state.index, param)
+
+
+MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id kept in the log line
+
+
+def _client_request_id(http: HTTPRequest) -> dict[str, str]:
+    """``{"request_id": ...}`` from the request's X-Request-Id (the client's, or Ray Serve's
+    proxy's), printable ASCII and bounded; empty without one. The log line then ties the
+    completion's id to the id the client saw."""
+    value = http.headers.get("x-request-id")
+    if not value:
+        return {}
+    return {"request_id": "".join(ch for ch in value[:MAX_REQUEST_ID] if " " <= ch <= "~")}
 
 
 def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shape, out: StreamResult,

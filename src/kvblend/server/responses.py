@@ -129,7 +129,7 @@ async def run_to_end(handle: RequestHandle, request: HTTPRequest, out: StreamRes
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        out.disconnected = True
+        out.disconnected = not work.done()  # a request already finished is not a client that left
         raise
     finally:
         watch.cancel()
