@@ -44,7 +44,11 @@ class HoldsFixedKeys:
         self.resident = [f"acme/{self.uid}-{i}" for i in range(32)]
 
     def record_routing_stats(self) -> dict:
-        return {"resident": ResidentSummary.from_keys(self.resident).to_dict(), "waiting": 0, "running": 0}
+        # as the model deployment reports them: with its unanswered count and the time, the
+        # router's load is that report plus what it sent since, not Ray's queue-length cache
+        # (which can lag on a busy host and make the holder look loaded: a flaky spill)
+        return {"resident": ResidentSummary.from_keys(self.resident).to_dict(), "waiting": 0, "running": 0,
+                "unanswered": 0, "at": time.time()}
 
     def __call__(self, call: Call) -> tuple[str, list[str]]:
         return self.uid, self.resident
