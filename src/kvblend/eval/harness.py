@@ -265,8 +265,7 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
     if not any(s.method == "blend" and s.blend.shift for s in specs):
         engine_keys.pop("shift")  # no method here asks for the shift: its verdict changes none of them
     meta, done = _open_run(out, examples, config, {**(meta or {}), **engine_keys})
-    # an error record is tried again (its cause may be fixed); a new one replaces it
-    pending = [(ex, [s for s in specs if "error" in done.get((ex.id, s.label), {"error": ""})]) for ex in examples]
+    pending = [(ex, [s for s in specs if _to_run(done.get((ex.id, s.label)))]) for ex in examples]
     total = len(examples) * len(specs)
     bar = _progress(total, total - sum(len(todo) for _, todo in pending), config.progress, out.name)
     sink = _Sink(out / EXAMPLES_FILE, done, bar)
@@ -304,6 +303,12 @@ def _dataset_name(dataset: Any) -> Any:
     if not isinstance(dataset, str) or dataset.startswith("synthetic:"):
         return dataset
     return str(Path(dataset).resolve())
+
+
+def _to_run(record: Record | None) -> bool:
+    """Whether a pair is (re)computed: not done yet, or its record is an error (its cause
+    may be fixed; the new record, appended, replaces it)."""
+    return record is None or "error" in record
 
 
 def check_resumable(out: Path, before: dict[str, Any], meta: dict[str, Any]) -> None:
