@@ -161,7 +161,8 @@ def run_pending(engine: Engine, ex: Example, todo: Sequence[MethodSpec], config:
     """Score the methods ``todo`` on ``ex``; ``emit`` gets each record as soon as it is done.
     An error a user can act on (the example's prompt past the context, ...) is raised as a
     ValueError naming the example, or with ``config.skip_errors`` emitted as an ``error``
-    record for each method not done (full prefill failing fails them all)."""
+    record for the method that raised it (for every method when full prefill's reference
+    did)."""
     def failed(specs: Sequence[MethodSpec], exc: Exception) -> None:
         if not config.skip_errors:
             raise ValueError(f"example {ex.id!r}: {exc} (--skip-errors records it and goes on)") from exc
