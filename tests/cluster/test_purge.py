@@ -40,6 +40,15 @@ def test_keys_stored_again_are_not_deleted_by_a_replay() -> None:
     assert log.since(0, log.epoch)[0] == ["t/a", "t/b", "t/a"]
 
 
+def test_the_log_forgets_what_falls_out_of_its_window() -> None:
+    log = PurgeLog(keep=2)
+    log.add(["t/a"])
+    log.revive(["t/a"])
+    log.add(["t/b", "t/c"])  # "t/a" leaves the window, and with it its revival
+    assert log._revived == set() and set(log._logged) == {"t/b", "t/c"}
+    assert log.since(0, log.epoch)[0] == ["t/b", "t/c"]
+
+
 def _follower(store, log: PurgeLog) -> PurgeFollower:
     return PurgeFollower(store, 60.0, read=log.since)
 

@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,24 +40,35 @@ class PurgeLog:
     created again (its actor's node died) has another, and its readers start over."""
 
     def __init__(self, keep: int = KEEP) -> None:
-        self._keys: deque[str] = deque(maxlen=keep)
+        self._keys: deque[str] = deque()
+        self._keep = keep
+        self._logged: Counter[str] = Counter()  # how often each key is in ``_keys``
         self._last = 0
-        self._revived: set[str] = set()  # stored again since their deletion: not to be deleted
+        self._revived: set[str] = set()  # logged keys stored again since: not to be deleted
         self.epoch = uuid.uuid4().hex
 
     def add(self, keys: Iterable[str]) -> int:
         """Append ``keys``; the sequence number of the last."""
         for key in keys:
             self._keys.append(key)
+            self._logged[key] += 1
             self._revived.discard(key)
             self._last += 1
+            if len(self._keys) > self._keep:
+                self._drop_oldest()
         return self._last
+
+    def _drop_oldest(self) -> None:
+        old = self._keys.popleft()
+        self._logged[old] -= 1
+        if not self._logged[old]:
+            del self._logged[old]
+            self._revived.discard(old)  # out of the log: nothing left to keep it from
 
     def revive(self, keys: Iterable[str]) -> None:
         """``keys`` are stored again (a document posted after its deletion): a reader that
         has not applied their deletion yet, or replays the log, leaves them alone."""
-        logged = set(self._keys)
-        self._revived.update(k for k in keys if k in logged)
+        self._revived.update(k for k in keys if k in self._logged)
 
     def since(self, seq: int, epoch: str | None = None) -> tuple[list[str], int, str]:
         """The keys numbered after ``seq`` that are still kept and not revived, the last
