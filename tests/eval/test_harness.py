@@ -83,6 +83,11 @@ def test_config_validation() -> None:
     assert [s.label for s in EvalConfig(methods=("reuse",)).specs] == ["full", "reuse"]
     with pytest.raises(ValueError, match="repeat"):
         EvalConfig(methods=("reuse", "reuse"))
+    with pytest.raises(ValueError, match="'blend:0.15' and 'blend:.15' are the same method"):
+        EvalConfig(methods=("blend:0.15", "blend:.15"))  # ran twice under two labels
+    with pytest.raises(ValueError, match="the same method"):
+        EvalConfig(methods=("cacheblend:0.15", "blend:0.15@1:v"))
+    assert len(EvalConfig(methods=("blend:0.15", "blend:0.3", "reuse", "reuse+prompt")).specs) == 5
     with pytest.raises(ValueError, match="max_tokens"):
         EvalConfig(max_tokens=0)
     with pytest.raises(ValueError, match="unknown"):

@@ -75,9 +75,12 @@ class EvalConfig:
         object.__setattr__(self, "methods", tuple(self.methods))
         if not self.methods:
             raise ValueError("give at least one method")
-        labels = [s.label for s in self.specs]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"methods repeat: {', '.join(self.methods)}")
+        seen: dict[tuple[str, Any], str] = {}
+        for spec in self.specs:  # compared as parsed: the same method spelt twice would run twice
+            key = (spec.method, spec.blend)
+            if key in seen:
+                raise ValueError(f"methods repeat: {seen[key]!r} and {spec.label!r} are the same method")
+            seen[key] = spec.label
         BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)  # validates the lengths
 
     @property
