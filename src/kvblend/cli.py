@@ -90,9 +90,9 @@ def _blend_config(args: argparse.Namespace):
     if args.method == "cacheblend":  # the paper's selection, whatever the strategy flags say
         return BlendConfig.cacheblend(args.ratio, args.chunk_prefix)
     from kvblend.errors import InvalidRequestError
-    from kvblend.settings import DEVIATION_KNOBS, blend_defaults, deviation_selection
+    from kvblend.settings import DEVIATION_KNOBS, deviation_selection
 
-    base = blend_defaults().blend_config()
+    base = args.blend_settings  # the settings the flags' defaults came from, read once
     given = [name for name in DEVIATION_KNOBS if getattr(args, name) is not None]
     try:
         selection = deviation_selection(given, args.selection) or base.selection
@@ -152,7 +152,9 @@ def _add_blend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vdev", type=float, default=BlendConfig.vdev,
                    help="with --selection question: weight in [0, 1] of the layer-1 V deviation's "
                         "within-document rank in a hybrid score (0.5: equal; 0: off)")
-    p.set_defaults(calibrate=b.calibrate)  # blend.calibrate: whether the engine tests the shift
+    # blend.calibrate: whether the engine tests the shift; the settings' BlendConfig, which
+    # the flags are applied over (``_blend_config``)
+    p.set_defaults(calibrate=b.calibrate, blend_settings=b.blend_config())
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
