@@ -26,7 +26,7 @@ from pydantic_settings import (
     BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource,
 )
 
-from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig
+from kvblend.blend.config import MAX_SINKS, SELECTIONS, BlendConfig, check_layers_fit
 from kvblend.engine.fair import TenantShare
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
@@ -220,9 +220,7 @@ class BlendSettings(BlendOptions):
     def check_model(self, num_layers: int) -> None:
         """ValueError when these defaults cannot run on a model of ``num_layers`` layers
         (checked when the server loads its model, not by every request's 400)."""
-        if max(self.check_layers) >= num_layers:
-            raise ValueError(f"blend.check_layers {list(self.check_layers)} must be below the model's "
-                             f"{num_layers} layers")
+        check_layers_fit(self.check_layers, num_layers, "blend.check_layers")
 
     def blend_config(self) -> BlendConfig:
         """The engine's ``BlendConfig`` of these settings (every knob they share)."""

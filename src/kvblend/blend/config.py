@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvblend.errors import InvalidRequestError
@@ -19,6 +20,15 @@ SHIFT_NAMES = {(True, False): "shift", (True, True): "shiftq", (False, False): "
 # The paper's selection with no strategy on top: what ``BlendConfig.cacheblend`` is, and
 # what a method spec that names its selection starts from (``eval.runner.parse_method``).
 PLAIN_STRATEGY = {"selection": "deviation", "budget": False, "sinks": 0, "shift": False, "vdev": 0.0, "cover": 0.0}
+
+
+def check_layers_fit(check_layers: Sequence[int], num_layers: int, name: str = "check layers",
+                     field: str = "check_layers") -> None:
+    """InvalidRequestError naming ``field`` when a check layer is past a model of
+    ``num_layers`` layers: the one rule for requests, the ``blend.*`` settings, the
+    evaluation's methods and fusion itself (``name`` says which in the message)."""
+    if max(check_layers) >= num_layers:
+        raise InvalidRequestError(f"{name} {list(check_layers)} must be below the model's {num_layers} layers", field)
 
 
 @dataclass(frozen=True)

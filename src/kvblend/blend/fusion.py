@@ -33,8 +33,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from kvblend import rope as rope_lib
+from kvblend.blend.config import check_layers_fit
 from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
-from kvblend.errors import InvalidRequestError
 from kvblend.generation.chunked import run_steps
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
@@ -236,9 +236,7 @@ def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, Fus
     if plan.strategy is not None:
         raise ValueError("a plan with a strategy runs through blend.strategies.fuse_planned")
     n, dev = plan.ids.shape[0], model.device
-    if max(plan.check_layers) >= len(model.layers):
-        raise InvalidRequestError(f"check layers {plan.check_layers} must be below the model's "
-                                  f"{len(model.layers)} layers")
+    check_layers_fit(plan.check_layers, len(model.layers))
     p0 = _prefix_len(plan) if plan.reuse_cache is None else max(_prefix_len(plan), plan.exact_upto)
     cache = plan.reuse_cache or model.new_cache(n + plan.extra_capacity)
     if plan.reuse_cache is None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvblend.blend.config import check_layers_fit
 from kvblend.cliargs import add_model_args, load_from_args
 from kvblend.engine import Engine, Request
 from kvblend.errors import KvblendError
@@ -339,9 +340,8 @@ def check_methods(engine: Engine, specs: Sequence[MethodSpec], examples: Sequenc
     layers = engine.model.cfg.num_layers
     for spec in specs:
         blend = spec.blend
-        if spec.method == "blend" and max(blend.check_layers) >= layers:
-            raise ValueError(f"method {spec.label!r}: check layers {list(blend.check_layers)} must be below the "
-                             f"model's {layers} layers")
+        if spec.method == "blend":
+            check_layers_fit(blend.check_layers, layers, f"method {spec.label!r}: check layers")
         if spec.method in BASELINES:
             empty = next((ex.id for ex in examples if not ex.documents), None)
             if empty is not None:

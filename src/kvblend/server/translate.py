@@ -10,7 +10,7 @@ import logging
 
 from pydantic import BaseModel, ValidationError
 
-from kvblend.blend.config import BlendConfig
+from kvblend.blend.config import BlendConfig, check_layers_fit
 from kvblend.engine import Engine
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import (
@@ -105,8 +105,10 @@ def blend_options(body: _Common, settings: Settings, num_layers: int) -> tuple[s
         raise bad_request(str(exc), f"kvblend.{exc.field}") from None
     if values["selection"] != "deviation":  # the server's deviation knobs do not follow a request away
         values.update({k: getattr(BlendConfig, k) for k in DEVIATION_KNOBS})
-    if max(values["check_layers"]) >= num_layers:
-        raise bad_request("check layers must be below the model's layer count", "kvblend.check_layers")
+    try:
+        check_layers_fit(values["check_layers"], num_layers)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "kvblend.check_layers") from None
     try:
         merged = BlendSettings.model_validate(values)
     except ValidationError as exc:
