@@ -133,6 +133,45 @@ def test_rerun_skips_finished_pairs_and_adds_new_methods(engine: Engine, tmp_pat
     assert more.summary["blend:0.3"]["n"] == 2
 
 
+def test_a_resume_under_another_spelling_reuses_the_records(engine: Engine, tmp_path: Path) -> None:
+    """Records are keyed by the method's label: ``blend:.3`` after ``blend:0.3`` recomputed
+    every pair and reported the method twice over the results file."""
+    evaluate_examples(engine, EXAMPLES, tmp_path, EvalConfig(("full", "blend:0.3"), 4, 2, progress=False))
+    calls = _count_prepares(engine)
+    again = evaluate_examples(engine, EXAMPLES, tmp_path, EvalConfig(("full", "blend:.3"), 4, 2, progress=False))
+    assert again.computed == 0 and calls[0] == 0
+    assert list(again.summary) == ["full", "blend:.3"] and again.summary["blend:.3"]["n"] == 2
+    assert len(_lines(tmp_path / EXAMPLES_FILE)) == 4  # the file keeps what it was written with
+
+
+def test_a_second_run_on_the_same_folder_is_refused(engine: Engine, tmp_path: Path) -> None:
+    """Two processes appending to one results file computed every pair twice, interleaved."""
+    from kvblend.eval.harness import _exclusive
+
+    with _exclusive(tmp_path):  # another process's run, as far as the lock can tell
+        with pytest.raises(ValueError, match="another kvblend eval is writing to"):
+            evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, 2, progress=False))
+    assert not (tmp_path / EXAMPLES_FILE).exists()
+    assert evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, 2, progress=False)).computed == 1
+
+
+def test_kl_tokens_past_the_answer_are_refused_and_the_cli_default_follows_max_tokens(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """``--kl-tokens 8 --max-tokens 4`` took KL over 4 tokens, silently."""
+    import kvblend.cli
+
+    with pytest.raises(ValueError, match=r"kl_tokens \(8\) must be <= max_tokens \(4\)"):
+        EvalConfig(("full",), max_tokens=4, kl_tokens=8)
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"documents": list(DOCS[:2]), "question": "q ?", "answers": ["a"], "id": "a"}))
+    tiny = make_loaded(seed=1)
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: tiny)
+    argv = ["eval", "--dataset", str(data), "--methods", "reuse", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert kvblend.cli.main([*argv, "--max-tokens", "3"]) == 0  # --kl-tokens not given: 3, not 8
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["kl_tokens"] == 3
+    assert kvblend.cli.main([*argv, "--max-tokens", "3", "--kl-tokens", "5"]) == 2
+
+
 def test_half_written_last_line_is_dropped_and_recomputed(engine: Engine, tmp_path: Path) -> None:
     evaluate_examples(engine, EXAMPLES, tmp_path, CONFIG)
     path = tmp_path / EXAMPLES_FILE

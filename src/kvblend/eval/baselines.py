@@ -78,6 +78,9 @@ class BaselineConfig:
         for name in ("map_tokens", "max_tokens", "kl_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kl_tokens > self.max_tokens:  # KL follows full prefill's answer: at most max_tokens long
+            raise ValueError(f"kl_tokens ({self.kl_tokens}) must be <= max_tokens ({self.max_tokens}): KL is taken "
+                             "along full prefill's answer, which has at most max_tokens tokens")
 
 
 class Decoded(NamedTuple):

@@ -9,7 +9,8 @@ written to a directory that a rerun resumes.
 A rerun skips the example × method pairs already in examples.jsonl; a half-written last
 line (a crash mid-write) is dropped; a rerun whose settings differ (`RESUME_KEYS`: the
 dataset, the model, its dtype and device, the shift test's verdict, lengths, layout) is
-refused. Full prefill is always run: it is the reference every other method is scored
+refused, as is a second process on the same directory (``out/.lock``); a method spelt
+another way (``blend:.15`` for ``blend:0.15``) reuses the records of its first spelling. Full prefill is always run: it is the reference every other method is scored
 against (`kvblend.eval.runner`). An example a method cannot run (a prompt past the
 context, ...) stops the run naming the example, or with ``skip_errors`` is recorded as an
 ``error`` record and left out of the means. A run stopped by an error or Ctrl-C still
@@ -22,10 +23,12 @@ writes the summary and report of what it finished (marked partial).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,7 +81,7 @@ class EvalConfig:
             raise ValueError("give at least one method")
         seen: dict[tuple[str, Any], str] = {}
         for spec in self.specs:  # compared as parsed: the same method spelt twice would run twice
-            key = (spec.method, spec.blend)
+            key = method_key(spec)
             if key in seen:
                 raise ValueError(f"methods repeat: {seen[key]!r} and {spec.label!r} are the same method")
             seen[key] = spec.label
@@ -92,6 +95,11 @@ class EvalConfig:
     @property
     def baseline(self) -> BaselineConfig:
         return BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens, self.layout)
+
+
+def method_key(spec: MethodSpec) -> tuple[str, Any]:
+    """What a method is, whatever its spelling (``blend:0.15`` and ``blend:.15`` are one)."""
+    return spec.method, spec.blend
 
 
 class EvalResult(NamedTuple):
@@ -225,6 +233,35 @@ def _read_results(out: Path) -> list[Record]:
     return records
 
 
+def _relabel(records: list[Record], specs: Sequence[MethodSpec]) -> list[Record]:
+    """Records of a method asked for now under another spelling take its label (records are
+    keyed by label: a resume with ``blend:.15`` reuses ``blend:0.15``'s results, in memory;
+    the file keeps what it was written with)."""
+    labels = {method_key(s): s.label for s in specs}
+    for r in records:
+        try:
+            label = labels.get(method_key(parse_method(r["method"])))
+        except ValueError:  # a method this version no longer parses: left as it is
+            continue
+        if label is not None:
+            r["method"] = label
+    return records
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this process: two runs appending to one results file would
+    interleave and compute every pair twice."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another kvblend eval is writing to {out}; wait for it or use another "
+                             "output directory") from None
+        yield  # the lock goes with the file's close
+
+
 def _read_run(out: Path) -> dict[str, Any]:
     try:
         return json.loads((out / RUN_FILE).read_text(encoding="utf-8"))
@@ -248,7 +285,7 @@ def _open_run(out: Path, examples: Sequence[Example], config: EvalConfig,
     _check_ids(examples)
     meta = {**meta, "max_tokens": config.max_tokens, "kl_tokens": config.kl_tokens, "map_tokens": config.map_tokens,
             "layout": config.layout}
-    done = {(r["example_id"], r["method"]): r for r in _read_results(out)}
+    done = {(r["example_id"], r["method"]): r for r in _relabel(_read_results(out), config.specs)}
     before = _read_run(out) if done else {}
     if done and not before:
         raise ValueError(f"{out} holds results but no readable {RUN_FILE}: what they were computed with is "
@@ -263,9 +300,16 @@ def evaluate_examples(engine: Engine, examples: Sequence[Example], out_dir: str 
                       config: EvalConfig = EvalConfig(), meta: dict[str, Any] | None = None) -> EvalResult:
     """Run every example × method not yet in ``out_dir/examples.jsonl``, then write the
     summary, run.json and the report. ``meta`` (dataset, model, ...) goes into run.json
-    and the report; a rerun with other `RESUME_KEYS` settings raises ValueError."""
-    out, specs, start = Path(out_dir), config.specs, time.perf_counter()
-    check_methods(engine, specs, examples)
+    and the report; a rerun with other `RESUME_KEYS` settings, or a second process on the
+    same ``out_dir``, raises ValueError."""
+    check_methods(engine, config.specs, examples)
+    with _exclusive(Path(out_dir)):
+        return _evaluate_examples(engine, examples, Path(out_dir), config, meta)
+
+
+def _evaluate_examples(engine: Engine, examples: Sequence[Example], out: Path, config: EvalConfig,
+                       meta: dict[str, Any] | None) -> EvalResult:
+    specs, start = config.specs, time.perf_counter()
     engine_keys = engine_meta(engine)
     if not any(s.method == "blend" and s.blend.shift for s in specs):
         engine_keys.pop("shift")  # no method here asks for the shift: its verdict changes none of them
@@ -400,7 +444,8 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N examples")
     p.add_argument("--docs", type=int, default=None, help="documents per example (MuSiQue default: 6)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--kl-tokens", type=int, default=8)
+    p.add_argument("--kl-tokens", type=int, default=None,
+                   help="full prefill's answer tokens teacher-forced for KL (default: 8, or --max-tokens if fewer)")
     p.add_argument("--map-tokens", type=int, default=32, help="MapReduce note length")
     p.add_argument("--layout", choices=LAYOUTS, default="after",
                    help="the question after the documents (the paper's prompt), before them, or after them "
@@ -418,7 +463,8 @@ def add_eval_commands(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
+    kl_tokens = min(8, args.max_tokens) if args.kl_tokens is None else args.kl_tokens
+    config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, kl_tokens, args.map_tokens,
                         not args.no_progress, args.layout, args.skip_errors)
     if not args.out.strip():
         raise ValueError("--out needs a directory (an empty one would write into the current folder)")
