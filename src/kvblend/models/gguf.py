@@ -8,11 +8,14 @@ registry, which both use it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +35,23 @@ def _progress(message: str) -> None:
     print(f"kvblend: {message}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _bars_as_configured() -> Iterator[None]:
+    """transformers' GGUF reader draws its tensor bar with tqdm directly, past
+    ``transformers.utils.logging.disable_progress_bar()`` (`kvblend ingest --quiet`): for
+    the conversion, its bar follows that switch."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
+
+    bar = reader.tqdm
+    if not hf_logging.is_progress_bar_enabled():
+        reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def _write_converted(gguf: Path, out: Path, name: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,7 +59,8 @@ def _write_converted(gguf: Path, out: Path, name: str) -> None:
     _progress(f"reading tokenizer from {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _progress("dequantising weights (one time)")
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _bars_as_configured():
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     if hf_model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
