@@ -78,6 +78,8 @@ async function streamChat(body, onText) {
     if (data === "[DONE]") break;
     absorb(out, JSON.parse(data), started, onText);
   }
+  // A body that stops before its last chunk (the server went away, a proxy cut it) has no numbers.
+  if (!out.kvblend) throw new Error("the answer's stream ended before it finished (the server closed it)");
   return out;
 }
 

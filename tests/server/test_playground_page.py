@@ -1,0 +1,194 @@
+"""The playground page in headless chromium against a scripted API (no model): what it does
+when a request fails (an error status, an in-band error event, a stream cut short), what it
+records when the controls move during a run, and the headers of everything under
+``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+
+from kvblend.server.playground import CSP, add_playground
+from kvblend.store.localredis import free_port
+from tests.server.browser import headless_chromium, wait_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class Script:
+    """How the fake API answers the next chat requests, per method ("blend", "full"): the
+    answer's words, a delay between them, and how it ends ("ok", an HTTP status, "inband"
+    for an error event, "cut" for a body that stops before the last chunk)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.answers = {"blend": "Paris .", "full": "Paris ."}
+        self.ends = {"blend": "ok", "full": "ok"}
+        self.delay_s = 0.0
+        self.received: list[dict] = []
+
+
+def kvblend_block(method: str, options: dict) -> dict:
+    ratio = 1.0 if method == "full" else float(options.get("ratio", 0.15))
+    block = {"method": method, "prefix_hit_tokens": 0, "documents": [{"index": 0, "tokens": 4, "source": "memory"}],
+             "doc_hits": {} if method == "full" else {"memory": 1}, "doc_misses": 0, "recompute_fraction": ratio,
+             "queue_s": 0.0, "lookup_s": 0.0, "load_s": 0.0, "prefill_s": 0.01, "ttft_s": 0.02 if method == "full" else 0.01}
+    if method == "blend":
+        block["strategy"] = "q+budget+sinks4+shift"
+    if options.get("explain"):
+        block["explain"] = {"selection": "question", "score": "question attention", "deviation": "V deviation at layer 1",
+                            "sinks": 4, "checks": [], "limits": {"document_tokens": 512, "total_tokens": 4096},
+                            "truncated": False, "documents": [
+                                {"index": 0, "origin": 0, "offset": 0, "n_tokens": 4, "source": "memory",
+                                 "tokens": ["Paris", " is", " in", " France"], "truncated": False, "kept": 1,
+                                 "selected": {"positions": [0], "scores": [0.5], "by": ["sink"]},
+                                 "reused": {"positions": [1, 2, 3], "scores": [0.1, 0.1, 0.1]},
+                                 "deviation": {"positions": [], "values": []}}]}
+    return block
+
+
+def sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def fake_api(script: Script) -> FastAPI:
+    app = FastAPI()
+    add_playground(app)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.get("/v1/documents")
+    async def documents() -> dict:
+        return {"object": "list", "data": [], "has_more": False}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):  # noqa: ANN202 - JSON or SSE
+        options = body.get("kvblend") or {}
+        method = options.get("method", "blend")
+        if not body.get("stream"):  # the page's warm-up request
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "P"}}],
+                    "kvblend": kvblend_block(method, options)}
+        script.received.append(body)
+        end = script.ends[method]
+        if isinstance(end, int):
+            return JSONResponse({"error": {"message": "too many requests, retry later", "type": "rate_limit",
+                                           "param": None, "code": end}}, status_code=end)
+        words = script.answers[method].split(" ")
+
+        async def lines():
+            base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model"}
+            yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": None})
+            for i, word in enumerate(words):
+                await asyncio.sleep(script.delay_s)
+                text = word if i == 0 else " " + word
+                last = i == len(words) - 1
+                if last and end == "cut":
+                    return
+                if last and end == "inband":
+                    yield sse({"error": {"message": "the worker failed", "type": "server_error", "param": None,
+                                         "code": 500}})
+                    yield sse("[DONE]")
+                    return
+                chunk = {**base, "choices": [{"index": 0, "delta": {"content": text},
+                                              "finish_reason": "stop" if last else None}], "usage": None}
+                if last:
+                    chunk["kvblend"] = kvblend_block(method, options)
+                yield sse(chunk)
+            usage = {"prompt_tokens": 20, "completion_tokens": len(words), "total_tokens": 20 + len(words),
+                     "prompt_tokens_details": {"cached_tokens": 0 if method == "full" else 4}}
+            block = kvblend_block(method, {**options, "explain": False})
+            yield sse({**base, "choices": [], "usage": usage, "kvblend": block})
+            yield sse("[DONE]")
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def script() -> Script:
+    return Script()
+
+
+@pytest.fixture(scope="module")
+def url(script):
+    config = uvicorn.Config(fake_api(script), host="127.0.0.1", port=free_port(), log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{config.port}"
+    srv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def driver():
+    browser = headless_chromium()
+    yield browser
+    browser.quit()
+
+
+@pytest.fixture
+def page(url, script, driver):
+    """The page freshly loaded, its documents and question filled in, without the warm-up."""
+    script.reset()
+    driver.get(url + "/")
+    wait_for(driver, lambda d: "fake-model" in text(d, "#model"), timeout=20)
+    driver.find_element(By.CSS_SELECTOR, "#docs textarea").send_keys("Paris is in France")
+    driver.find_element(By.ID, "question").send_keys("Where is Paris?")
+    driver.find_element(By.ID, "warm").click()
+    return driver
+
+
+def text(driver, css: str) -> str:
+    return driver.find_element(By.CSS_SELECTOR, css).text
+
+
+def banner(driver) -> str:
+    el = driver.find_element(By.ID, "banner")
+    return el.text if el.is_displayed() else ""
+
+
+def run(driver) -> str:
+    """Click Run and wait for the run to end: the banner's text ("" when it succeeded)."""
+    before = driver.execute_script("return state.finished")
+    driver.find_element(By.ID, "run").click()
+    wait_for(driver, lambda d: d.find_element(By.ID, "run").is_enabled()
+             and (d.execute_script("return state.finished") > before or banner(d)), timeout=20)
+    return banner(driver)
+
+
+def test_a_run_shows_both_answers_and_their_numbers(page) -> None:
+    assert run(page) == ""
+    assert text(page, "#answer-blend [data-field=text]") == "Paris ."
+    assert text(page, "#answer-blend [data-field=recompute]").startswith("15.0 %")
+    assert text(page, "#answer-blend [data-field=cached]") == "4 of 20"
+    assert page.find_elements(By.CSS_SELECTOR, "#doc-views .tok.kept")
+
+
+def test_a_stream_cut_short_is_reported_as_such(page, script) -> None:
+    script.ends["blend"] = "cut"
+    message = run(page)
+    assert "ended before" in message and "null" not in message, message
+
+
+def test_an_in_band_error_is_shown(page, script) -> None:
+    script.ends["full"] = "inband"
+    assert "Error 500: the worker failed" in run(page)
