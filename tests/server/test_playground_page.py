@@ -192,3 +192,17 @@ def test_a_stream_cut_short_is_reported_as_such(page, script) -> None:
 def test_an_in_band_error_is_shown(page, script) -> None:
     script.ends["full"] = "inband"
     assert "Error 500: the worker failed" in run(page)
+
+
+def test_the_ratio_and_strategy_recorded_are_those_the_run_sent(page, script) -> None:
+    script.delay_s = 0.4  # the controls move while the blend streams
+    before = page.execute_script("return state.finished")
+    page.find_element(By.ID, "run").click()
+    page.find_element(By.ID, "ratio").send_keys(*[Keys.ARROW_RIGHT] * 4)
+    page.find_element(By.ID, "strategy").send_keys(Keys.ARROW_DOWN)
+    assert page.find_element(By.ID, "strategy").get_attribute("value") == "cacheblend"
+    wait_for(page, lambda d: d.execute_script("return state.finished") > before or banner(d), timeout=20)
+    assert banner(page) == ""
+    sent = [r["kvblend"] for r in script.received if r["kvblend"]["method"] == "blend"]
+    assert sent == [{"method": "blend", "ratio": 0.15, "explain": True}]
+    assert page.execute_script("return state.runs.map((r) => [r.ratio, r.strategy])") == [[0.15, "blend"]]

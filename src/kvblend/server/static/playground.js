@@ -190,10 +190,10 @@ function upload() {
 }
 
 // ----- requests ----------------------------------------------------------------------------
-function kvblendOptions(method) {
+function kvblendOptions(method, choice) {
   if (method === "full") return { method: "full" };
-  const options = { method: "blend", ratio: Number($("#ratio").value), explain: true };
-  if ($("#strategy").value === "cacheblend") Object.assign(options, CACHEBLEND);
+  const options = { method: "blend", ratio: choice.ratio, explain: true };
+  if (choice.strategy === "cacheblend") Object.assign(options, CACHEBLEND);
   return options;
 }
 
@@ -223,11 +223,11 @@ async function warm(body) {
   }
 }
 
-async function runOne(method, body) {
+async function runOne(method, body, choice) {
   const panel = $(`#answer-${method}`);
   for (const dd of $$("[data-field]", panel)) dd.textContent = "";
   field(panel, "text").textContent = "…";
-  const reply = await streamChat({ ...body, kvblend: kvblendOptions(method) },
+  const reply = await streamChat({ ...body, kvblend: kvblendOptions(method, choice) },
     (text) => { field(panel, "text").textContent = text; });
   showMetrics(panel, reply);
   return reply;
@@ -240,12 +240,14 @@ async function run() {
     if (!state.model) await connect();
     if (!state.model) return;
     const body = baseBody();
+    // The controls as the run started: they may move while it runs, and the chart keeps what was sent.
+    const choice = { ratio: Number($("#ratio").value), strategy: $("#strategy").value };
     if ($("#warm").checked && body.documents) await warm(body);
     status("blend…");
-    const blend = await runOne("blend", body);
+    const blend = await runOne("blend", body, choice);
     status("full prefill…");
-    const full = await runOne("full", body);
-    record(blend, full);
+    const full = await runOne("full", body, choice);
+    record(blend, full, choice);
     status("");
   } catch (err) {
     status("");
@@ -293,9 +295,9 @@ function tokenF1(a, b) {
   return 2 * p * r / (p + r);
 }
 
-function record(blend, full) {
+function record(blend, full, choice) {
   const f1 = tokenF1(blend.text, full.text);
-  const run = { ratio: Number($("#ratio").value), strategy: $("#strategy").value, f1,
+  const run = { ratio: choice.ratio, strategy: choice.strategy, f1,
     ttftBlend: blend.kvblend.ttft_s, ttftFull: full.kvblend.ttft_s };
   const same = (r) => r.ratio === run.ratio && r.strategy === run.strategy;
   state.runs = [...state.runs.filter((r) => !same(r)), run];  // the latest run per ratio and strategy
