@@ -206,3 +206,16 @@ def test_the_ratio_and_strategy_recorded_are_those_the_run_sent(page, script) ->
     sent = [r["kvblend"] for r in script.received if r["kvblend"]["method"] == "blend"]
     assert sent == [{"method": "blend", "ratio": 0.15, "explain": True}]
     assert page.execute_script("return state.runs.map((r) => [r.ratio, r.strategy])") == [[0.15, "blend"]]
+
+
+def test_a_failed_run_leaves_nothing_of_the_run_before(page, script) -> None:
+    assert run(page) == ""
+    assert text(page, "#answer-full [data-field=text]") == "Paris ."
+    script.answers["blend"], script.ends["full"] = "Lyon .", 429
+    assert "Error 429: too many requests" in run(page)
+    assert text(page, "#answer-blend [data-field=text]") == "Lyon ."
+    for shown in ("#answer-full [data-field=text]", "#answer-full [data-field=ttft]", "#agreement"):
+        assert "Paris" not in text(page, shown) and "ms" not in text(page, shown), shown
+    script.ends["blend"] = 503
+    assert "Error 503" in run(page)
+    assert text(page, "#answer-blend [data-field=text]") not in ("…", "Lyon ."), "a run that failed still shows as running"

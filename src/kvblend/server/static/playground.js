@@ -233,6 +233,12 @@ async function runOne(method, body, choice) {
   return reply;
 }
 
+function clearResults() {
+  for (const dd of $$("#answers [data-field]")) dd.textContent = "";
+  $("#agreement").textContent = "";
+  $("#doc-views").textContent = "";
+}
+
 async function run() {
   clearError();
   $("#run").disabled = true;
@@ -242,15 +248,18 @@ async function run() {
     const body = baseBody();
     // The controls as the run started: they may move while it runs, and the chart keeps what was sent.
     const choice = { ratio: Number($("#ratio").value), strategy: $("#strategy").value };
+    clearResults();  // nothing of the run before stays beside this one's, should it fail
     if ($("#warm").checked && body.documents) await warm(body);
     status("blend…");
     const blend = await runOne("blend", body, choice);
+    renderExplain(blend.explain);
     status("full prefill…");
     const full = await runOne("full", body, choice);
     record(blend, full, choice);
     status("");
   } catch (err) {
     status("");
+    for (const text of $$('#answers [data-field="text"]')) if (text.textContent === "…") text.textContent = "(failed)";
     showError(err);
   } finally {
     $("#run").disabled = false;
@@ -305,7 +314,6 @@ function record(blend, full, choice) {
   const verdict = blend.text.trim() === full.text.trim() ? "the same answer" : "different answers";
   $("#agreement").textContent = `Answer agreement with full prefill: token F1 ${f1.toFixed(2)} (${verdict}); `
     + `TTFT ${ms(run.ttftBlend)} vs ${ms(run.ttftFull)} (×${(run.ttftFull / run.ttftBlend).toFixed(2)}).`;
-  renderExplain(blend.explain);
   drawChart(state.runs);
 }
 
