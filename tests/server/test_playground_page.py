@@ -219,3 +219,15 @@ def test_a_failed_run_leaves_nothing_of_the_run_before(page, script) -> None:
     script.ends["blend"] = 503
     assert "Error 503" in run(page)
     assert text(page, "#answer-blend [data-field=text]") not in ("…", "Lyon ."), "a run that failed still shows as running"
+
+
+@pytest.mark.parametrize("path", ["/", "/playground/index.html", "/playground/playground.js",
+                                  "/playground/playground.css"])
+def test_every_file_of_the_page_has_its_headers(url, path) -> None:
+    """The page is reachable at /playground/index.html too: without the CSP's
+    ``frame-ancestors 'none'`` there, another site could frame it."""
+    res = httpx.get(url + path)
+    assert res.status_code == 200
+    assert res.headers["content-security-policy"] == CSP
+    assert res.headers["x-content-type-options"] == "nosniff"
+    assert res.headers["cache-control"] == "no-cache"  # an upgrade's script is not mixed with an old page
