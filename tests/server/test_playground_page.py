@@ -231,3 +231,8 @@ def test_every_file_of_the_page_has_its_headers(url, path) -> None:
     assert res.headers["content-security-policy"] == CSP
     assert res.headers["x-content-type-options"] == "nosniff"
     assert res.headers["cache-control"] == "no-cache"  # an upgrade's script is not mixed with an old page
+
+
+def test_the_upload_can_be_reached_by_keyboard(page) -> None:
+    page.find_element(By.ID, "save-docs").send_keys(Keys.TAB)
+    assert page.execute_script("return document.activeElement.id") == "upload"
