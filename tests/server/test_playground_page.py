@@ -55,6 +55,11 @@ def kvblend_block(method: str, options: dict) -> dict:
                                  "tokens": ["Paris", " is", " in", " France"], "truncated": False, "kept": 1,
                                  "selected": {"positions": [0], "scores": [0.5], "by": ["sink"]},
                                  "reused": {"positions": [1, 2, 3], "scores": [0.1, 0.1, 0.1]},
+                                 "deviation": {"positions": [], "values": []}},
+                                {"index": 1, "origin": 0, "offset": 4, "n_tokens": 2, "source": "memory",
+                                 "tokens": [" in", " Europe"], "truncated": False, "kept": 1,
+                                 "selected": {"positions": [1], "scores": [0.25], "by": ["question pass"]},
+                                 "reused": {"positions": [0], "scores": [0.1]},
                                  "deviation": {"positions": [], "values": []}}]}
     return block
 
@@ -236,3 +241,12 @@ def test_every_file_of_the_page_has_its_headers(url, path) -> None:
 def test_the_upload_can_be_reached_by_keyboard(page) -> None:
     page.find_element(By.ID, "save-docs").send_keys(Keys.TAB)
     assert page.execute_script("return document.activeElement.id") == "upload"
+
+
+def test_a_token_of_a_later_chunk_is_named_by_its_place_in_the_document(page) -> None:
+    assert run(page) == ""
+    (view,) = page.find_elements(By.CSS_SELECTOR, "#doc-views .docview")  # one document in two chunks
+    assert view.find_element(By.CSS_SELECTOR, ".tokens").text == "Paris is in France in Europe"
+    titles = [t.get_attribute("title") for t in view.find_elements(By.CSS_SELECTOR, ".tok")]
+    assert [t.split(" · ")[0] for t in titles] == [f"token {i}" for i in range(6)]
+    assert "2 of 6 tokens recomputed" in view.text

@@ -335,12 +335,12 @@ function maxOf(docs, pick) {
 
 function fmt(x) { return x === null || x === undefined ? "n/a" : Number(x).toPrecision(3); }
 
-function tokenSpan(text, at, maps, scale, names) {
+function tokenSpan(text, at, offset, maps, scale, names) {
   const span = document.createElement("span");
   span.className = "tok";
   span.textContent = text;
   const kept = maps.kept.get(at), dev = maps.deviation.get(at);
-  const parts = [`token ${at}`];
+  const parts = [`token ${offset + at}`];  // at: in its chunk; named by its place in the document
   if (kept) {
     span.classList.add("kept");
     if (/sink|sample/.test(kept.by)) span.classList.add("forced");
@@ -392,7 +392,7 @@ function docView(origin, chunks, totalKept, scale, names) {
   tokens.className = "tokens";
   for (const chunk of chunks) {
     const maps = tokenMaps(chunk);
-    chunk.tokens.forEach((text, i) => tokens.append(tokenSpan(text, i, maps, scale, names)));
+    chunk.tokens.forEach((text, i) => tokens.append(tokenSpan(text, i, chunk.offset || 0, maps, scale, names)));
     if (chunk.truncated) tokens.append(Object.assign(document.createElement("span"),
       { className: "chunk-break", textContent: ` [… ${chunk.n_tokens - chunk.tokens.length} more tokens not shown]` }));
   }
