@@ -250,3 +250,15 @@ def test_a_token_of_a_later_chunk_is_named_by_its_place_in_the_document(page) ->
     titles = [t.get_attribute("title") for t in view.find_elements(By.CSS_SELECTOR, ".tok")]
     assert [t.split(" · ")[0] for t in titles] == [f"token {i}" for i in range(6)]
     assert "2 of 6 tokens recomputed" in view.text
+
+
+def test_a_long_run_can_be_stopped(page, script) -> None:
+    script.answers["blend"] = " ".join(["word"] * 60)
+    script.delay_s = 0.5  # 30 s of answer
+    page.find_element(By.ID, "run").click()
+    wait_for(page, lambda d: "word" in text(d, "#answer-blend [data-field=text]"), timeout=10)
+    page.find_element(By.ID, "stop").click()
+    wait_for(page, lambda d: d.find_element(By.ID, "run").is_enabled(), timeout=3)
+    assert banner(page) == "" and text(page, "#status") == "stopped"
+    assert not page.find_element(By.ID, "stop").is_displayed()
+    assert [r["kvblend"]["method"] for r in script.received] == ["blend"]  # full prefill never started

@@ -6,7 +6,7 @@
 const KEY = "kvblend.apiKey";
 const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
-const state = { model: null, runs: [], stored: {}, finished: 0 };
+const state = { model: null, runs: [], stored: {}, finished: 0, abort: null };
 
 // ----- API ---------------------------------------------------------------------------------
 class ApiError extends Error {
@@ -26,9 +26,9 @@ async function apiError(res) {
   return new ApiError(res.status, message);
 }
 
-async function api(path, body) {
-  const init = body === undefined ? { headers: headers(false) }
-    : { method: "POST", headers: headers(true), body: JSON.stringify(body) };
+async function api(path, body, signal) {
+  const init = body === undefined ? { headers: headers(false), signal }
+    : { method: "POST", headers: headers(true), body: JSON.stringify(body), signal };
   const res = await fetch(path, init);
   if (!res.ok) throw await apiError(res);
   return res.json();
@@ -66,10 +66,10 @@ function absorb(out, chunk, started, onText) {
   if (chunk.usage) out.usage = chunk.usage;
 }
 
-async function streamChat(body, onText) {
+async function streamChat(body, onText, signal) {
   const started = performance.now();
   const res = await fetch("/v1/chat/completions", {
-    method: "POST", headers: headers(true),
+    method: "POST", headers: headers(true), signal,
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
   });
   if (!res.ok) throw await apiError(res);
@@ -212,23 +212,23 @@ function baseBody() {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
-async function warm(body) {
+async function warm(body, signal) {
   // A document seen for the first time is computed in the prompt and stored in the
   // background; send it (1 token) until every document is served from the store.
   for (let attempt = 0; attempt < 8; attempt++) {
-    const reply = await api("/v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } });
+    const reply = await api("/v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } }, signal);
     if (!reply.kvblend.doc_misses) return;
     status(`storing the documents' KV… (${reply.kvblend.doc_misses} not stored yet)`);
     await sleep(150 * (attempt + 1));
   }
 }
 
-async function runOne(method, body, choice) {
+async function runOne(method, body, choice, signal) {
   const panel = $(`#answer-${method}`);
   for (const dd of $$("[data-field]", panel)) dd.textContent = "";
   field(panel, "text").textContent = "…";
   const reply = await streamChat({ ...body, kvblend: kvblendOptions(method, choice) },
-    (text) => { field(panel, "text").textContent = text; });
+    (text) => { field(panel, "text").textContent = text; }, signal);
   showMetrics(panel, reply);
   return reply;
 }
@@ -242,6 +242,9 @@ function clearResults() {
 async function run() {
   clearError();
   $("#run").disabled = true;
+  state.abort = new AbortController();  // Stop: the server cancels a request whose client left
+  const signal = state.abort.signal;
+  $("#stop").hidden = false;
   try {
     if (!state.model) await connect();
     if (!state.model) return;
@@ -249,19 +252,24 @@ async function run() {
     // The controls as the run started: they may move while it runs, and the chart keeps what was sent.
     const choice = { ratio: Number($("#ratio").value), strategy: $("#strategy").value };
     clearResults();  // nothing of the run before stays beside this one's, should it fail
-    if ($("#warm").checked && body.documents) await warm(body);
+    if ($("#warm").checked && body.documents) await warm(body, signal);
     status("blend…");
-    const blend = await runOne("blend", body, choice);
+    const blend = await runOne("blend", body, choice, signal);
     renderExplain(blend.explain);
     status("full prefill…");
-    const full = await runOne("full", body, choice);
+    const full = await runOne("full", body, choice, signal);
     record(blend, full, choice);
     status("");
   } catch (err) {
-    status("");
-    for (const text of $$('#answers [data-field="text"]')) if (text.textContent === "…") text.textContent = "(failed)";
-    showError(err);
+    const stopped = signal.aborted;
+    status(stopped ? "stopped" : "");
+    for (const text of $$('#answers [data-field="text"]')) {
+      if (text.textContent === "…") text.textContent = stopped ? "(stopped)" : "(failed)";
+    }
+    if (!stopped) showError(err);
   } finally {
+    state.abort = null;
+    $("#stop").hidden = true;
     $("#run").disabled = false;
   }
 }
@@ -551,6 +559,7 @@ function bind() {
   $("#stored").addEventListener("change", pickStored);
   $("#ratio").addEventListener("input", () => { $("#ratio-value").textContent = Number($("#ratio").value).toFixed(2); });
   $("#run").addEventListener("click", run);
+  $("#stop").addEventListener("click", () => state.abort && state.abort.abort());
   $("#refresh-store").addEventListener("click", loadStore);
   for (const tab of $$(".tab")) tab.addEventListener("click", () => showView(tab.dataset.view));
 }
