@@ -124,6 +124,43 @@ def test_bad_files_are_skipped_and_counted(tmp_path):
     engine.close()
 
 
+def test_a_file_deleted_renamed_emptied_or_shortened_is_not_served_after_the_next_ingest(tmp_path):
+    """Re-ingesting a folder mirrors it: a document whose file was deleted or renamed,
+    now holds no text, or a JSONL record the file no longer has, is removed with its
+    chunks and vectors; documents outside the folders ingested, and hidden ones when
+    hidden files were not read, are left alone."""
+    paths = write_corpus(tmp_path / "docs", 4)
+    d = tmp_path / "docs"
+    (d / "gone.txt").write_text("the madrid budget was approved . " * 4)
+    (d / "recs.jsonl").write_text('{"text": "the novel was published in lisbon ."}\n'
+                                  '{"text": "the river city of rome ."}\n')
+    (d / ".hidden.txt").write_text("the oslo company is headquartered by the river .")
+    other = write_corpus(tmp_path / "other", 1, seed=5)[0]
+    engine, retriever, ingestor = pipeline(tmp_path)
+    ingestor.ingest([d, other], progress=False, hidden=True)
+    cat = retriever.catalog
+
+    def sources():
+        return {Path(doc.source).name for doc in cat.documents("default")}
+
+    assert sources() == {"doc000.txt", "doc001.txt", "doc002.txt", "doc003.txt", "gone.txt", "recs.jsonl#1",
+                         "recs.jsonl#2", ".hidden.txt", other.name}
+    gone = set(cat.document("default", str(d / "gone.txt")).chunk_ids)
+    (d / "gone.txt").unlink()
+    paths[0].rename(d / "renamed.txt")
+    paths[1].write_text("  \n")
+    (d / "recs.jsonl").write_text('{"text": "the novel was published in lisbon ."}\n')
+    s = ingestor.ingest([d], progress=False)
+    assert sources() == {"renamed.txt", "doc002.txt", "doc003.txt", "recs.jsonl#1", ".hidden.txt", other.name}
+    assert s.removed_documents == 4 and s.removed_chunks > len(gone)
+    assert not cat.existing("default", gone) and not gone & retriever.index.ids("default")
+    hits = retriever.search("default", "the madrid budget was approved", 6, "bm25")
+    assert all(Path(h.source).name != "gone.txt" for h in hits)
+    assert _consistent(engine, retriever)[0] == 6 and cat.unreferenced("default") == []
+    retriever.close()
+    engine.close()
+
+
 def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tmp_path):
     write_corpus(tmp_path / "docs", 8)
     engine, retriever, ingestor = pipeline(tmp_path, precompute="lazy")

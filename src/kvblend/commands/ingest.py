@@ -137,7 +137,8 @@ def _print_summary(s, retriever, config) -> None:
     docs, chunks, tokens = retriever.catalog.count(config.tenant)
     tiers = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in s.store_bytes.items()) or "-"
     print(f"ingested {s.files} file(s), {s.documents} document(s) ({s.unchanged} unchanged) in {s.total_s:.1f}s: "
-          f"{s.chunks_new} new chunk(s), {s.tokens_new} new tokens; {s.removed_chunks} stale chunk(s) removed")
+          f"{s.chunks_new} new chunk(s), {s.tokens_new} new tokens; {s.removed_chunks} stale chunk(s) removed"
+          + (f", {s.removed_documents} document(s) no longer there removed" if s.removed_documents else ""))
     print(f"chunk KV: {s.kv_chunks} computed ({s.kv_tokens} tokens, {s.kv_s:.1f}s); embedding {s.embed_s:.1f}s; "
           f"store bytes per tier: {tiers}")
     print(f"index now holds {docs} document(s), {chunks} chunk(s), {tokens} tokens (tenant {config.tenant})")

@@ -144,6 +144,11 @@ class Catalog:
                                 (validate_tenant(tenant),)).fetchall()
         return [DocumentRow(r[0], r[1], tuple(json.loads(r[2])), r[3]) for r in rows]
 
+    def sources(self, tenant: str) -> list[str]:
+        """The source of every committed document of ``tenant``."""
+        return [r[0] for r in self._db.execute("SELECT source FROM documents WHERE tenant = ? ORDER BY source",
+                                               (validate_tenant(tenant),))]
+
     def existing(self, tenant: str, chunk_ids: Iterable[str]) -> set[str]:
         """The subset of ``chunk_ids`` already committed for ``tenant``."""
         ids = list(dict.fromkeys(chunk_ids))

@@ -75,6 +75,7 @@ class IngestSummary:
     chunks_new: int = 0
     tokens_new: int = 0
     removed_chunks: int = 0
+    removed_documents: int = 0
     kv_chunks: int = 0
     kv_tokens: int = 0
     kv_s: float = 0.0
@@ -119,6 +120,33 @@ class _Run:
     todo: list[tuple[Chunk, str]] = field(default_factory=list)
     queued: set[str] = field(default_factory=set)
     waiting: list[_Doc] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)  # sources read this run (changed or not)
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What a run of ``Ingestor.ingest`` read: the folders and files named (resolved,
+    existing), whether hidden files were read, and the files it could not finish reading
+    (``unsettled``: one that changed while its records were read keeps what was committed)."""
+
+    folders: tuple[str, ...]
+    files: tuple[str, ...]
+    hidden: bool
+    unsettled: set[str] = field(default_factory=set)
+
+    def covers(self, source: str) -> bool:
+        """Whether ``source`` (a path, or ``path#line``) names a file of a root that this
+        run would have read: not hidden below its root unless hidden files were read, and
+        not a file left unsettled."""
+        if any(source == f or source.startswith(f + "#") for f in self.unsettled):
+            return False
+        if any(source == f or source.startswith(f + "#") for f in self.files):
+            return True
+        for top in self.folders:
+            folder = os.path.join(top, "")
+            if source.startswith(folder):
+                return self.hidden or not any(part.startswith(".") for part in source[len(folder):].split(os.sep))
+        return False
 
 
 def _hash_parts(tokenizer_id: str, chunker: ChunkerConfig) -> Any:
@@ -169,9 +197,11 @@ class KvWarmer:
         return True
 
 
-def _read(files: list[Path], text_field: str, summary: IngestSummary) -> Iterator[Document | TextFile]:
+def _read(files: list[Path], text_field: str, summary: IngestSummary,
+          unsettled: set[str] | None = None) -> Iterator[Document | TextFile]:
     """The documents of ``files``, one file at a time (a text or JSONL file is checked, not
-    loaded; a JSONL file that changes while its records are read is skipped from there)."""
+    loaded; a JSONL file that changes while its records are read is skipped from there,
+    and named in ``unsettled``)."""
     for path in files:
         try:
             docs = read_documents(path, text_field)
@@ -183,6 +213,8 @@ def _read(files: list[Path], text_field: str, summary: IngestSummary) -> Iterato
             yield from docs
         except SkipFile as exc:
             summary.skipped.append((str(path), str(exc)))
+            if unsettled is not None:
+                unsettled.add(str(path))
 
 
 class Ingestor:
@@ -221,6 +253,7 @@ class Ingestor:
         except SkipFile as exc:
             summary.skipped.append((doc.source, str(exc)))
             return
+        run.seen.add(doc.source)
         summary.documents += 1
         if run.files:  # files opened of those found (a JSONL file holds many documents)
             run.bar.set_postfix_str(f"file {summary.files}/{run.files}", refresh=False)
@@ -338,13 +371,33 @@ class Ingestor:
             self.retriever.index.delete(self.config.tenant, swept)
         summary.removed_chunks += len(swept)
 
+    def _prune(self, scope: _Scope, run: _Run) -> None:
+        """Remove the documents of the folders and files ingested that this run did not
+        read (their file was deleted or renamed, now holds no text or cannot be read, or
+        a JSONL file no longer has that record), with the chunks only they used: the index
+        mirrors what the folders hold now, and retrieval never serves a file that is gone."""
+        tenant, summary = self.config.tenant, run.summary
+        for source in self.catalog.sources(tenant):
+            if source in run.seen or not scope.covers(source):
+                continue
+            orphans = self.catalog.delete_document(tenant, source)
+            if orphans and self.config.dense:
+                self.retriever.index.delete(tenant, orphans)
+            summary.removed_documents += 1
+            summary.removed_chunks += len(orphans)
+
     # ----- entry points ---------------------------------------------------------------
     def ingest(self, paths: Sequence[Path], progress: bool = True, hidden: bool = False) -> IngestSummary:
         """Ingest files and folders (paths resolved; hidden files and folders skipped unless
-        ``hidden``); bad files are skipped and listed in the summary."""
+        ``hidden``); bad files are skipped and listed in the summary. Documents of these
+        folders and files that the run did not read (deleted, renamed, now empty or
+        unreadable) are removed from the index."""
         start, summary = time.perf_counter(), IngestSummary()
         files, summary.skipped = discover([Path(p) for p in paths], hidden)
-        return self._run(_read(files, self.config.text_field, summary), progress, summary, start, len(files))
+        roots = [Path(p).expanduser().resolve() for p in paths]
+        scope = _Scope(tuple(str(r) for r in roots if r.is_dir()), tuple(str(r) for r in roots if r.is_file()), hidden)
+        return self._run(_read(files, self.config.text_field, summary, scope.unsettled), progress, summary, start,
+                         len(files), scope)
 
     def ingest_documents(self, docs: Iterable[Document], progress: bool = True, summary: IngestSummary | None = None,
                          start: float | None = None) -> IngestSummary:
@@ -353,14 +406,15 @@ class Ingestor:
         return self._run(iter(docs), progress, summary or IngestSummary(), start)
 
     def _run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
-             start: float, files: int | None = None) -> IngestSummary:
+             start: float, files: int | None = None, scope: _Scope | None = None) -> IngestSummary:
         """Every document through chunk -> store -> commit, a batch at a time, holding the
-        index folder's ingest lock (``writing``)."""
+        index folder's ingest lock (``writing``); then the documents of ``scope`` not read
+        are removed."""
         with writing(Path(self.retriever.config.folder)):
-            return self._locked_run(docs, progress, summary, start, files)
+            return self._locked_run(docs, progress, summary, start, files, scope)
 
     def _locked_run(self, docs: Iterator[Document | TextFile], progress: bool, summary: IngestSummary,
-                    start: float, files: int | None) -> IngestSummary:
+                    start: float, files: int | None, scope: _Scope | None) -> IngestSummary:
         if self.config.dense:
             self.retriever.reconcile(self.config.tenant)
         with _progress(progress)(desc="chunks", unit="chunk") as bar:
@@ -368,6 +422,8 @@ class Ingestor:
             for doc in docs:
                 self._document(doc, run)
             self._flush(run)
+        if scope is not None:
+            self._prune(scope, run)
         self._sweep(summary)
         if self.config.dense:
             self.retriever.index.flush()
