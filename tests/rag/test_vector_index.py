@@ -64,3 +64,31 @@ def test_switches_to_ivf_above_the_threshold_and_stays_accurate(tmp_path):
     assert idx.count("t") == 2999 and idx.search("t", vecs[0], 1)[0].chunk_id != "0"
     idx.close()
     assert FaissIndex(tmp_path, 32, ivf_min=1000).count("t") == 2999
+
+
+def test_a_reader_open_across_an_ingest_sees_its_vectors(tmp_path):
+    """The server keeps one index open for its lifetime while `kvblend ingest` writes the
+    folder from another process: a tenant's in-memory index follows the log (from the
+    writer's snapshot once it flushes; rebuilt while the tenant's index is exact), so a
+    chunk ingested after the server started is found, and one deleted is not."""
+    rng = np.random.default_rng(3)
+    vecs = _unit(rng, 200)
+    writer = FaissIndex(tmp_path, 16, ivf_min=100)
+    writer.upsert("t", [str(i) for i in range(5)], vecs[:5])
+    writer.flush()
+    reader = FaissIndex(tmp_path, 16, ivf_min=100)
+    assert reader.search("t", vecs[7], 1)[0].chunk_id != "7" and reader.count("t") == 5
+    writer.upsert("t", [str(i) for i in range(5, 10)], vecs[5:10])  # not flushed yet: rebuilt (exact)
+    assert reader.search("t", vecs[7], 1)[0].chunk_id == "7"
+    writer.delete("t", ["7"])
+    writer.flush()
+    assert "7" not in {h.chunk_id for h in reader.search("t", vecs[7], 10)} and reader.count("t") == 9
+    writer.upsert("t", [str(i) for i in range(10, 200)], vecs[10:])  # an IVF index now (199 >= 100)
+    assert reader.count("t") == 9  # no snapshot of it yet: the reader keeps what it has, no training per search
+    writer.flush()
+    assert reader.count("t") == 199 and reader._tenant("t").trained_at == 199
+    assert reader.count("t2") == 0
+    writer.upsert("t2", ["x"], vecs[:1])
+    assert reader.count("t2") == 1
+    writer.close()
+    reader.close()

@@ -5,6 +5,9 @@ an in-memory faiss index rebuilt from it or read from a snapshot.
     search  -> exact inner product (IndexFlatIP) up to ``ivf_min`` vectors, IVF above it
     flush   -> per-tenant snapshot (faiss file + the log version it reflects, atomic rename)
     open    -> snapshot when its version equals the log's, otherwise a rebuild from the log
+    follow  -> a tenant whose log version moved (another process wrote it: the server
+               reading while ``kvblend ingest`` writes) is reloaded the same way; an IVF
+               one only from a snapshot (never trained per search), kept until then
 
 Why faiss and not LanceDB or Qdrant's local mode: see docs/retrieval.md (measured).
 """
@@ -35,13 +38,14 @@ CREATE TABLE IF NOT EXISTS versions (tenant TEXT PRIMARY KEY, version INTEGER NO
 
 
 class _TenantIndex:
-    """One tenant's in-memory index and its row-id -> chunk-id map."""
+    """One tenant's in-memory index and its row-id -> chunk-id map, as of log ``version``."""
 
-    def __init__(self, index: faiss.Index, names: dict[int, str], trained_at: int) -> None:
+    def __init__(self, index: faiss.Index, names: dict[int, str], trained_at: int, version: int) -> None:
         self.index = index
         self.names = names
         self.rows = {c: i for i, c in names.items()}
         self.trained_at = trained_at  # vectors when the IVF was trained (0: exact index)
+        self.version = version
 
 
 def _exact(dim: int) -> faiss.Index:
@@ -119,9 +123,10 @@ class FaissIndex:
         names = dict(self._db.execute("SELECT id, chunk_id FROM vectors WHERE tenant = ?", (tenant,)).fetchall())
         if index.ntotal != len(names):
             return None
-        return _TenantIndex(index, names, meta["trained_at"])
+        return _TenantIndex(index, names, meta["trained_at"], meta["version"])
 
     def _rebuild(self, tenant: str) -> _TenantIndex:
+        version = self._version(tenant)  # before the rows: a write in between only makes it look stale
         ids, mat, names = self._rows(tenant)
         if len(ids) >= self.ivf_min:
             index, trained = _ivf(self.dim, mat), len(ids)
@@ -129,15 +134,25 @@ class FaissIndex:
             index, trained = _exact(self.dim), 0
         if len(ids):
             index.add_with_ids(mat, ids)
-        return _TenantIndex(index, dict(zip(ids.tolist(), names)), trained)
+        return _TenantIndex(index, dict(zip(ids.tolist(), names)), trained, version)
 
     def _tenant(self, tenant: str) -> _TenantIndex:
+        """The tenant's index, reloaded when another process changed its log since."""
         validate_tenant(tenant)
         t = self._tenants.get(tenant)
         if t is None:
             t = self._load_snapshot(tenant) or self._rebuild(tenant)
             self._tenants[tenant] = t
+        elif t.version != self._version(tenant):
+            fresh = self._load_snapshot(tenant)
+            if fresh is None and not t.trained_at and self._count(tenant) < self.ivf_min:
+                fresh = self._rebuild(tenant)  # exact: cheap; an IVF waits for the writer's snapshot
+            if fresh is not None:
+                self._tenants[tenant] = t = fresh
         return t
+
+    def _count(self, tenant: str) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM vectors WHERE tenant = ?", (tenant,)).fetchone()[0]
 
     def _maybe_retrain(self, tenant: str, t: _TenantIndex) -> None:
         n = t.index.ntotal
@@ -159,6 +174,7 @@ class FaissIndex:
                     self._db.execute("INSERT INTO vectors (tenant, chunk_id, vec) VALUES (?, ?, ?) ON CONFLICT"
                                      "(tenant, chunk_id) DO UPDATE SET vec = excluded.vec", (tenant, cid, vec.tobytes()))
                 self._bump(tenant)
+                version = self._version(tenant)
                 rows = dict(self._db.execute(
                     f"SELECT chunk_id, id FROM vectors WHERE tenant = ? AND chunk_id IN ({','.join('?' * len(chunk_ids))})",
                     (tenant, *chunk_ids)).fetchall())
@@ -171,6 +187,7 @@ class FaissIndex:
             t.index.add_with_ids(vectors, ids)
             for cid, rid in zip(chunk_ids, ids.tolist()):
                 t.names[rid], t.rows[cid] = cid, rid
+            t.version = version
             self._dirty.add(tenant)
             self._maybe_retrain(tenant, t)
 
@@ -183,10 +200,12 @@ class FaissIndex:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany("DELETE FROM vectors WHERE id = ?", [(i,) for i in ids])
             self._bump(tenant)
+            version = self._version(tenant)
             self._db.execute("COMMIT")
             t.index.remove_ids(np.asarray(ids, dtype=np.int64))
             for rid in ids:
                 t.rows.pop(t.names.pop(rid), None)
+            t.version = version
             self._dirty.add(tenant)
             return len(ids)
 
