@@ -37,6 +37,15 @@ def test_html_keeps_visible_text_and_headings():
     assert html_text(html) == "## Rivers\n\nThe Tagus & the Douro.\n\nLisbon\nPorto"
 
 
+def test_html_whose_head_is_never_closed_keeps_its_body():
+    """``</head>`` (and ``<body>``) may be left out (HTML's optional tags): the head ends
+    where the body's first element starts, so the page is not read as empty."""
+    assert html_text("<html><head><title>t</title><body><h1>Rivers</h1><p>The Tagus.</p></body></html>") == \
+        "# Rivers\n\nThe Tagus."
+    assert html_text("<!doctype html><head><meta charset=utf-8><title>t</title><style>p{}</style>"
+                     "<p>Lisbon<p>Porto") == "Lisbon\nPorto"
+
+
 def test_jsonl_gives_one_document_per_record(tmp_path):
     p = tmp_path / "r.jsonl"
     p.write_text('{"body": "one"}\n{"body": "two", "x": 1}\n')

@@ -188,15 +188,22 @@ def _decode(data: bytes) -> str:
 
 
 class _TextOfHtml(HTMLParser):
-    _SKIP = {"script", "style", "noscript", "template", "head"}
+    _SKIP = {"script", "style", "noscript", "template"}
+    # what a head holds: any other element (or <body>) ends a head whose </head> was left out
+    _HEAD = {"head", "title", "meta", "link", "base", "script", "style", "noscript", "template"}
     _BLOCK = {"p", "div", "br", "li", "tr", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "table"}
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self._skipping = 0
+        self._head = False
 
     def handle_starttag(self, tag: str, attrs) -> None:
+        if tag == "head":
+            self._head = True
+        elif tag not in self._HEAD:
+            self._head = False
         if tag in self._SKIP:
             self._skipping += 1
         elif tag in self._BLOCK:
@@ -205,13 +212,15 @@ class _TextOfHtml(HTMLParser):
             self.parts.append("#" * int(tag[1]) + " ")
 
     def handle_endtag(self, tag: str) -> None:
+        if tag == "head":
+            self._head = False
         if tag in self._SKIP and self._skipping:
             self._skipping -= 1
         elif tag in self._BLOCK:
             self.parts.append("\n")
 
     def handle_data(self, data: str) -> None:
-        if not self._skipping:
+        if not self._skipping and not self._head:
             self.parts.append(data)
 
 
