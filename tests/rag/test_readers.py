@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvblend.rag.readers import html_text, read_documents
+from kvblend.rag.readers import discover, html_text, read_documents
 
 
 def _pdf(text: str) -> bytes:
@@ -101,3 +101,17 @@ def test_a_jsonl_file_that_changes_after_its_check_is_skipped_from_there(tmp_pat
     rest = list(stream)
     assert first.text == "one" and [d.text for d in rest] == ["two", "three", "four"]
     assert summary.files == 1 and summary.skipped == [(str(p), "changed while being read")]
+
+
+def test_a_file_named_twice_or_under_two_paths_given_is_read_once(tmp_path, monkeypatch):
+    """``ingest docs docs/a.txt ./docs`` reads a.txt once: the summary counts files that
+    exist, not mentions of them, and no file is hashed and chunked twice."""
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("one")
+    (d / "b.md").write_text("two")
+    (d / "c.bin").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    files, skipped = discover([d, d / "a.txt", tmp_path / "." / "docs", d / "c.bin"])
+    assert files == [d / "a.txt", d / "b.md"]
+    assert skipped == [(str(d / "c.bin"), "unsupported type .bin")]

@@ -152,15 +152,21 @@ def _walk(root: Path, hidden: bool) -> Iterator[Path]:
 def discover(paths: list[Path], hidden: bool = False) -> tuple[list[Path], list[tuple[str, str]]]:
     """Files to read under ``paths``, resolved (``docs`` and ``/abs/docs`` name the same
     files; folders walked, sorted; hidden files and folders skipped unless ``hidden``), and
-    ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden."""
-    files, skipped = [], []
+    ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden; a
+    file named twice, or under two of ``paths``, is listed once."""
+    files, skipped, listed = [], [], set()
     for p in paths:
         p = Path(p).expanduser().resolve()
         candidates = list(_walk(p, hidden)) if p.is_dir() else [p] if p.is_file() else None
         if candidates is None:
-            skipped.append((str(p), "no such file or folder"))
+            if str(p) not in listed:
+                listed.add(str(p))
+                skipped.append((str(p), "no such file or folder"))
             continue
         for f in candidates:
+            if str(f) in listed:
+                continue
+            listed.add(str(f))
             (files.append(f) if f.suffix.lower() in SUFFIXES
              else skipped.append((str(f), f"unsupported type {f.suffix or '(none)'}")))
     return files, skipped
