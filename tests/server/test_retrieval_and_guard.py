@@ -160,3 +160,27 @@ def test_guard_shadow_checks_every_blend_without_changing_answers(rag_server, al
     assert _metric(text, "kvblend:guard_fallbacks_total") == 0
     assert "tenant" not in "".join(ln for ln in text.splitlines() if "shadow" in ln or "guard" in ln)
     assert '"shadow": true' in rag_server.log()
+
+
+def test_the_search_takes_the_end_of_a_long_message_and_names_a_message_without_text() -> None:
+    """A last user message over the search's 8192 characters was a 400 naming `retrieval`
+    ("the query must be ... at most 8192 characters"), as if the option were wrong."""
+    from kvblend.rag.retriever import MAX_QUERY_CHARS
+    from kvblend.server.errors import APIError
+    from kvblend.server.protocol import ChatCompletionRequest, CompletionRequest
+    from kvblend.server.retrieval import query_text
+
+    def chat(*texts: str) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model="m", retrieval={"top_k": 1},
+                                     messages=[{"role": "user", "content": t} for t in texts])
+
+    long = "context " * 2000 + "where does the river of oslo run ?"
+    query = query_text(chat(long))
+    assert len(query) == MAX_QUERY_CHARS and query.endswith("where does the river of oslo run ?")
+    assert query_text(chat("who ?", "what ?")) == "what ?"
+    with pytest.raises(APIError) as blank:
+        query_text(chat("who ?", "   "))
+    assert blank.value.param == "messages.1.content" and "no text" in str(blank.value)
+    with pytest.raises(APIError) as empty:
+        query_text(CompletionRequest(model="m", prompt="", retrieval={"top_k": 1}))
+    assert empty.value.param == "prompt"

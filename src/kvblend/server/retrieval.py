@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvblend.errors import InvalidRequestError
-from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig, default_index_dir
+from kvblend.rag.retriever import MAX_QUERY_CHARS, Hit, Retriever, RetrieverConfig, default_index_dir
 from kvblend.server.errors import APIError, bad_request
 from kvblend.server.protocol import ChatCompletionRequest, _Common
 from kvblend.settings import Settings
@@ -57,18 +57,27 @@ def check_retrieval(body: _Common, settings: Settings, retriever: Retriever | No
 
 
 def query_text(body: _Common) -> str:
-    """What to search with: the last user message of a chat, or the completion prompt."""
+    """What to search with: the last user message of a chat, or the completion prompt; a
+    text longer than the search takes is searched by its end (where a question usually
+    is), and one without text is a 400 naming it."""
     if isinstance(body, ChatCompletionRequest):
         for i in range(len(body.messages) - 1, -1, -1):
             m = body.messages[i]
             if m.role == "user":
                 try:
-                    return m.text(f"messages.{i}")
+                    return _searchable(m.text(f"messages.{i}"), f"messages.{i}.content", "the last user message")
                 except ValueError as exc:
                     raise bad_request(str(exc), f"messages.{i}.content") from None
         raise bad_request("retrieval needs a user message to search with", "messages")
     prompt = body.prompt
-    return prompt[0] if isinstance(prompt, list) and prompt else prompt if isinstance(prompt, str) else ""
+    text = prompt[0] if isinstance(prompt, list) and prompt else prompt if isinstance(prompt, str) else ""
+    return _searchable(text, "prompt", "the prompt")
+
+
+def _searchable(text: str, param: str, what: str) -> str:
+    if not text.strip():
+        raise bad_request(f"retrieval searches with {what}, which has no text", param)
+    return text[-MAX_QUERY_CHARS:]
 
 
 def search(retriever: Retriever, tenant: str, query: str, top_k: int) -> list[Hit]:
