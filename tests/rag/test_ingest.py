@@ -161,6 +161,62 @@ def test_a_file_deleted_renamed_emptied_or_shortened_is_not_served_after_the_nex
     engine.close()
 
 
+def test_a_file_skipped_for_any_other_cause_keeps_its_documents(tmp_path, monkeypatch):
+    """Only a file that is gone loses its documents. The first version of the pruning also
+    dropped a folder that could not be listed, a JSONL file with a half-written line and a
+    file now unreadable as text: a passing fault (a stale mount, an append in progress, a
+    missing reader extra) emptied the index of them."""
+    d = tmp_path / "docs"
+    write_corpus(d, 2)
+    write_corpus(d / "sub", 2, seed=3)
+    records = '{"text": "the novel was published in lisbon ."}\n{"text": "the river city of rome ."}\n'
+    (d / "recs.jsonl").write_text(records)
+    (d / "later.txt").write_text("the oslo company is headquartered by the river .")
+    engine, retriever, ingestor = pipeline(tmp_path)
+    ingestor.ingest([d], progress=False)
+
+    def sources():
+        return {doc.source for doc in retriever.catalog.documents("default")}
+
+    before = sources()
+    assert len(before) == 7
+    (d / "recs.jsonl").write_text(records + '{"text": "half wri')  # an append in progress
+    (d / "later.txt").write_bytes(b"the oslo company\x00")  # not text any more, but still there
+    walk = os.walk
+
+    def unlisted_sub(top, onerror=None, **kw):  # root lists every folder: a stale mount, simulated
+        for folder, dirs, names in walk(top, **kw):
+            if "sub" in dirs:
+                dirs.remove("sub")
+                onerror(PermissionError(13, "Permission denied", str(d / "sub")))
+            yield folder, dirs, names
+
+    monkeypatch.setattr(os, "walk", unlisted_sub)
+    s = ingestor.ingest([d], progress=False)
+    assert sources() == before and s.removed_documents == 0
+    assert (str(d / "sub"), "folder unreadable: Permission denied") in s.skipped
+    retriever.close()
+    engine.close()
+
+
+def test_which_sources_a_run_covers_and_which_are_gone(tmp_path):
+    from kvblend.rag.ingest import _record_file, _Scope
+
+    assert _record_file("/d/a.jsonl#3") == "/d/a.jsonl"
+    assert _record_file("/d/notes#2.md") == "/d/notes#2.md"  # a file named with '#', not a record
+    assert _record_file("/d/a.txt#3") == "/d/a.txt#3"
+    scope = _Scope(("/d", "/d/.archive"), ("/e/notes",), hidden=False)
+    assert scope.covers("/d/.archive/x.txt")  # named itself, whatever folder came first
+    assert not scope.covers("/d/.other/x.txt") and not scope.covers("/e/notes#2.md")
+    (tmp_path / "a.jsonl").write_text("{}")
+    jsonl = str(tmp_path / "a.jsonl")
+    scope = _Scope((str(tmp_path),), (), hidden=False)
+    assert not scope.gone(jsonl + "#2")  # its file was not read to the end
+    scope.finished.add(jsonl)
+    assert scope.gone(jsonl + "#2") and not scope.gone(jsonl)
+    assert scope.gone(str(tmp_path / "deleted.txt"))
+
+
 def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tmp_path):
     write_corpus(tmp_path / "docs", 8)
     engine, retriever, ingestor = pipeline(tmp_path, precompute="lazy")

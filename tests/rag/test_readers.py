@@ -44,6 +44,9 @@ def test_html_whose_head_is_never_closed_keeps_its_body():
         "# Rivers\n\nThe Tagus."
     assert html_text("<!doctype html><head><meta charset=utf-8><title>t</title><style>p{}</style>"
                      "<p>Lisbon<p>Porto") == "Lisbon\nPorto"
+    # text itself, outside the title, starts the body too (it was dropped as head)
+    assert html_text("<head><title>t</title>Meeting at 3.") == "Meeting at 3."
+    assert html_text("<head><title>Only a title</title></head>") == ""
 
 
 def test_jsonl_gives_one_document_per_record(tmp_path):

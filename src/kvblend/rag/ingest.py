@@ -33,7 +33,7 @@ from typing import Any
 from kvblend.errors import KvblendError
 from kvblend.rag.catalog import DocumentRow, NewChunk
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_pieces, chunk_text
-from kvblend.rag.readers import Document, SkipFile, TextFile, discover, read_documents
+from kvblend.rag.readers import Document, NoText, SkipFile, TextFile, discover, read_documents
 from kvblend.rag.retriever import Retriever
 from kvblend.store.keys import validate_tenant
 
@@ -125,28 +125,52 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Scope:
-    """What a run of ``Ingestor.ingest`` read: the folders and files named (resolved,
-    existing), whether hidden files were read, and the files it could not finish reading
-    (``unsettled``: one that changed while its records were read keeps what was committed)."""
+    """What a run of ``Ingestor.ingest`` covers: the folders named (resolved, existing),
+    the files named (resolved), whether hidden files were read; and what it learnt of the
+    files it did not ingest whole: those skipped as holding no text (``emptied``) and those
+    whose records it read to the end (``finished``)."""
 
     folders: tuple[str, ...]
     files: tuple[str, ...]
     hidden: bool
-    unsettled: set[str] = field(default_factory=set)
+    emptied: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
 
     def covers(self, source: str) -> bool:
-        """Whether ``source`` (a path, or ``path#line``) names a file of a root that this
-        run would have read: not hidden below its root unless hidden files were read, and
-        not a file left unsettled."""
-        if any(source == f or source.startswith(f + "#") for f in self.unsettled):
-            return False
-        if any(source == f or source.startswith(f + "#") for f in self.files):
+        """Whether ``source`` (a path, or a JSONL record's ``path#n``) names a file this run
+        would have read: a file named, or one under a folder named (not hidden below it
+        unless hidden files were read)."""
+        path = _record_file(source)
+        if path in self.files:
             return True
         for top in self.folders:
             folder = os.path.join(top, "")
-            if source.startswith(folder):
-                return self.hidden or not any(part.startswith(".") for part in source[len(folder):].split(os.sep))
+            if path.startswith(folder) and (
+                    self.hidden or not any(part.startswith(".") for part in path[len(folder):].split(os.sep))):
+                return True
         return False
+
+    def gone(self, source: str) -> bool:
+        """Whether a covered document the run did not read is certainly gone: its file no
+        longer exists or now holds no text, or (a record) its JSONL file was read to the end
+        without it. Any other cause (a file or folder unreadable now, a missing reader extra,
+        a bad line, a change while it was read) keeps what the index has."""
+        path = _record_file(source)
+        if path in self.emptied or (path != source and path in self.finished):
+            return True
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            return True
+        except OSError:  # unreadable, not absent
+            return False
+        return False
+
+
+def _record_file(source: str) -> str:
+    """The file of a document source: ``a.jsonl#3`` -> ``a.jsonl``; any other source is its file."""
+    path, sep, record = source.rpartition("#")
+    return path if sep and record.isdigit() and path.lower().endswith(".jsonl") else source
 
 
 def _hash_parts(tokenizer_id: str, chunker: ChunkerConfig) -> Any:
@@ -198,23 +222,26 @@ class KvWarmer:
 
 
 def _read(files: list[Path], text_field: str, summary: IngestSummary,
-          unsettled: set[str] | None = None) -> Iterator[Document | TextFile]:
+          scope: _Scope | None = None) -> Iterator[Document | TextFile]:
     """The documents of ``files``, one file at a time (a text or JSONL file is checked, not
-    loaded; a JSONL file that changes while its records are read is skipped from there,
-    and named in ``unsettled``)."""
+    loaded; a JSONL file that changes while its records are read is skipped from there);
+    ``scope`` learns which files hold no text and which were read to the end."""
     for path in files:
         try:
             docs = read_documents(path, text_field)
         except SkipFile as exc:
             summary.skipped.append((str(path), str(exc)))
+            if scope is not None and isinstance(exc, NoText):
+                scope.emptied.add(str(path))
             continue
         summary.files += 1
         try:
             yield from docs
         except SkipFile as exc:
             summary.skipped.append((str(path), str(exc)))
-            if unsettled is not None:
-                unsettled.add(str(path))
+        else:
+            if scope is not None:
+                scope.finished.add(str(path))
 
 
 class Ingestor:
@@ -373,12 +400,12 @@ class Ingestor:
 
     def _prune(self, scope: _Scope, run: _Run) -> None:
         """Remove the documents of the folders and files ingested that this run did not
-        read (their file was deleted or renamed, now holds no text or cannot be read, or
-        a JSONL file no longer has that record), with the chunks only they used: the index
-        mirrors what the folders hold now, and retrieval never serves a file that is gone."""
+        read and that are gone (their file was deleted or renamed, now holds no text, or a
+        JSONL file no longer has that record: `_Scope.gone`), with the chunks only they
+        used, so that retrieval never serves a file that is gone."""
         tenant, summary = self.config.tenant, run.summary
         for source in self.catalog.sources(tenant):
-            if source in run.seen or not scope.covers(source):
+            if source in run.seen or not scope.covers(source) or not scope.gone(source):
                 continue
             orphans = self.catalog.delete_document(tenant, source)
             if orphans and self.config.dense:
@@ -390,13 +417,14 @@ class Ingestor:
     def ingest(self, paths: Sequence[Path], progress: bool = True, hidden: bool = False) -> IngestSummary:
         """Ingest files and folders (paths resolved; hidden files and folders skipped unless
         ``hidden``); bad files are skipped and listed in the summary. Documents of these
-        folders and files that the run did not read (deleted, renamed, now empty or
-        unreadable) are removed from the index."""
+        folders and files that the run did not read and that are gone (deleted, renamed, now
+        empty, a JSONL record no longer there) are removed from the index (`_Scope.gone`)."""
         start, summary = time.perf_counter(), IngestSummary()
-        files, summary.skipped = discover([Path(p) for p in paths], hidden)
         roots = [Path(p).expanduser().resolve() for p in paths]
-        scope = _Scope(tuple(str(r) for r in roots if r.is_dir()), tuple(str(r) for r in roots if r.is_file()), hidden)
-        return self._run(_read(files, self.config.text_field, summary, scope.unsettled), progress, summary, start,
+        folders = tuple(str(r) for r in roots if r.is_dir())  # before the walk: a folder made since is not pruned
+        files, summary.skipped = discover(roots, hidden)
+        scope = _Scope(folders, tuple(str(r) for r in roots if str(r) not in folders), hidden)
+        return self._run(_read(files, self.config.text_field, summary, scope), progress, summary, start,
                          len(files), scope)
 
     def ingest_documents(self, docs: Iterable[Document], progress: bool = True, summary: IngestSummary | None = None,

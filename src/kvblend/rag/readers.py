@@ -34,6 +34,14 @@ class SkipFile(Exception):
     """This file is skipped; the message says why."""
 
 
+class NoText(SkipFile):
+    """This file is skipped because it holds no text (the one skip that says what the
+    file holds: an ingest drops what the index had of it)."""
+
+    def __init__(self) -> None:
+        super().__init__("empty (no text)")
+
+
 def split_pieces(blocks: Iterable[str], max_chars: int = PIECE_CHARS) -> Iterator[str]:
     """The text of ``blocks`` (in order) cut into pieces of at most ``max_chars``
     characters, each ending at a line end where one lies in its second half, else before
@@ -130,7 +138,7 @@ def open_text_file(path: Path) -> TextFile:
     except OSError as exc:
         raise SkipFile(f"unreadable: {exc.strerror or exc}") from exc
     if blank:
-        raise SkipFile("empty (no text)")
+        raise NoText()
     return TextFile(str(path), path, nbytes)
 
 
@@ -139,9 +147,14 @@ def _visible(path: Path, root: Path, hidden: bool) -> bool:
     return hidden or not any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _walk(root: Path, hidden: bool) -> Iterator[Path]:
-    """The files under ``root`` in sorted order, hidden folders pruned unless ``hidden``."""
-    for folder, dirs, names in os.walk(root):
+def _walk(root: Path, hidden: bool, skipped: list[tuple[str, str]]) -> Iterator[Path]:
+    """The files under ``root`` in sorted order, hidden folders pruned unless ``hidden``; a
+    folder that cannot be listed goes into ``skipped``."""
+
+    def unlisted(exc: OSError) -> None:
+        skipped.append((str(exc.filename or root), f"folder unreadable: {exc.strerror or exc}"))
+
+    for folder, dirs, names in os.walk(root, onerror=unlisted):
         dirs[:] = sorted(d for d in dirs if hidden or not d.startswith("."))
         for name in sorted(names):
             path = Path(folder) / name
@@ -157,7 +170,7 @@ def discover(paths: list[Path], hidden: bool = False) -> tuple[list[Path], list[
     files, skipped, listed = [], [], set()
     for p in paths:
         p = Path(p).expanduser().resolve()
-        candidates = list(_walk(p, hidden)) if p.is_dir() else [p] if p.is_file() else None
+        candidates = list(_walk(p, hidden, skipped)) if p.is_dir() else [p] if p.is_file() else None
         if candidates is None:
             if str(p) not in listed:
                 listed.add(str(p))
@@ -204,8 +217,10 @@ class _TextOfHtml(HTMLParser):
         self.parts: list[str] = []
         self._skipping = 0
         self._head = False
+        self._title = False
 
     def handle_starttag(self, tag: str, attrs) -> None:
+        self._title = self._title or tag == "title"
         if tag == "head":
             self._head = True
         elif tag not in self._HEAD:
@@ -218,6 +233,7 @@ class _TextOfHtml(HTMLParser):
             self.parts.append("#" * int(tag[1]) + " ")
 
     def handle_endtag(self, tag: str) -> None:
+        self._title = self._title and tag != "title"
         if tag == "head":
             self._head = False
         if tag in self._SKIP and self._skipping:
@@ -226,6 +242,8 @@ class _TextOfHtml(HTMLParser):
             self.parts.append("\n")
 
     def handle_data(self, data: str) -> None:
+        if self._head and not self._title and not self._skipping and data.strip():
+            self._head = False  # text outside the title starts the body (as a head left open ends)
         if not self._skipping and not self._head:
             self.parts.append(data)
 
@@ -337,7 +355,7 @@ def open_jsonl_file(path: Path, field: str = "text") -> JsonlFile:
     for doc in _jsonl_records(path, field):  # every line, not only until the first text
         texts += bool(doc.text.strip())
     if not texts:
-        raise SkipFile("empty (no text)")
+        raise NoText()
     return JsonlFile(path, field, *stamp)
 
 
@@ -362,5 +380,5 @@ def read_documents(path: Path, text_field: str = "text") -> Iterable[Document | 
             docs = [Document(str(path), text)]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
-        raise SkipFile("empty (no text)")
+        raise NoText()
     return docs
