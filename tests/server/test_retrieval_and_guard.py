@@ -178,6 +178,7 @@ def test_the_search_takes_the_end_of_a_long_message_and_names_a_message_without_
     query = query_text(chat(long))
     assert len(query) == MAX_QUERY_CHARS and query.endswith("where does the river of oslo run ?")
     assert query_text(chat("who ?", "what ?")) == "what ?"
+    assert query_text(chat("where ?" + " " * 9000)) == "where ?"  # trimmed before the cut
     with pytest.raises(APIError) as blank:
         query_text(chat("who ?", "   "))
     assert blank.value.param == "messages.1.content" and "no text" in str(blank.value)

@@ -15,7 +15,7 @@ from kvblend.engine.request import result_of
 from kvblend.engine.shaping import Draft, shape
 from kvblend.errors import KvblendError
 from kvblend.generation import SamplingParams
-from kvblend.rag.retriever import Hit, Retriever
+from kvblend.rag.retriever import Hit, Retriever, search_query
 from kvblend.store.keys import chunk_key
 
 
@@ -74,7 +74,7 @@ def ask(engine: Engine, retriever: Retriever, question: str, *, tenant: str = "d
     system, blend config) and decode; ``on_text`` receives the answer as it streams.
     Raises KvblendError on an empty index."""
     sampling = sampling or SamplingParams()
-    hits = retriever.search(tenant, query or question, top_k, mode)
+    hits = retriever.search(tenant, search_query(query or question), top_k, mode)
     if not hits:
         raise KvblendError(f"nothing retrieved from the index at {retriever.config.folder}: "
                            "run `kvblend ingest PATH...` first (with the same --model and --tenant)")

@@ -38,6 +38,12 @@ def default_index_dir(tokenizer_id: str) -> Path:
     return cache_home() / "rag" / tokenizer_id[:16]
 
 
+def search_query(text: str) -> str:
+    """What a search takes of ``text``: its last `MAX_QUERY_CHARS` characters, trimmed (a
+    question usually ends a long message). The server's retrieval and `kvblend ask` both."""
+    return text.strip()[-MAX_QUERY_CHARS:]
+
+
 @dataclass(frozen=True)
 class RetrieverConfig:
     """``folder``: where the catalog and index live; ``mode``: dense, bm25 or hybrid;

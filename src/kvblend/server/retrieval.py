@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvblend.errors import InvalidRequestError
-from kvblend.rag.retriever import MAX_QUERY_CHARS, Hit, Retriever, RetrieverConfig, default_index_dir
+from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig, default_index_dir, search_query
 from kvblend.server.errors import APIError, bad_request
 from kvblend.server.protocol import ChatCompletionRequest, _Common
 from kvblend.settings import Settings
@@ -77,7 +77,7 @@ def query_text(body: _Common) -> str:
 def _searchable(text: str, param: str, what: str) -> str:
     if not text.strip():
         raise bad_request(f"retrieval searches with {what}, which has no text", param)
-    return text[-MAX_QUERY_CHARS:]
+    return search_query(text)
 
 
 def search(retriever: Retriever, tenant: str, query: str, top_k: int) -> list[Hit]:
