@@ -144,6 +144,15 @@ def test_a_resume_under_another_spelling_reuses_the_records(engine: Engine, tmp_
     assert len(_lines(tmp_path / EXAMPLES_FILE)) == 4  # the file keeps what it was written with
 
 
+def test_a_run_from_before_the_kl_bound_resumes(engine: Engine, tmp_path: Path) -> None:
+    """A run.json written with kl_tokens 8 and max_tokens 3 took KL over 3 tokens: the
+    new default (3) is the same setting, not another one."""
+    evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, progress=False))
+    run = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps({**run, "kl_tokens": 8}))
+    assert evaluate_examples(engine, EXAMPLES[:1], tmp_path, EvalConfig(("full",), 3, progress=False)).computed == 0
+
+
 def test_a_second_run_on_the_same_folder_is_refused(engine: Engine, tmp_path: Path) -> None:
     """Two processes appending to one results file computed every pair twice, interleaved."""
     from kvblend.eval.harness import _exclusive
@@ -162,6 +171,8 @@ def test_kl_tokens_past_the_answer_are_refused_and_the_cli_default_follows_max_t
 
     with pytest.raises(ValueError, match=r"kl_tokens \(8\) must be <= max_tokens \(4\)"):
         EvalConfig(("full",), max_tokens=4, kl_tokens=8)
+    assert EvalConfig(("full",), max_tokens=4).kl_tokens == 4 and EvalConfig(("full",)).kl_tokens == 8
+    assert EvalConfig(("full",), max_tokens=4).baseline.kl_tokens == 4
     data = tmp_path / "tiny.jsonl"
     data.write_text(json.dumps({"documents": list(DOCS[:2]), "question": "q ?", "answers": ["a"], "id": "a"}))
     tiny = make_loaded(seed=1)

@@ -61,20 +61,29 @@ def format_note(index: int, text: str) -> str:
     return f"Notes from passage {index + 1}: {text.strip()}\n\n"
 
 
+def default_kl_tokens(max_tokens: int) -> int:
+    """Full prefill's answer tokens KL is taken along when not given: 8, or fewer when the
+    answer is shorter (`BaselineConfig`, `kvblend eval`'s `EvalConfig`)."""
+    return min(8, max_tokens)
+
+
 @dataclass(frozen=True)
 class BaselineConfig:
     """``map_tokens``: the longest MapReduce note; ``max_tokens``: the longest answer
     (MapRerank's map answers included); ``kl_tokens``: full-prefill answer tokens
-    teacher-forced for KL; ``layout``: the question ``after`` or ``before`` the documents
-    in every call (as in the full-prefill reference it is scored against)."""
+    teacher-forced for KL (default `default_kl_tokens`); ``layout``: the question ``after``
+    or ``before`` the documents in every call (as in the full-prefill reference it is
+    scored against)."""
 
     map_tokens: int = 32
     max_tokens: int = 32
-    kl_tokens: int = 8
+    kl_tokens: int | None = None
     layout: str = "after"
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
+        if self.kl_tokens is None:
+            object.__setattr__(self, "kl_tokens", default_kl_tokens(self.max_tokens))
         for name in ("map_tokens", "max_tokens", "kl_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

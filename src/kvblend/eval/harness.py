@@ -68,7 +68,7 @@ class EvalConfig:
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_tokens: int = 32
-    kl_tokens: int = 8
+    kl_tokens: int | None = None  # default_kl_tokens(max_tokens)
     map_tokens: int = 32
     progress: bool = True
     layout: str = "after"
@@ -85,7 +85,8 @@ class EvalConfig:
             if key in seen:
                 raise ValueError(f"methods repeat: {seen[key]!r} and {spec.label!r} are the same method")
             seen[key] = spec.label
-        BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)  # validates the lengths
+        lengths = BaselineConfig(self.map_tokens, self.max_tokens, self.kl_tokens)  # validates them
+        object.__setattr__(self, "kl_tokens", lengths.kl_tokens)
 
     @property
     def specs(self) -> list[MethodSpec]:
@@ -370,6 +371,8 @@ def check_resumable(out: Path, before: dict[str, Any], meta: dict[str, Any]) -> 
     def same(key: str) -> bool:
         if key == "dataset":
             return _dataset_name(before[key]) == _dataset_name(meta[key])
+        if key == "kl_tokens" and isinstance(before.get("max_tokens"), int):  # what KL was taken over
+            return min(before[key], before["max_tokens"]) == meta[key]
         return before[key] == meta[key]
 
     changed = [k for k in RESUME_KEYS if k in before and k in meta and not same(k)]
@@ -463,8 +466,7 @@ def add_eval_commands(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    kl_tokens = min(8, args.max_tokens) if args.kl_tokens is None else args.kl_tokens
-    config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, kl_tokens, args.map_tokens,
+    config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
                         not args.no_progress, args.layout, args.skip_errors)
     if not args.out.strip():
         raise ValueError("--out needs a directory (an empty one would write into the current folder)")
