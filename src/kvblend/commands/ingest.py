@@ -73,7 +73,7 @@ def add_ingest_command(sub) -> None:
     from kvblend.rag.ingest import PRECOMPUTE
 
     p = sub.add_parser("ingest", help="chunk, embed, index and precompute the KV of documents")
-    p.add_argument("paths", nargs="+", help="files or folders (.txt .md .jsonl .html .pdf)")
+    p.add_argument("paths", nargs="+", help="files or folders (.txt .md .jsonl .html .pdf); a rerun reads only what changed and drops the documents of files gone from them")
     p.add_argument("--chunker", default="tokens", choices=CHUNKERS)
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="tokens per chunk (default: documents.chunk_tokens, the server's cut)")
