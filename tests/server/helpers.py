@@ -1,13 +1,18 @@
-"""Start a real ``kvblend serve`` in a subprocess on a free loopback port."""
+"""Start a real ``kvblend serve`` in a subprocess on a free loopback port, or an app under
+uvicorn in a thread."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -15,6 +20,25 @@ import yaml
 from kvblend.store.localredis import free_port
 
 ALICE, BOB, ADMIN = "key-alice-0001", "key-bob-00001", "key-admin-001"
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app: Any, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a daemon thread; yields its URL."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
 
 
 def save_tiny_model(folder: Path) -> Path:

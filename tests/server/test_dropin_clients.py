@@ -6,18 +6,15 @@ response covers at least 80% of the passages' tokens."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from kvblend.engine import Engine
 from kvblend.models import load_model
 from kvblend.server.app import create_app
 from kvblend.settings import Settings
-from tests.server.helpers import free_port
+from tests.server.helpers import uvicorn_thread
 
 MODEL = "smollm2-135m"
 KEYS = {"key-langchain": "langchain", "key-llamaindex": "llamaindex", "key-discovery": "discovery"}
@@ -48,16 +45,8 @@ def server(tmp_path_factory):
     settings = Settings(model=MODEL, api_keys=KEYS, state_dir=str(tmp_path_factory.mktemp("dropin")),
                         documents={"discover": True, "discover_tokens": 48})
     engine = Engine(load_model(MODEL))
-    config = uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=free_port(), log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{config.port}"
-    srv.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(create_app(engine, settings)) as url:
+        yield engine, url
 
 
 def passage_tokens(engine: Engine) -> int:

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from kvblend.server.playground import CSP, add_playground
-from kvblend.store.localredis import free_port
 from tests.server.browser import headless_chromium, wait_for
+from tests.server.helpers import uvicorn_thread
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -131,16 +128,8 @@ def script() -> Script:
 
 @pytest.fixture(scope="module")
 def url(script):
-    config = uvicorn.Config(fake_api(script), host="127.0.0.1", port=free_port(), log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{config.port}"
-    srv.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(fake_api(script), start_timeout_s=30) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
