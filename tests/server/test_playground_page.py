@@ -1,7 +1,7 @@
 """The playground page in headless chromium against a scripted API (no model): what it does
 when a request fails (an error status, an in-band error event, a stream cut short), what it
-records when the controls move during a run, and the headers of everything under
-``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+records when the controls move during a run, how the Store tab pages through the documents,
+and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -35,6 +35,8 @@ class Script:
         self.ends = {"blend": "ok", "full": "ok"}
         self.delay_s = 0.0
         self.received: list[dict] = []
+        self.documents: list[str] = []  # stored ids, in order
+        self.listed: list[dict] = []  # the query of every GET /v1/documents
 
 
 def kvblend_block(method: str, options: dict) -> dict:
@@ -74,8 +76,21 @@ def fake_api(script: Script) -> FastAPI:
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
     @app.get("/v1/documents")
-    async def documents() -> dict:
-        return {"object": "list", "data": [], "has_more": False}
+    async def documents(request: Request, limit: int = 100, after: str = "") -> dict:
+        script.listed.append(dict(request.query_params))
+        ids = [i for i in script.documents if i > after][:limit + 1]
+        page = [{"id": i, "object": "document", "tokens": 4, "num_chunks": 1, "created": 0} for i in ids[:limit]]
+        return {"object": "list", "data": page, "has_more": len(ids) > limit,
+                "last_id": page[-1]["id"] if page else None}
+
+    @app.get("/v1/kvblend/store")
+    async def store() -> dict:
+        own = {"entries": 0, "bytes": 0, "hits": 0, "misses": 0, "layer_hits": 0, "layer_misses": 0, "evictions": 0,
+               "hit_rate": None}
+        return {"object": "kvblend.store", "documents": {"count": len(script.documents), "tokens": 0, "chunks": 0},
+                "tiers": [{"name": "memory", "capacity_bytes": None, "used_bytes": 0, "used_entries": 0,
+                           "tenant": own}],
+                "lookups": own, "tenant_bytes_cap": None}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):  # noqa: ANN202 - JSON or SSE
@@ -251,3 +266,25 @@ def test_a_long_run_can_be_stopped(page, script) -> None:
     assert banner(page) == "" and text(page, "#status") == "stopped"
     assert not page.find_element(By.ID, "stop").is_displayed()
     assert [r["kvblend"]["method"] for r in script.received] == ["blend"]  # full prefill never started
+
+
+def store_rows(driver) -> list[str]:
+    """The first cell of each row in the Store tab's documents table (read at once: rows are replaced)."""
+    return driver.execute_script("return [...document.querySelectorAll('#store-docs tbody tr')]"
+                                 ".map((tr) => tr.cells[0].textContent)")
+
+
+def test_the_store_tab_pages_through_every_document(page, script) -> None:
+    script.documents = [f"doc-{i:03d}" for i in range(250)]
+    page.find_element(By.CSS_SELECTOR, "[data-view=store]").click()
+    more = page.find_element(By.ID, "more-docs")
+    for shown in (100, 200, 250):
+        wait_for(page, lambda d: len(store_rows(d)) == shown, timeout=10)
+        wait_for(page, lambda d: more.is_displayed() == (shown < 250) and more.is_enabled(), timeout=10)
+        if shown < 250:
+            more.click()
+    assert store_rows(page) == script.documents  # in order, none twice
+    assert banner(page) == ""
+    assert all(int(q["limit"]) <= 100 for q in script.listed)  # a page at a time, never all at once
+    page.find_element(By.ID, "refresh-store").click()  # a refresh starts again from the first page
+    wait_for(page, lambda d: len(store_rows(d)) == 100 and more.is_displayed(), timeout=10)

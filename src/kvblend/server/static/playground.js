@@ -6,7 +6,7 @@
 const KEY = "kvblend.apiKey";
 const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
-const state = { model: null, runs: [], stored: {}, finished: 0, abort: null };
+const state = { model: null, runs: [], stored: {}, finished: 0, abort: null, storeListing: 0, storeAfter: null };
 
 // ----- API ---------------------------------------------------------------------------------
 class ApiError extends Error {
@@ -511,19 +511,48 @@ function bytes(n) {
 
 const rate = (x) => (x === null ? "n/a" : pct(x));
 
+const PAGE = 100;  // documents per request: the Store tab asks for the next page on "Load more"
+
+function documentsPage(after) {
+  return `/v1/documents?limit=${PAGE}` + (after ? "&after=" + encodeURIComponent(after) : "");
+}
+
+function showDocs(docs) {
+  const body = $("#store-docs tbody");
+  for (const d of docs.data) {
+    cells(body, [d.id, d.tokens, d.num_chunks, new Date(d.created * 1000).toLocaleString()]);
+  }
+  state.storeAfter = docs.last_id;
+  $("#more-docs").hidden = !docs.has_more;
+}
+
 async function loadStore() {
   clearError();
+  const listing = ++state.storeListing;  // a refresh drops the page an earlier "Load more" brings back
   try {
-    const [docs, store] = await Promise.all([api("/v1/documents?limit=100"), api("/v1/kvblend/store")]);
-    const body = $("#store-docs tbody");
-    body.textContent = "";
-    for (const d of docs.data) {
-      cells(body, [d.id, d.tokens, d.num_chunks, new Date(d.created * 1000).toLocaleString()]);
-    }
-    if (!docs.data.length) cells(body, ["none yet: “store the pasted documents” on the Ask view", "", "", ""]);
+    const [docs, store] = await Promise.all([api(documentsPage(null)), api("/v1/kvblend/store")]);
+    if (listing !== state.storeListing) return;
+    $("#store-docs tbody").textContent = "";
+    showDocs(docs);
+    const none = "none yet: “store the pasted documents” on the Ask view";
+    if (!docs.data.length) cells($("#store-docs tbody"), [none, "", "", ""]);
     renderTiers(store);
   } catch (err) {
     showError(err);
+  }
+}
+
+async function moreDocs() {
+  clearError();
+  const listing = state.storeListing;
+  $("#more-docs").disabled = true;
+  try {
+    const docs = await api(documentsPage(state.storeAfter));
+    if (listing === state.storeListing) showDocs(docs);
+  } catch (err) {
+    showError(err);
+  } finally {
+    $("#more-docs").disabled = false;
   }
 }
 
@@ -561,6 +590,7 @@ function bind() {
   $("#run").addEventListener("click", run);
   $("#stop").addEventListener("click", () => state.abort && state.abort.abort());
   $("#refresh-store").addEventListener("click", loadStore);
+  $("#more-docs").addEventListener("click", moreDocs);
   for (const tab of $$(".tab")) tab.addEventListener("click", () => showView(tab.dataset.view));
 }
 
