@@ -1,7 +1,7 @@
 """The playground page in headless chromium against a scripted API (no model): what it does
 when a request fails (an error status, an in-band error event, a stream cut short), what it
 records when the controls move during a run, how the Store tab pages through the documents,
-and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+what it says of a key no HTTP header can carry, and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
@@ -288,3 +288,16 @@ def test_the_store_tab_pages_through_every_document(page, script) -> None:
     assert all(int(q["limit"]) <= 100 for q in script.listed)  # a page at a time, never all at once
     page.find_element(By.ID, "refresh-store").click()  # a refresh starts again from the first page
     wait_for(page, lambda d: len(store_rows(d)) == 100 and more.is_displayed(), timeout=10)
+
+
+def test_a_key_no_http_header_can_carry_is_named_before_anything_is_sent(page, script) -> None:
+    """fetch throws a TypeError naming no field for a header value outside ISO-8859-1."""
+    try:
+        page.find_element(By.ID, "api-key").send_keys("ключ-0001", Keys.ENTER)
+        message = wait_for(page, banner, timeout=10)
+        assert "API key field" in message and "fetch" not in message, message
+        assert "API key field" in run(page)
+        assert script.received == []
+    finally:
+        page.find_element(By.ID, "forget-key").click()
+    wait_for(page, lambda d: banner(d) == "" and "fake-model" in text(d, "#model"), timeout=10)

@@ -16,6 +16,11 @@ class ApiError extends Error {
 function headers(json) {
   const out = json ? { "Content-Type": "application/json" } : {};
   const key = sessionStorage.getItem(KEY);
+  // fetch would throw a TypeError that names no field for a character outside ISO-8859-1: name it here.
+  if (key && /[^\x20-\xff]/.test(key)) {
+    throw new Error("the API key field holds a character an HTTP header cannot carry (only Latin-1 ones can be "
+      + "sent): enter the key again, or Forget it");
+  }
   if (key) out.Authorization = "Bearer " + key;
   return out;
 }
