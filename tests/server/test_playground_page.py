@@ -1,7 +1,7 @@
 """The playground page in headless chromium against a scripted API (no model): what it does
 when a request fails (an error status, an in-band error event, a stream cut short), what it
 records when the controls move during a run, how the Store tab pages through the documents,
-what it says of a key no HTTP header can carry, and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+what it says of a key no HTTP header can carry, that it works under a path prefix, and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
@@ -145,6 +145,15 @@ def script() -> Script:
 def url(script):
     with uvicorn_thread(fake_api(script), start_timeout_s=30) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def prefixed_url(script):
+    """The fake API as a reverse proxy shows it under a path prefix: nothing answers outside it."""
+    outer = FastAPI()
+    outer.mount("/prefix", fake_api(script))
+    with uvicorn_thread(outer, start_timeout_s=30) as base:
+        yield base + "/prefix"
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +310,20 @@ def test_a_key_no_http_header_can_carry_is_named_before_anything_is_sent(page, s
     finally:
         page.find_element(By.ID, "forget-key").click()
     wait_for(page, lambda d: banner(d) == "" and "fake-model" in text(d, "#model"), timeout=10)
+
+
+def test_the_page_works_under_a_path_prefix(prefixed_url, script, driver) -> None:
+    script.reset()
+    driver.get(prefixed_url + "/")
+    wait_for(driver, lambda d: "fake-model" in text(d, "#model"), timeout=20)  # its script and /v1/models
+    driver.find_element(By.CSS_SELECTOR, "#docs textarea").send_keys("Paris is in France")
+    driver.find_element(By.ID, "question").send_keys("Where is Paris?")
+    assert run(driver) == ""  # the warm-up and both streams
+    driver.find_element(By.CSS_SELECTOR, "[data-view=store]").click()
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#store-tiers tbody tr"), timeout=10)
+    driver.find_element(By.CSS_SELECTOR, "[data-view=ask]").click()
+    urls = driver.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
+    urls = [u for u in urls if not u.endswith("/favicon.ico")]  # the browser's own guess, not the page's
+    names = {u.rsplit("/", 1)[1] for u in urls}
+    assert names >= {"playground.css", "playground.js", "models", "completions", "store"}, urls
+    assert all(u.startswith(prefixed_url + "/") for u in urls), urls

@@ -1,7 +1,9 @@
 """The playground page at ``/``: static files shipped in the package (``server/static``),
 no build step and nothing loaded from elsewhere (a ``default-src 'self'`` CSP says so to
 the browser). The page needs no key; the API calls it makes do (the key the user enters
-stays in the tab's ``sessionStorage``)."""
+stays in the tab's ``sessionStorage``). The page names its files and the API relative to
+itself (``playground/playground.js``, ``v1/models``), so that it also works at a reverse
+proxy's ``/prefix/``."""
 
 from __future__ import annotations
 

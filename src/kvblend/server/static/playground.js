@@ -1,6 +1,7 @@
 // kvblend playground: asks one question over some documents by blend and by full prefill,
 // side by side, and shows which document tokens the blend recomputed ("kvblend": {"explain": true}).
-// Public API only; the API key lives in this tab's sessionStorage.
+// Public API only; the API key lives in this tab's sessionStorage. Every URL is relative to the
+// page (the server's root, or a reverse proxy's path prefix): "v1/models", never "/v1/models".
 "use strict";
 
 const KEY = "kvblend.apiKey";
@@ -73,7 +74,7 @@ function absorb(out, chunk, started, onText) {
 
 async function streamChat(body, onText, signal) {
   const started = performance.now();
-  const res = await fetch("/v1/chat/completions", {
+  const res = await fetch("v1/chat/completions", {
     method: "POST", headers: headers(true), signal,
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
   });
@@ -115,7 +116,7 @@ function forgetKey() {
 async function connect() {
   clearError();
   try {
-    const models = await api("/v1/models");
+    const models = await api("v1/models");
     state.model = models.data[0].id;
     $("#model").textContent = "model: " + state.model;
     await loadStoredChoices();
@@ -166,7 +167,7 @@ function documentsField() {
 async function loadStoredChoices() {
   const select = $("#stored");
   select.length = 1;
-  const list = await api("/v1/documents?limit=100");
+  const list = await api("v1/documents?limit=100");
   for (const doc of list.data) select.add(new Option(`${doc.id} (${doc.tokens} tokens)`, doc.id));
   state.stored = Object.fromEntries(list.data.map((d) => [d.id, d]));
 }
@@ -181,7 +182,7 @@ async function saveDocs() {
   clearError();
   try {
     const texts = documentsField().filter((doc) => typeof doc === "string");
-    for (const text of texts) await api("/v1/documents", { text });
+    for (const text of texts) await api("v1/documents", { text });
     status(`${texts.length} document(s) stored under your key`);
     await loadStoredChoices();
   } catch (err) {
@@ -221,7 +222,7 @@ async function warm(body, signal) {
   // A document seen for the first time is computed in the prompt and stored in the
   // background; send it (1 token) until every document is served from the store.
   for (let attempt = 0; attempt < 8; attempt++) {
-    const reply = await api("/v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } }, signal);
+    const reply = await api("v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } }, signal);
     if (!reply.kvblend.doc_misses) return;
     status(`storing the documents' KV… (${reply.kvblend.doc_misses} not stored yet)`);
     await sleep(150 * (attempt + 1));
@@ -519,7 +520,7 @@ const rate = (x) => (x === null ? "n/a" : pct(x));
 const PAGE = 100;  // documents per request: the Store tab asks for the next page on "Load more"
 
 function documentsPage(after) {
-  return `/v1/documents?limit=${PAGE}` + (after ? "&after=" + encodeURIComponent(after) : "");
+  return `v1/documents?limit=${PAGE}` + (after ? "&after=" + encodeURIComponent(after) : "");
 }
 
 function showDocs(docs) {
@@ -535,7 +536,7 @@ async function loadStore() {
   clearError();
   const listing = ++state.storeListing;  // a refresh drops the page an earlier "Load more" brings back
   try {
-    const [docs, store] = await Promise.all([api(documentsPage(null)), api("/v1/kvblend/store")]);
+    const [docs, store] = await Promise.all([api(documentsPage(null)), api("v1/kvblend/store")]);
     if (listing !== state.storeListing) return;
     $("#store-docs tbody").textContent = "";
     showDocs(docs);
