@@ -1,12 +1,15 @@
 """The playground page in headless chromium against a scripted API (no model): what it does
 when a request fails (an error status, an in-band error event, a stream cut short), what it
 records when the controls move during a run, how the Store tab pages through the documents,
-what it says of a key no HTTP header can carry, that it works under a path prefix, and the headers of everything under ``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+what it says of a key no HTTP header can carry, that it works under a path prefix, its tabs,
+names and live regions for assistive technology, and the headers of everything under
+``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -327,3 +330,50 @@ def test_the_page_works_under_a_path_prefix(prefixed_url, script, driver) -> Non
     names = {u.rsplit("/", 1)[1] for u in urls}
     assert names >= {"playground.css", "playground.js", "models", "completions", "store"}, urls
     assert all(u.startswith(prefixed_url + "/") for u in urls), urls
+
+
+def test_the_views_are_tabs_for_assistive_technology(page) -> None:
+    """The WAI-ARIA tabs pattern: a tablist of tabs, each selecting the tabpanel it controls."""
+    assert page.find_element(By.CSS_SELECTOR, "nav").aria_role == "tablist"
+    tabs = page.find_elements(By.CSS_SELECTOR, "[data-view]")
+    assert [t.aria_role for t in tabs] == ["tab", "tab"]
+
+    def selected() -> list[str]:
+        out = []
+        for tab in tabs:
+            panel = page.find_element(By.ID, tab.get_attribute("aria-controls"))
+            out.append(tab.get_attribute("aria-selected"))
+            assert panel.is_displayed() == (out[-1] == "true")
+            if panel.is_displayed():  # a hidden one is out of the accessibility tree
+                assert panel.aria_role == "tabpanel" and panel.accessible_name == tab.accessible_name
+        return out
+
+    assert selected() == ["true", "false"]
+    tabs[1].click()
+    assert selected() == ["false", "true"]
+    tabs[1].send_keys(Keys.ARROW_LEFT)  # the arrow keys move between the tabs, one Tab stop for them all
+    assert selected() == ["true", "false"]
+    assert page.execute_script("return document.activeElement.dataset.view") == "ask"
+    assert [t.get_attribute("tabindex") for t in tabs] == ["0", "-1"]
+
+
+def test_every_control_has_a_name(page) -> None:
+    """Each input, select, textarea and button of the Ask view is named in words (a placeholder or
+    a "×" is not a name)."""
+    controls = page.execute_script("return [...document.querySelectorAll('input, select, textarea, button')]"
+                                   ".filter((el) => !el.closest('[hidden]'))")
+    unnamed = [c.get_attribute("outerHTML")[:80] for c in controls
+               if not re.search(r"[A-Za-z]{2}", c.accessible_name)
+               or c.accessible_name == c.get_attribute("placeholder")]
+    assert len(controls) > 15 and unnamed == [], unnamed
+
+
+def test_the_status_and_the_answers_are_live_regions(page, script) -> None:
+    assert page.find_element(By.ID, "status").aria_role == "status"
+    answers = page.find_elements(By.CSS_SELECTOR, "#answers [data-field=text]")
+    assert [a.get_attribute("aria-live") for a in answers] == ["polite", "polite"]
+    script.delay_s = 0.3  # busy while it streams: read out once whole, not at every token
+    page.find_element(By.ID, "run").click()
+    wait_for(page, lambda d: answers[0].get_attribute("aria-busy") == "true", timeout=10)
+    wait_for(page, lambda d: d.find_element(By.ID, "run").is_enabled(), timeout=20)
+    assert banner(page) == "" and [a.get_attribute("aria-busy") for a in answers] == ["false", "false"]

@@ -132,6 +132,7 @@ function removable(row) {
   button.type = "button";
   button.textContent = "×";
   button.title = "remove";
+  button.setAttribute("aria-label", "Remove this document");
   button.addEventListener("click", () => row.remove());
   return button;
 }
@@ -143,6 +144,7 @@ function addTextDoc(text = "") {
   area.rows = 4;
   area.value = text;
   area.placeholder = "Paste a document";
+  area.setAttribute("aria-label", "Document text");
   row.append(area, removable(row));
   $("#docs").append(row);
   return area;
@@ -232,11 +234,17 @@ async function warm(body, signal) {
 async function runOne(method, body, choice, signal) {
   const panel = $(`#answer-${method}`);
   for (const dd of $$("[data-field]", panel)) dd.textContent = "";
-  field(panel, "text").textContent = "…";
-  const reply = await streamChat({ ...body, kvblend: kvblendOptions(method, choice) },
-    (text) => { field(panel, "text").textContent = text; }, signal);
-  showMetrics(panel, reply);
-  return reply;
+  const answer = field(panel, "text");
+  answer.textContent = "…";
+  answer.setAttribute("aria-busy", "true");  // a screen reader reads the answer once whole, not at every token
+  try {
+    const reply = await streamChat({ ...body, kvblend: kvblendOptions(method, choice) },
+      (text) => { answer.textContent = text; }, signal);
+    showMetrics(panel, reply);
+    return reply;
+  } finally {
+    answer.setAttribute("aria-busy", "false");
+  }
 }
 
 function clearResults() {
@@ -578,10 +586,25 @@ function renderTiers(store) {
 }
 
 function showView(name) {
-  for (const tab of $$(".tab")) tab.classList.toggle("active", tab.dataset.view === name);
+  for (const tab of $$("[role=tab]")) {
+    const on = tab.dataset.view === name;
+    tab.setAttribute("aria-selected", on);
+    tab.tabIndex = on ? 0 : -1;  // one Tab stop for the tab list: the arrow keys move within it
+  }
   $("#view-ask").hidden = name !== "ask";
   $("#view-store").hidden = name !== "store";
   if (name === "store") loadStore();
+}
+
+function tabKeys(event) {  // the WAI-ARIA tabs pattern: arrows to the previous or next tab, Home, End
+  const tabs = $$("[role=tab]");
+  const at = tabs.indexOf(event.target);
+  const to = { ArrowLeft: at - 1, ArrowRight: at + 1, Home: 0, End: tabs.length - 1 }[event.key];
+  if (to === undefined) return;
+  event.preventDefault();
+  const tab = tabs[(to + tabs.length) % tabs.length];
+  tab.focus();
+  showView(tab.dataset.view);
 }
 
 // ----- start -------------------------------------------------------------------------------
@@ -597,7 +620,8 @@ function bind() {
   $("#stop").addEventListener("click", () => state.abort && state.abort.abort());
   $("#refresh-store").addEventListener("click", loadStore);
   $("#more-docs").addEventListener("click", moreDocs);
-  for (const tab of $$(".tab")) tab.addEventListener("click", () => showView(tab.dataset.view));
+  for (const tab of $$("[role=tab]")) tab.addEventListener("click", () => showView(tab.dataset.view));
+  $("[role=tablist]").addEventListener("keydown", tabKeys);
 }
 
 function start() {
