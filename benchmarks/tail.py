@@ -110,17 +110,26 @@ class Spy:
         return out
 
 
-def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = None) -> dict:
+def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = None,
+          keep_logits: Path | None = None) -> dict:
     spec = parse_method(method)
     if spy is not None:
         spy.reset()
     prepared = engine.prepare(example_request(ex, spec), len(ref.answer_ids) + 1)
+    if keep_logits is not None:  # the next-token logits at the prompt's last token, for cross-method signals
+        keep_logits.mkdir(parents=True, exist_ok=True)
+        torch.save(prepared.logits.float().clone(), keep_logits / f"{ex.id}__{logits_name(method)}.pt")
     extra = spy.signals(prepared.logits) if spy is not None else {}
     forced = teacher_force(engine, prepared, ref.answer_ids) if ref.answer_ids else prepared.logits[None]
     s = prepared.stats
     probe = s.checks[0].mean_score if s.checks else None
     return {"id": ex.id, "method": method, "strategy": s.strategy, "kl": kl_divergence(ref.logits, forced),
             "risk": getattr(s, "risk", None), "recompute_frac": s.recompute_frac, "probe": probe, **extra}
+
+
+def logits_name(method: str) -> str:
+    """A method spelled as a file name."""
+    return "".join(c if c.isalnum() or c in ".-_" else "_" for c in method)
 
 
 def read(path: Path) -> list[dict]:
@@ -219,6 +228,39 @@ def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
         print(json.dumps(line))
 
 
+def converge(records: list[dict], ids: set[str] | None, methods: list[str], logits: Path) -> None:
+    """How far a blend's answer still moved in its second half of recomputed tokens, as a
+    risk: for a blend ``methods[0]`` and the same blend at half its ratio ``methods[1]``
+    (kept logits, ``--keep-logits``), KL(blend || half) / KL(blend || reuse) at the prompt's
+    last token -- the share of the answer's movement away from reuse's that the last half of
+    the tokens made (near 0: converged; towards 1: still moving, so the tokens not
+    recomputed likely move it further). Prints its AUC at separating the blend's questions
+    whose KL ratio to reuse is above 0.5 (and above 0.25), its Spearman correlation with the
+    ratio, and the same for the moved risk, exp(-KL(blend || reuse)), beside it."""
+    blend, half = methods
+    kl_of = {(r["id"], r["method"]): r["kl"] for r in records if ids is None or r["id"] in ids}
+    rows = []
+    for qid in sorted({i for i, m in kl_of if m == blend and (i, "reuse") in kl_of},
+                      key=lambda i: int(i.rsplit("-", 1)[-1])):
+        paths = [logits / f"{qid}__{logits_name(m)}.pt" for m in (blend, half, "reuse")]
+        if not all(p.exists() for p in paths):
+            continue
+        lb, lh, lr = (torch.load(p) for p in paths)
+        moved, late = kl_divergence(lb, lr), kl_divergence(lb, lh)
+        ratio = kl_of[(qid, blend)] / max(kl_of[(qid, "reuse")], 1e-12)
+        rows.append({"id": qid, "ratio": round(ratio, 3), "converge": late / max(moved, 1e-12),
+                     "moved_risk": strategies.risk_of_moved_kl(moved), "late_kl": late, "moved_kl": moved})
+    for r in rows:
+        print(json.dumps(r))
+    ratios = [r["ratio"] for r in rows]
+    for key in ("converge", "moved_risk", "late_kl"):
+        vals = [r[key] for r in rows]
+        print(json.dumps({"signal": key, "n": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),
+                          "auc_0_5": auc(vals, [x > 0.5 for x in ratios]),
+                          "above_0_25": sum(x > 0.25 for x in ratios),
+                          "auc_0_25": auc(vals, [x > 0.25 for x in ratios]), "rho": spearman(vals, ratios)}))
+
+
 def per_question(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
     by = {}
     for r in records:
@@ -248,9 +290,13 @@ def main() -> None:
                     help="only questions whose default blend's ratio to reuse (earlier records) is >= this")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="run +shift as asked (default: the engine drops it where its model test says so)")
+    ap.add_argument("--keep-logits", action="store_true",
+                    help="save each request's next-token logits under OUT/logits (for --converge)")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--table", default=None, help="with --report: methods (comma-separated) for a per-question table")
     ap.add_argument("--risk-method", default=DEFAULT)
+    ap.add_argument("--converge", default=None,
+                    help="with --report: BLEND,HALF (the same blend at half the ratio, both run with --keep-logits)")
     ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
     args = ap.parse_args()
     out = Path(args.out)
@@ -264,6 +310,8 @@ def main() -> None:
             pooled(records, ids, args.pool.split(","))
         if args.table:
             per_question(records, ids, args.table.split(","))
+        if args.converge:
+            converge(records, ids, args.converge.split(","), out / "logits")
         return
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
@@ -284,7 +332,7 @@ def main() -> None:
             warm_documents(engine, ex, [parse_method(m) for m in todo])
             ref = load_ref(engine, ex, out / "refs", args.kl_tokens)
             for m in todo:
-                row = score(engine, ex, m, ref, spy)
+                row = score(engine, ex, m, ref, spy, out / "logits" if args.keep_logits else None)
                 with records_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
