@@ -47,3 +47,20 @@ def test_ingest_then_ask_by_retrieval_on_smollm2(tmp_path, capsys):
     assert "[compare] full prefill TTFT" in captured.err and captured.out.strip()
     assert main(["ingest", str(folder), "--quiet", *flags[:2], *flags[2:], "--chunk-tokens", "64"]) == 0
     assert "(2 unchanged)" in capsys.readouterr().out
+
+
+def test_ask_without_an_index_says_so_and_creates_no_folder(tmp_path, monkeypatch, capsys):
+    """``kvblend ask`` without ``--index`` opened the default index folder
+    ($KVBLEND_HOME/rag/<tokenizer>), which created it (and an empty catalog) before saying
+    "nothing retrieved"; a folder with no catalog named by ``--index`` got one too."""
+    from tests.conftest import make_loaded
+
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("kvblend.cliargs.load_from_args", lambda args: make_loaded())
+    assert main(["ask", "why?", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no index at" in err and "kvblend ingest" in err
+    assert not (tmp_path / "home" / "rag").exists()
+    (tmp_path / "not-an-index").mkdir()
+    assert main(["ask", "why?", "--index", str(tmp_path / "not-an-index")]) == 2
+    assert "no index at" in capsys.readouterr().err and not any((tmp_path / "not-an-index").iterdir())

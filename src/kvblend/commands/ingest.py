@@ -60,11 +60,29 @@ def _store(args: argparse.Namespace, loaded, memory: bool = True):
     return build_store(store_config(args, compute_dtype_name(loaded.model.dtype), memory))
 
 
-def open_retriever(args: argparse.Namespace, tokenizer_id: str):
-    from kvblend.rag.retriever import Retriever, RetrieverConfig, default_index_dir
+def index_folder(args: argparse.Namespace, tokenizer_id: str) -> Path:
+    """``--index``, else the default index folder of the tokenizer."""
+    from kvblend.rag.retriever import default_index_dir
 
-    folder = Path(args.index) if args.index else default_index_dir(tokenizer_id)
-    return Retriever(RetrieverConfig(folder, mode=args.retriever or "hybrid"))
+    return Path(args.index) if args.index else default_index_dir(tokenizer_id)
+
+
+def open_retriever(args: argparse.Namespace, tokenizer_id: str):
+    from kvblend.rag.retriever import Retriever, RetrieverConfig
+
+    return Retriever(RetrieverConfig(index_folder(args, tokenizer_id), mode=args.retriever or "hybrid"))
+
+
+def require_index(folder: Path, index_flag: str | None) -> None:
+    """KvblendError when ``folder`` holds no index (a mistyped ``--index``, or nothing
+    ingested yet for this model): said before the folder is opened, which would create it."""
+    from kvblend.errors import KvblendError
+    from kvblend.rag.retriever import index_exists
+
+    if not index_exists(folder):
+        flag = f" --index {index_flag}" if index_flag else ""
+        raise KvblendError(f"no index at {folder}: run `kvblend ingest PATH{flag}` first"
+                           + ("" if index_flag else " (with the same --model)"))
 
 
 # ----- ingest ---------------------------------------------------------------------------
@@ -184,12 +202,12 @@ def run_retrieval_ask(args: argparse.Namespace, question: str, request_kw: dict[
     from kvblend.cliargs import load_from_args as _load
     from kvblend.cliargs import print_stats as _print_stats
     from kvblend.engine import Engine
-    from kvblend.errors import KvblendError
     from kvblend.rag.ask import ask
 
-    if args.index and not Path(args.index).is_dir():  # a mistyped folder: say so, create nothing
-        raise KvblendError(f"no index at {args.index}: run `kvblend ingest PATH --index {args.index}` first")
+    if args.index:  # a mistyped folder: said before the model loads
+        require_index(Path(args.index), args.index)
     loaded = _load(args)
+    require_index(index_folder(args, loaded.tokenizer_fingerprint), args.index)  # opening it would create it
     retriever = open_retriever(args, loaded.tokenizer_fingerprint)
     engine = Engine(loaded, store=_store(args, loaded), calibrate=args.calibrate)
     show = None if args.json else (lambda text: print(text, end="", flush=True))

@@ -28,6 +28,7 @@ MODES = ("dense", "bm25", "hybrid")
 RRF_K = 60
 MAX_TOP_K = 100
 MAX_QUERY_CHARS = 8192
+CATALOG_NAME = "catalog.sqlite"  # in the index folder: its presence is what makes the folder an index
 
 
 def default_index_dir(tokenizer_id: str) -> Path:
@@ -36,6 +37,12 @@ def default_index_dir(tokenizer_id: str) -> Path:
     from kvblend.models.gguf import cache_home
 
     return cache_home() / "rag" / tokenizer_id[:16]
+
+
+def index_exists(folder: Path) -> bool:
+    """Whether ``folder`` holds an index (its catalog). Opening a ``Retriever`` creates one,
+    so a reader that must not create anything (``kvblend ask``) asks this first."""
+    return (Path(folder) / CATALOG_NAME).is_file()
 
 
 def search_query(text: str) -> str:
@@ -105,7 +112,7 @@ class Retriever:
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
-        self.catalog = Catalog(Path(self.config.folder) / "catalog.sqlite")
+        self.catalog = Catalog(Path(self.config.folder) / CATALOG_NAME)
         if self.embedder is None:
             self.embedder = MiniLMEmbedder()
 
