@@ -199,6 +199,26 @@ def test_a_file_skipped_for_any_other_cause_keeps_its_documents(tmp_path, monkey
     engine.close()
 
 
+def test_a_file_with_a_nul_byte_past_its_first_8_kib_is_skipped_as_binary_and_keeps_its_documents(tmp_path):
+    """A NUL byte was looked for in the first 8 KiB only: one further in was ingested as
+    text. It now skips the file as binary, which (like any skip but "no text") keeps what
+    the index has of it."""
+    d = tmp_path / "docs"
+    d.mkdir()
+    text = " ".join(corpus_texts(60)) + "\n"
+    assert len(text) > 8192
+    (d / "long.txt").write_text(text)
+    engine, retriever, ingestor = pipeline(tmp_path, precompute="lazy", size=256)
+    ingestor.ingest([d], progress=False)
+    before = retriever.catalog.document("default", str(d / "long.txt"))
+    (d / "long.txt").write_text(text + "tail\x00")
+    s = ingestor.ingest([d], progress=False)
+    assert s.skipped == [(str(d / "long.txt"), f"binary content (NUL byte at offset {len(text) + 4})")]
+    assert retriever.catalog.document("default", str(d / "long.txt")) == before and s.removed_documents == 0
+    retriever.close()
+    engine.close()
+
+
 def test_which_sources_a_run_covers_and_which_are_gone(tmp_path):
     from kvblend.rag.ingest import _record_file, _Scope
 

@@ -118,3 +118,26 @@ def test_a_file_named_twice_or_under_two_paths_given_is_read_once(tmp_path, monk
     files, skipped = discover([d, d / "a.txt", tmp_path / "." / "docs", d / "c.bin"])
     assert files == [d / "a.txt", d / "b.md"]
     assert skipped == [(str(d / "c.bin"), "unsupported type .bin")]
+
+
+def test_a_nul_byte_anywhere_skips_a_file_as_binary_without_reading_it_whole(tmp_path, monkeypatch):
+    """Only the first 8 KiB were looked at: a text, JSONL or HTML file with a NUL byte
+    later was ingested, NUL bytes and all. The offset of the first one is named, and the
+    streamed files are still never read whole."""
+    from pathlib import Path
+
+    import pytest
+
+    from kvblend.rag import readers
+
+    monkeypatch.setattr(readers, "BLOCK_BYTES", 4096)  # the NUL lies several blocks in
+    head = b"the lighthouse keeper of vormsi island keeps the lamp lit every night\n" * 300  # 21 KiB
+    (tmp_path / "a.txt").write_bytes(head + b"more text\x00and more\n")
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "one"}\n' * 2000 + b'{"text": "tw\x00o"}\n')
+    (tmp_path / "c.html").write_bytes(b"<p>" + head + b"</p>\x00")
+    with pytest.raises(readers.SkipFile, match=f"binary content \\(NUL byte at offset {len(head) + 4 + 3}\\)"):
+        read_documents(tmp_path / "c.html")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    for name, offset in (("a.txt", len(head) + 9), ("b.jsonl", 2000 * 16 + 12)):
+        with pytest.raises(readers.SkipFile, match=f"binary content \\(NUL byte at offset {offset}\\)"):
+            read_documents(tmp_path / name)

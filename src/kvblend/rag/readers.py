@@ -1,7 +1,7 @@
 """Reading files into documents: .txt, .md, .jsonl (one document per record), .html, .pdf.
 
 Plain text and markdown are never held whole: a ``TextFile`` is checked once when it is
-opened (UTF-8, no NUL bytes, not blank) and then read again in blocks, as often as the
+opened (UTF-8, no NUL byte anywhere, not blank) and then read again in blocks, as often as the
 ingest needs (its hash, then its chunks), so that a file of any size is ingested in a
 fixed amount of memory; ``split_pieces`` cuts the text into pieces of at most
 ``PIECE_CHARS`` characters at line ends, which the chunker tokenizes one at a time.
@@ -27,7 +27,6 @@ STREAMED = (".txt", ".md", ".markdown")  # read in blocks, never whole (JSONL: a
 MAX_FILE_BYTES = 256 * 1024 * 1024  # for the files read whole (HTML, PDF), and a JSONL line
 BLOCK_BYTES = 1 << 20
 PIECE_CHARS = 1 << 20  # characters tokenized at once
-NUL_WINDOW = 8192
 
 
 class SkipFile(Exception):
@@ -106,15 +105,22 @@ class TextFile(NamedTuple):
         return split_pieces(self.blocks(), max_chars)
 
 
+def _refuse_nul(data: bytes, offset: int) -> None:
+    """SkipFile naming the file offset of the first NUL byte in ``data`` (which starts at
+    ``offset``), if it holds one: NUL is valid UTF-8, but no text file holds it."""
+    at = data.find(b"\x00")
+    if at >= 0:
+        raise SkipFile(f"binary content (NUL byte at offset {offset + at})")
+
+
 def _decoded_blocks(path: Path) -> Iterator[str]:
     """``path`` decoded as UTF-8 (a BOM dropped) in blocks of ``BLOCK_BYTES``; SkipFile on
-    NUL bytes in its first ``NUL_WINDOW`` bytes or on invalid UTF-8 (its byte offset named)."""
+    a NUL byte anywhere or on invalid UTF-8 (its byte offset named)."""
     decoder, offset = codecs.getincrementaldecoder("utf-8-sig")(), 0
     with open(path, "rb") as f:
         while True:
             data = f.read(BLOCK_BYTES)
-            if offset < NUL_WINDOW and b"\x00" in data[: NUL_WINDOW - offset]:
-                raise SkipFile("binary content (NUL bytes)")
+            _refuse_nul(data, offset)
             try:
                 text = decoder.decode(data, final=not data)
             except UnicodeDecodeError as exc:
@@ -198,8 +204,7 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _decode(data: bytes) -> str:
-    if b"\x00" in data[:8192]:
-        raise SkipFile("binary content (NUL bytes)")
+    _refuse_nul(data, 0)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -278,8 +283,8 @@ def pdf_text(path: Path) -> str:
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` of a JSONL file read a line at a time (never whole), decoded
-    as UTF-8 (a leading BOM dropped); SkipFile on NUL bytes in its first ``NUL_WINDOW``
-    bytes, invalid UTF-8 (its byte offset named), or a line longer than ``MAX_FILE_BYTES``."""
+    as UTF-8 (a leading BOM dropped); SkipFile on a NUL byte anywhere or invalid UTF-8
+    (their byte offset named), or a line longer than ``MAX_FILE_BYTES``."""
     try:
         with open(path, "rb") as f:
             n, offset = 0, 0
@@ -287,8 +292,7 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
                 n += 1
                 if len(raw) > MAX_FILE_BYTES:
                     raise SkipFile(f"line {n} is longer than {MAX_FILE_BYTES >> 20} MiB")
-                if offset < NUL_WINDOW and b"\x00" in raw[: NUL_WINDOW - offset]:
-                    raise SkipFile("binary content (NUL bytes)")
+                _refuse_nul(raw, offset)
                 start = len(codecs.BOM_UTF8) if offset == 0 and raw.startswith(codecs.BOM_UTF8) else 0
                 try:
                     line = raw[start:].decode("utf-8")
