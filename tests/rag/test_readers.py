@@ -141,3 +141,48 @@ def test_a_nul_byte_anywhere_skips_a_file_as_binary_without_reading_it_whole(tmp
     for name, offset in (("a.txt", len(head) + 9), ("b.jsonl", 2000 * 16 + 12)):
         with pytest.raises(readers.SkipFile, match=f"binary content \\(NUL byte at offset {offset}\\)"):
             read_documents(tmp_path / name)
+
+
+def test_jsonl_lines_may_end_in_cr_lf_or_crlf(tmp_path, monkeypatch):
+    """Lines were split at "\\n" only: a file saved with classic Mac line ends ("\\r") was
+    one line (a JSON error, or one huge line refused). "\\r\\n" is one line end, also when
+    a block boundary falls between its two bytes."""
+    import pytest
+
+    from kvblend.rag import readers
+
+    records = [b'{"text": "record %d"}' % i for i in range(60)]
+    ends = [b"\r", b"\n", b"\r\n", b"\r\n\r\n"]  # the last one leaves a blank line (counted, skipped)
+    data = b"".join(r + ends[i % 4] for i, r in enumerate(records))
+    p = tmp_path / "mixed.jsonl"
+    p.write_bytes(data)
+    expected, n = [], 0
+    for i in range(60):
+        n += 1
+        expected.append((f"{p}#{n}", f"record {i}"))
+        n += i % 4 == 3
+    for block in (7, 16, 4096):  # boundaries inside "\r\n", and after a trailing "\r"
+        monkeypatch.setattr(readers, "BLOCK_BYTES", block)
+        assert [(d.source, d.text) for d in read_documents(p)] == expected
+    monkeypatch.setattr(readers, "MAX_FILE_BYTES", 64)  # a line is bounded, not a CR-only file
+    cr = tmp_path / "cr.jsonl"
+    cr.write_bytes(b"\r".join(records[:10]) + b'\r{"text": "caf\xe9"}')
+    with pytest.raises(readers.SkipFile, match=f"not UTF-8 \\(invalid byte at offset {cr.stat().st_size - 3}\\)"):
+        read_documents(cr)
+    cr.write_bytes(b"\r".join(records[:10]) + b"\r" + b"x" * 100)
+    with pytest.raises(readers.SkipFile, match="line 11 is longer"):
+        read_documents(cr)
+
+
+def test_a_file_of_line_ends_only_is_read_in_bounded_blocks(tmp_path, monkeypatch):
+    """Holding back a block's last CR (a LF may follow) must not grow a block over a run of CRs."""
+    import io
+
+    from kvblend.rag import readers
+
+    monkeypatch.setattr(readers, "BLOCK_BYTES", 8)
+    data = b"\r" * 100 + b"\r\n" + b"{}\r\n\r"
+    blocks = list(readers._whole_line_end_blocks(io.BytesIO(data)))
+    assert b"".join(blocks) == data and max(map(len, blocks)) <= 9
+    lines = list(readers._raw_lines(io.BytesIO(data), 64))
+    assert lines == [b"\r"] * 100 + [b"\r\n", b"{}\r\n", b"\r"]

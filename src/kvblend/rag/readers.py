@@ -16,11 +16,12 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 SUFFIXES = (".txt", ".md", ".markdown", ".jsonl", ".html", ".htm", ".pdf")
 STREAMED = (".txt", ".md", ".markdown")  # read in blocks, never whole (JSONL: a line at a time)
@@ -281,14 +282,53 @@ def pdf_text(path: Path) -> str:
         raise SkipFile(f"unreadable PDF: {exc}") from exc
 
 
+_LINE_END = re.compile(rb"\r\n?|\n")
+
+
+def _whole_line_end_blocks(f: BinaryIO) -> Iterator[bytes]:
+    """``f`` in blocks of at most ``BLOCK_BYTES`` + 1 bytes, none ending in CR but the
+    file's last (a block's last CR moves to the next block), so no CRLF is split in two."""
+    carry = b""
+    while data := f.read(BLOCK_BYTES):
+        data, carry = (carry + data if carry else data), b""
+        if data.endswith(b"\r"):
+            data, carry = data[:-1], b"\r"
+        if data:
+            yield data
+    if carry:
+        yield carry
+
+
+def _raw_lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of ``f``, each with its end (LF, CRLF or CR; the last line may have none),
+    read a block at a time. A line longer than ``limit`` bytes comes back as its
+    first ``limit + 1`` bytes and ends the reading (the caller refuses it)."""
+    head: list[bytes] = []  # the start of a line that runs past the blocks read so far
+    held = 0
+    for block in _whole_line_end_blocks(f):
+        start = 0
+        for m in _LINE_END.finditer(block):
+            yield b"".join((*head, block[start:m.end()])) if head else block[start:m.end()]
+            head, held, start = [], 0, m.end()
+        if start < len(block):
+            head.append(block[start:])
+            held += len(block) - start
+        if held > limit:
+            yield b"".join(head)[: limit + 1]
+            return
+    if head:
+        yield b"".join(head)
+
+
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` of a JSONL file read a line at a time (never whole), decoded
-    as UTF-8 (a leading BOM dropped); SkipFile on a NUL byte anywhere or invalid UTF-8
-    (their byte offset named), or a line longer than ``MAX_FILE_BYTES``."""
+    """``(line number, line)`` of a JSONL file read a line at a time (never whole; a line
+    ends at LF, CRLF or CR), decoded as UTF-8 (a leading BOM dropped); SkipFile on a NUL
+    byte anywhere or invalid UTF-8 (their byte offset named), or a line longer than
+    ``MAX_FILE_BYTES``."""
     try:
         with open(path, "rb") as f:
             n, offset = 0, 0
-            while raw := f.readline(MAX_FILE_BYTES + 1):
+            for raw in _raw_lines(f, MAX_FILE_BYTES):
                 n += 1
                 if len(raw) > MAX_FILE_BYTES:
                     raise SkipFile(f"line {n} is longer than {MAX_FILE_BYTES >> 20} MiB")
