@@ -219,6 +219,28 @@ def test_a_file_with_a_nul_byte_past_its_first_8_kib_is_skipped_as_binary_and_ke
     engine.close()
 
 
+def test_a_symlinked_folder_is_ingested_under_the_link_and_dropped_with_it(tmp_path):
+    """A symlinked folder was silently left out of an ingest. Its files are now documents
+    named by the link's path, which a later run drops once the link is removed."""
+    d = tmp_path / "docs"
+    write_corpus(d, 1)
+    write_corpus(tmp_path / "shared", 2, seed=4)
+    (d / "team").symlink_to(tmp_path / "shared")
+    engine, retriever, ingestor = pipeline(tmp_path, precompute="lazy")
+    s = ingestor.ingest([d], progress=False)
+
+    def sources():
+        return {doc.source for doc in retriever.catalog.documents("default")}
+
+    assert s.files == 3 and s.skipped == []
+    assert {str(d / "team" / "doc000.txt"), str(d / "team" / "doc001.txt")} < sources()
+    (d / "team").unlink()
+    s = ingestor.ingest([d], progress=False)
+    assert sources() == {str(d / "doc000.txt")} and s.removed_documents == 2
+    retriever.close()
+    engine.close()
+
+
 def test_which_sources_a_run_covers_and_which_are_gone(tmp_path):
     from kvblend.rag.ingest import _record_file, _Scope
 

@@ -186,3 +186,25 @@ def test_a_file_of_line_ends_only_is_read_in_bounded_blocks(tmp_path, monkeypatc
     assert b"".join(blocks) == data and max(map(len, blocks)) <= 9
     lines = list(readers._raw_lines(io.BytesIO(data), 64))
     assert lines == [b"\r"] * 100 + [b"\r\n", b"{}\r\n", b"\r"]
+
+
+def test_symlinked_folders_are_followed_once_and_loops_are_skipped_with_a_reason(tmp_path):
+    """os.walk did not enter a symlinked folder, and said nothing: its files were lost. Now
+    a link is followed and its files are named by the link's path; a folder is read once
+    (by device and inode), so a link back up the tree, or to a folder read already, is
+    skipped with the reason, and so is a link to nothing."""
+    d, shared = tmp_path / "docs", tmp_path / "shared"
+    (d / "real" / "deep").mkdir(parents=True)
+    shared.mkdir()
+    (d / "real" / "a.txt").write_text("a")
+    (d / "real" / "deep" / "b.txt").write_text("b")
+    (shared / "s.md").write_text("s")
+    (d / "elsewhere").symlink_to(shared)  # outside the folder named
+    (d / "copy").symlink_to(d / "real")  # a second way to the same folder: read as docs/real
+    (d / "real" / "deep" / "up").symlink_to(d)  # a loop
+    (d / "gone").symlink_to(tmp_path / "nowhere")
+    files, skipped = discover([d])
+    assert files == [d / "elsewhere" / "s.md", d / "real" / "a.txt", d / "real" / "deep" / "b.txt"]
+    assert sorted(skipped) == [(str(d / "copy"), f"folder already read as {d / 'real'}"),
+                               (str(d / "gone"), "broken symbolic link"),
+                               (str(d / "real" / "deep" / "up"), f"symbolic link loop (to {d})")]

@@ -155,23 +155,57 @@ def _visible(path: Path, root: Path, hidden: bool) -> bool:
 
 
 def _walk(root: Path, hidden: bool, skipped: list[tuple[str, str]]) -> Iterator[Path]:
-    """The files under ``root`` in sorted order, hidden folders pruned unless ``hidden``; a
-    folder that cannot be listed goes into ``skipped``."""
+    """The files under ``root`` in sorted order, hidden folders pruned unless ``hidden``;
+    symbolic links to folders are followed, and each folder is read once (`_unread`). A
+    folder that cannot be listed, or reached again, and a broken link go into ``skipped``."""
 
     def unlisted(exc: OSError) -> None:
         skipped.append((str(exc.filename or root), f"folder unreadable: {exc.strerror or exc}"))
 
-    for folder, dirs, names in os.walk(root, onerror=unlisted):
-        dirs[:] = sorted(d for d in dirs if hidden or not d.startswith("."))
+    read = {_folder_id(root): str(root)}
+    for folder, dirs, names in os.walk(root, onerror=unlisted, followlinks=True):
+        dirs[:] = _unread(folder, sorted(d for d in dirs if hidden or not d.startswith(".")), read, skipped)
         for name in sorted(names):
             path = Path(folder) / name
-            if path.is_file() and _visible(path, root, hidden):
+            if not _visible(path, root, hidden):
+                continue
+            if path.is_file():
                 yield path
+            elif path.is_symlink() and not path.exists():
+                skipped.append((str(path), "broken symbolic link"))
+
+
+def _folder_id(path: str | Path) -> tuple[int, int]:
+    """What names a folder however it is reached (links followed): its device and inode."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _unread(folder: str, dirs: list[str], read: dict[tuple[int, int], str],
+            skipped: list[tuple[str, str]]) -> list[str]:
+    """Those of ``dirs`` (in ``folder``) not read yet, each now in ``read``; one read already
+    (a symbolic link back up the tree, or a second way to a folder) goes into ``skipped``
+    with the path it is read by. Real folders are claimed before links to them."""
+    ids = {}
+    for d in dirs:
+        try:
+            ids[d] = _folder_id(os.path.join(folder, d))
+        except OSError as exc:
+            skipped.append((os.path.join(folder, d), f"folder unreadable: {exc.strerror or exc}"))
+    for d in sorted(ids, key=lambda d: os.path.islink(os.path.join(folder, d))):
+        path = os.path.join(folder, d)
+        first = read.setdefault(ids[d], path)
+        if first != path:
+            loop = path.startswith(os.path.join(first, ""))
+            skipped.append((path, f"symbolic link loop (to {first})" if loop else f"folder already read as {first}"))
+            del ids[d]
+    return [d for d in dirs if d in ids]
 
 
 def discover(paths: list[Path], hidden: bool = False) -> tuple[list[Path], list[tuple[str, str]]]:
     """Files to read under ``paths``, resolved (``docs`` and ``/abs/docs`` name the same
-    files; folders walked, sorted; hidden files and folders skipped unless ``hidden``), and
+    files; folders walked, sorted, symlinked folders followed once each; hidden files and
+    folders skipped unless ``hidden``), and
     ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden; a
     file named twice, or under two of ``paths``, is listed once."""
     files, skipped, listed = [], [], set()
