@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    from kvblend.commands.ingest import add_ask_args, add_ingest_command
+    from kvblend.commands.ingest import add_ask_args, add_ingest_command, top_k_arg
 
     add_ingest_command(sub)
     p = sub.add_parser("ask", help="answer a question over documents (--doc) or retrieved chunks, with KV reuse")
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--questions", type=_count, default=2, help="questions to answer (of 3)")
-    p.add_argument("--chunks", type=int, default=4, help="passages retrieved per question (top-k)")
+    p.add_argument("--chunks", type=top_k_arg, default=4, help="passages retrieved per question (top-k)")
     p.set_defaults(func=cmd_demo)
 
     _add_serve_command(sub)

@@ -31,6 +31,7 @@ from kvblend.engine.fair import TenantShare
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.models.registry import DEFAULT_MODEL
 from kvblend.rag.chunking import MAX_CHUNK_TOKENS, ChunkerConfig
+from kvblend.rag.retriever import MAX_TOP_K
 from kvblend.store.config import TIER_NAMES, StoreConfig
 from kvblend.store.keys import validate_tenant
 from kvblend.store.plan import parse_size
@@ -327,7 +328,7 @@ class RetrievalSettings(_Section):
     enabled: bool = False
     index_dir: str | None = None
     mode: Literal["dense", "bm25", "hybrid"] = "hybrid"
-    max_top_k: int = Field(8, ge=1, le=100)
+    max_top_k: int = Field(8, ge=1, le=MAX_TOP_K)
 
 
 class GuardSettings(_Section):

@@ -64,3 +64,15 @@ def test_ask_without_an_index_says_so_and_creates_no_folder(tmp_path, monkeypatc
     (tmp_path / "not-an-index").mkdir()
     assert main(["ask", "why?", "--index", str(tmp_path / "not-an-index")]) == 2
     assert "no index at" in capsys.readouterr().err and not any((tmp_path / "not-an-index").iterdir())
+
+
+def test_chunks_is_a_positive_integer_with_a_bound_before_anything_loads(capsys):
+    """``--chunks 0`` (or 101) passed the parser and failed only after the model loaded,
+    naming ``top_k``, a name the command line does not have."""
+    import pytest
+
+    for command in (["ask", "why?"], ["demo"]):
+        for bad in ("0", "-2", "101", "1.5", "true"):
+            with pytest.raises(SystemExit):
+                main([*command, "--chunks", bad])
+            assert "argument --chunks: must be an integer in [1, 100]" in capsys.readouterr().err

@@ -78,3 +78,14 @@ def test_rrf_and_request_bounds(tmp_path, hash_embedder):
         r.search("default", " ", top_k=3)
     assert r.search("default", "anything", top_k=3) == []  # empty index
     r.close()
+
+
+@pytest.mark.parametrize("bad", [True, False, 2.5, 3.0, "3", None, 0, -1, 101])
+def test_top_k_is_a_strict_positive_integer_with_a_bound(tmp_path, hash_embedder, bad):
+    """``top_k=True`` searched for one chunk, and 2.5 failed deep inside with a TypeError:
+    only an int in [1, MAX_TOP_K] is a top_k, and the error names the field."""
+    r = Retriever(RetrieverConfig(tmp_path), embedder=hash_embedder)
+    with pytest.raises(InvalidRequestError, match=r"top_k must be an integer in \[1, 100\]") as exc:
+        r.search("default", "q", top_k=bad)
+    assert exc.value.field == "top_k"
+    r.close()

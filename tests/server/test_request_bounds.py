@@ -60,3 +60,13 @@ def test_recompute_fraction_with_a_prefix_hit_and_a_tiny_document_stays_within_0
     assert block["prefix_hit_tokens"] > 0 and block["doc_hits"] == {"memory": 1}
     # ratio 1 recomputes every document token: everything but the prefix hit was computed
     assert block["recompute_fraction"] == pytest.approx((n - block["prefix_hit_tokens"]) / n, abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k", ["true", "3.0", '"3"', "2.5", "0", "101", "null"])
+def test_a_retrieval_top_k_that_is_not_an_integer_in_1_100_is_a_400_naming_it(client, top_k) -> None:
+    """``"retrieval": {"top_k": true}`` (or "3", or 3.0) was read as an integer."""
+    body = ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+            f'"retrieval": {{"top_k": {top_k}}}}}')
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "retrieval.top_k", r.text

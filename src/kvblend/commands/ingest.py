@@ -188,8 +188,21 @@ def _economics(ingestor, engine, loaded):
 
 
 # ----- ask by retrieval -----------------------------------------------------------------
+def top_k_arg(text: str) -> int:
+    """``--chunks``: an integer in [1, MAX_TOP_K] (argparse names the flag when it is not)."""
+    from kvblend.rag.retriever import MAX_TOP_K
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_TOP_K:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_TOP_K}], not {text!r}")
+    return value
+
+
 def add_ask_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("--chunks", type=top_k_arg, default=None,
                    help=f"chunks to retrieve when no --doc is given (top-k; default {DEFAULT_CHUNKS})")
     p.add_argument("--compare", action="store_true", help="also run a full prefill and compare")
     p.add_argument("--index", default=None, help="index folder (default: $KVBLEND_HOME/rag/<tokenizer>)")

@@ -39,6 +39,14 @@ def default_index_dir(tokenizer_id: str) -> Path:
     return cache_home() / "rag" / tokenizer_id[:16]
 
 
+def check_top_k(value: object, name: str = "top_k") -> int:
+    """``value`` if it is an int (not a bool) in [1, `MAX_TOP_K`]; else InvalidRequestError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
+        raise InvalidRequestError(f"{name} must be an integer in [1, {MAX_TOP_K}]; got {value!r}", name)
+    return value
+
+
 def index_exists(folder: Path) -> bool:
     """Whether ``folder`` holds an index (its catalog). Opening a ``Retriever`` creates one,
     so a reader that must not create anything (``kvblend ask``) asks this first."""
@@ -169,8 +177,7 @@ class Retriever:
         mode = mode or self.config.mode
         if mode not in MODES:
             raise InvalidRequestError(f"retrieval mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise InvalidRequestError(f"top_k must be in [1, {MAX_TOP_K}]; got {top_k}")
+        check_top_k(top_k)
         if not query.strip() or len(query) > MAX_QUERY_CHARS:
             raise InvalidRequestError(f"the query must be non-empty and at most {MAX_QUERY_CHARS} characters")
         depth = max(4 * top_k, 20)

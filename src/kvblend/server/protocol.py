@@ -12,8 +12,9 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from kvblend.rag.retriever import MAX_TOP_K
 from kvblend.settings import BlendOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -75,10 +76,11 @@ class KvblendOptions(BlendOptions):
 
 class RetrievalOptions(BaseModel):
     """``"retrieval": {"top_k": k}``: blend the caller's top-k indexed chunks instead of
-    ``documents`` (k is bounded by the server's ``retrieval.max_top_k``)."""
+    ``documents`` (k is an integer, not a bool, float or string, bounded by the server's
+    ``retrieval.max_top_k``)."""
 
     model_config = ConfigDict(extra="forbid")
-    top_k: int = Field(ge=1)
+    top_k: StrictInt = Field(ge=1, le=MAX_TOP_K)
 
 
 class StreamOptions(BaseModel):
