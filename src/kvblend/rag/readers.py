@@ -205,8 +205,7 @@ def _unread(folder: str, dirs: list[str], read: dict[tuple[int, int], str],
 def discover(paths: list[Path], hidden: bool = False) -> tuple[list[Path], list[tuple[str, str]]]:
     """Files to read under ``paths``, resolved (``docs`` and ``/abs/docs`` name the same
     files; folders walked, sorted, symlinked folders followed once each; hidden files and
-    folders skipped unless ``hidden``), and
-    ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden; a
+    folders skipped unless ``hidden``), and ``(path, reason)`` of those skipped. A path named explicitly is read even if hidden; a
     file named twice, or under two of ``paths``, is listed once."""
     files, skipped, listed = [], [], set()
     for p in paths:
