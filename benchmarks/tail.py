@@ -255,10 +255,35 @@ def converge(records: list[dict], ids: set[str] | None, methods: list[str], logi
     ratios = [r["ratio"] for r in rows]
     for key in ("converge", "moved_risk", "late_kl"):
         vals = [r[key] for r in rows]
+        if not rows:
+            break
         print(json.dumps({"signal": key, "n": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),
                           "auc_0_5": auc(vals, [x > 0.5 for x in ratios]),
                           "above_0_25": sum(x > 0.25 for x in ratios),
                           "auc_0_25": auc(vals, [x > 0.25 for x in ratios]), "rho": spearman(vals, ratios)}))
+
+
+def first_token_bound(records: list[dict], ids: set[str] | None, methods: list[str], out: Path) -> None:
+    """A ceiling for any risk read at the prompt's last token: the blend's true first-token
+    ratio, KL(full || blend) / KL(full || reuse) of the next-token distributions there (full
+    prefill's from ``OUT/refs``, the others kept with ``--keep-logits``), used as the risk.
+    Prints its AUC at separating the questions whose ratio over the ``--kl-tokens`` answer
+    tokens is above 0.5 (and 0.25), and its Spearman correlation with that ratio: what a
+    signal that knew full prefill's next token exactly would score."""
+    kl_of = {(r["id"], r["method"]): r["kl"] for r in records if ids is None or r["id"] in ids}
+    for m in methods:
+        first, ratios = [], []
+        for qid in sorted(i for i, mm in kl_of if mm == m and (i, "reuse") in kl_of):
+            paths = [out / "logits" / f"{qid}__{logits_name(x)}.pt" for x in (m, "reuse")]
+            if not all(p.exists() for p in paths) or not (out / "refs" / f"{qid}.pt").exists():
+                continue
+            ref = torch.load(out / "refs" / f"{qid}.pt")["logits"][0]
+            lb, lr = (torch.load(p) for p in paths)
+            first.append(kl_divergence(ref, lb) / max(kl_divergence(ref, lr), 1e-12))
+            ratios.append(kl_of[(qid, m)] / max(kl_of[(qid, "reuse")], 1e-12))
+        print(json.dumps({"first_token_bound": m, "n": len(first), "above_0_5": sum(x > 0.5 for x in ratios),
+                          "auc_0_5": auc(first, [x > 0.5 for x in ratios]), "above_0_25": sum(x > 0.25 for x in ratios),
+                          "auc_0_25": auc(first, [x > 0.25 for x in ratios]), "rho": spearman(first, ratios)}))
 
 
 def per_question(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
@@ -295,6 +320,8 @@ def main() -> None:
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--table", default=None, help="with --report: methods (comma-separated) for a per-question table")
     ap.add_argument("--risk-method", default=DEFAULT)
+    ap.add_argument("--bound", default=None,
+                    help="with --report: methods (comma-separated) whose first-token oracle risk to score (see first_token_bound)")
     ap.add_argument("--converge", default=None,
                     help="with --report: BLEND,HALF (the same blend at half the ratio, both run with --keep-logits)")
     ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
@@ -312,6 +339,8 @@ def main() -> None:
             per_question(records, ids, args.table.split(","))
         if args.converge:
             converge(records, ids, args.converge.split(","), out / "logits")
+        if args.bound:
+            first_token_bound(records, ids, args.bound.split(","), out)
         return
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
