@@ -17,6 +17,13 @@ Admission (``check``) bounds each tenant's queue (its ``max_queued``) and the to
 floods gets the 429s and the others do not. An optional token rate per tenant refuses a
 tenant whose bucket is empty until it refills.
 
+``TenantLedger`` keeps a tenant's own two limits (its ``max_queued`` and ``tokens_per_s``)
+where every request enters but none is computed: a Ray Serve ingress in front of several
+model replicas (``cluster.remote``), each of which has a ``FairQueue`` seeing only its own
+part of a tenant's requests. It applies the same rules, with the same messages, to the
+requests it was told of: queued until a replica starts them, and charged what the
+replicas computed for them.
+
 Not thread-safe: the scheduler holds its lock around every call.
 """
 
@@ -110,18 +117,13 @@ class FairQueue(Generic[T]):
         t = self._tenant(tenant)
         cap = t.share.max_queued if t.share.max_queued is not None else self.max_queued
         if len(t.waiting) >= cap:
-            return Refusal(f"tenant has {len(t.waiting)} requests waiting, its limit", 1.0)
+            return _queue_full(len(t.waiting))
         total = len(self)
         if total >= self.max_queued:
             backlogged = sum(1 for x in self._tenants.values() if x.waiting) + (0 if t.waiting else 1)
             if len(t.waiting) >= self.max_queued / backlogged:
                 return Refusal(f"the server is busy: {total} requests are already waiting", 1.0)
-        rate = t.share.tokens_per_s
-        if rate is not None:
-            self._refill(t, rate)
-            if t.bucket < 0:
-                return Refusal("tenant is over its token rate", -t.bucket / rate)
-        return None
+        return _over_rate(t)
 
     def push(self, tenant: str, item: T) -> None:
         """Queue ``item`` (after ``check`` said yes); lifts a tenant that was idle."""
@@ -172,11 +174,9 @@ class FairQueue(Generic[T]):
         """Count service given to ``tenant``: tokens computed for its prompts (recomputed
         token-layers over the layer count, for fusion) and tokens it decoded."""
         t = self._tenant(tenant)
-        cost = prefill_tokens + self.decode_weight * decode_tokens
+        cost = _cost(prefill_tokens, decode_tokens, self.decode_weight)
         t.counter += cost / t.share.weight
-        if t.share.tokens_per_s is not None:
-            self._refill(t, t.share.tokens_per_s)
-            t.bucket -= cost
+        _spend(t, cost)
 
     def ended(self, tenant: str) -> None:
         """One started request of ``tenant`` ended."""
@@ -197,11 +197,112 @@ class FairQueue(Generic[T]):
         busy = [t.counter for t in self._tenants.values() if t.waiting or t.active]
         return min(busy, default=default)
 
-    @staticmethod
-    def _refill(t: _Tenant, rate: float) -> None:
-        now = time.monotonic()
-        t.bucket = min(rate * BURST_S, t.bucket + max(0.0, now - t.refilled) * rate)
-        t.refilled = now
+
+@dataclass
+class _Account:
+    """A tenant's state in a ``TenantLedger``: its requests waiting and its token bucket."""
+
+    share: TenantShare
+    waiting: int = 0
+    bucket: float = 0.0
+    refilled: float = field(default_factory=lambda: time.monotonic())
+
+
+class TenantLedger:
+    """Each tenant's own queue cap and token rate over requests computed elsewhere (see
+    the module docstring). For every request: ``check`` (a ``Refusal``, or None: send it),
+    then ``queued``; ``left`` once, when it leaves the queue (started, or ended without
+    starting); ``charge`` with what was computed for it, as ``FairQueue.charge`` is.
+
+    ``parts``: how many ledgers share the tenants' limits (one per ingress, each seeing
+    its own part of the traffic): each keeps ``max_queued / parts`` (rounded up, at least
+    1) and ``tokens_per_s / parts``. Tenants with neither limit are not tracked. Not
+    thread-safe: the caller holds a lock around every call."""
+
+    def __init__(self, shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
+                 parts: int = 1) -> None:
+        if decode_weight <= 0:
+            raise ValueError(f"decode_weight must be > 0, got {decode_weight}")
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        self.decode_weight = decode_weight
+        self.parts = parts
+        self._accounts: dict[str, _Account] = {}
+        for name, share in (shares or {}).items():
+            _check_share(name, share)
+            if share.max_queued is None and share.tokens_per_s is None:
+                continue
+            mine = share._replace(
+                max_queued=None if share.max_queued is None else max(1, math.ceil(share.max_queued / parts)),
+                tokens_per_s=None if share.tokens_per_s is None else share.tokens_per_s / parts)
+            self._accounts[name] = _Account(mine, bucket=_burst(mine))
+
+    def share(self, tenant: str) -> TenantShare | None:
+        """The limits this ledger keeps for ``tenant`` (its part of them); None: none."""
+        a = self._accounts.get(tenant)
+        return a.share if a else None
+
+    def waiting(self, tenant: str) -> int:
+        a = self._accounts.get(tenant)
+        return a.waiting if a else 0
+
+    def check(self, tenant: str) -> Refusal | None:
+        """Why a new request of ``tenant`` cannot be sent now (None: it can)."""
+        a = self._accounts.get(tenant)
+        if a is None:
+            return None
+        if a.share.max_queued is not None and a.waiting >= a.share.max_queued:
+            return _queue_full(a.waiting)
+        return _over_rate(a)
+
+    def queued(self, tenant: str) -> None:
+        """A request of ``tenant`` was sent (after ``check`` said yes): it waits."""
+        a = self._accounts.get(tenant)
+        if a is not None:
+            a.waiting += 1
+
+    def left(self, tenant: str) -> None:
+        """A request of ``tenant`` left the queue: started, or ended (refused, failed,
+        cancelled) before it started. Once per ``queued``."""
+        a = self._accounts.get(tenant)
+        if a is not None:
+            a.waiting = max(0, a.waiting - 1)
+
+    def charge(self, tenant: str, prefill_tokens: float = 0.0, decode_tokens: int = 0) -> None:
+        """Take what was computed for ``tenant`` from its bucket (``FairQueue.charge``'s cost)."""
+        a = self._accounts.get(tenant)
+        if a is not None:
+            _spend(a, _cost(prefill_tokens, decode_tokens, self.decode_weight))
+
+
+def _cost(prefill_tokens: float, decode_tokens: int, decode_weight: float) -> float:
+    return prefill_tokens + decode_weight * decode_tokens
+
+
+def _queue_full(waiting: int) -> Refusal:
+    return Refusal(f"tenant has {waiting} requests waiting, its limit", 1.0)
+
+
+def _over_rate(t: _Tenant | _Account) -> Refusal | None:
+    """A tenant's refusal while its bucket is below zero (None without a rate)."""
+    rate = t.share.tokens_per_s
+    if rate is not None:
+        _refill(t, rate)
+        if t.bucket < 0:
+            return Refusal("tenant is over its token rate", -t.bucket / rate)
+    return None
+
+
+def _spend(t: _Tenant | _Account, cost: float) -> None:
+    if t.share.tokens_per_s is not None:
+        _refill(t, t.share.tokens_per_s)
+        t.bucket -= cost
+
+
+def _refill(t: _Tenant | _Account, rate: float) -> None:
+    now = time.monotonic()
+    t.bucket = min(rate * BURST_S, t.bucket + max(0.0, now - t.refilled) * rate)
+    t.refilled = now
 
 
 def _burst(share: TenantShare) -> float:
@@ -217,4 +318,4 @@ def _check_share(name: str, share: TenantShare) -> None:
         raise ValueError(f"tenant {name!r}: tokens_per_s must be a finite number > 0, got {share.tokens_per_s}")
 
 
-__all__ = ["FairQueue", "Refusal", "TenantShare"]
+__all__ = ["FairQueue", "Refusal", "TenantLedger", "TenantShare"]
