@@ -315,6 +315,38 @@ def test_async_events_equal_blocking_events() -> None:
     sched.drain(5)
 
 
+def test_a_handle_reports_its_admission_on_request_and_what_its_tenant_was_charged() -> None:
+    """A model replica tells its ingress when a request leaves the queue and what its
+    tenant was charged for it (``cluster.wire``): ``aevents(admissions=True)`` gives an
+    ``Admitted`` before the request's items (other readers never see it), and the handle
+    keeps the fair queue's charges."""
+    from kvblend.engine.scheduler import Admitted
+
+    sched = _started(Engine(make_loaded()), max_running=2)
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+    request = Request(question="where is the river ?", method="full", tenant="t")
+
+    handles = []
+
+    async def read(admissions: bool) -> list:
+        handles.append(sched.submit(request, sampling))
+        return [item async for item in handles[-1].aevents(admissions=admissions)]
+
+    try:
+        seen = asyncio.run(read(True))
+        assert isinstance(seen[0], Admitted) and seen[0].queue_s >= 0
+        assert isinstance(seen[1], RequestStats) and not any(isinstance(i, Admitted) for i in seen[1:])
+        assert not any(isinstance(i, Admitted) for i in asyncio.run(read(False)))
+        handles.append(sched.submit(request, sampling))
+        assert not any(isinstance(i, Admitted) for i in handles[-1].events())
+        for h in handles:
+            assert h.charged_prefill > 0 and h.charged_decode == 4  # the first token came with the prefill
+        assert sched.tenant_counter("t") == pytest.approx(sum(h.charged_prefill + 2.0 * h.charged_decode
+                                                              for h in handles))
+    finally:
+        sched.drain(5)
+
+
 def test_submitters_on_many_threads_all_get_their_answers() -> None:
     eng = Engine(make_loaded())
     sched = _started(eng, max_running=4, max_queued=64)

@@ -196,6 +196,13 @@ class _End(NamedTuple):
     error: Exception | None
 
 
+class Admitted(NamedTuple):
+    """The request left the queue after ``queue_s`` seconds: an item of
+    ``aevents(admissions=True)`` only (a model replica tells its ingress: ``cluster.model``)."""
+
+    queue_s: float
+
+
 _ids = itertools.count(1)
 
 
@@ -207,7 +214,8 @@ class RequestHandle:
     event, then StreamEvents. The stream ends after the event with a ``finish_reason``, or
     raises the request's KvblendError (deadline, cancel, drain, worker death, invalid).
     ``replica`` names the model replica serving it: None here, in one process (the Ray
-    Serve stand-in's handles set it).
+    Serve stand-in's handles set it). ``charged_prefill`` and ``charged_decode``: what its
+    tenant was charged for it so far (``FairQueue.charge``), final once it ended.
     """
 
     replica: str | None = None
@@ -220,6 +228,8 @@ class RequestHandle:
         self.deadline = None if deadline_s is None else self.submitted + deadline_s
         self.queue_s = 0.0  # set when the worker admits it
         self.completion_tokens = 0
+        self.charged_prefill = 0.0
+        self.charged_decode = 0
         self.stats: RequestStats | None = None
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
@@ -272,10 +282,12 @@ class RequestHandle:
                 if item.error is not None:
                     raise item.error
                 return
-            yield item
+            if not isinstance(item, Admitted):
+                yield item
 
-    async def aevents(self) -> AsyncIterator[StreamEvent | RequestStats]:
-        """``events()`` for asyncio: the worker hands items to this loop thread-safely."""
+    async def aevents(self, admissions: bool = False) -> AsyncIterator[StreamEvent | RequestStats | Admitted]:
+        """``events()`` for asyncio: the worker hands items to this loop thread-safely.
+        ``admissions``: also an ``Admitted`` when the request leaves the queue."""
         with self._lock:
             self._loop, self._aitems = asyncio.get_running_loop(), asyncio.Queue()
             while not self._items.empty():  # what arrived before we switched
@@ -286,7 +298,8 @@ class RequestHandle:
                 if item.error is not None:
                     raise item.error
                 return
-            yield item
+            if admissions or not isinstance(item, Admitted):
+                yield item
 
     def result(self) -> Result:
         """Block until the request ends and return it whole (raises its error)."""
@@ -733,6 +746,7 @@ class Scheduler:
                                               functools.partial(self.slice_tokens, handle.tenant))
             self._prefill = _Prefill(handle, steps)
         handle.queue_s = time.perf_counter() - handle.submitted
+        handle._push(Admitted(handle.queue_s))
         self._notify("on_admitted", handle)
 
     # -- fair parts of the slots
@@ -827,7 +841,7 @@ class Scheduler:
         fraction of a token) and the forward it asks for."""
         work, task.done = task.done, 0.0
         if isinstance(task, _Prefill):
-            self._charge(task.handle.tenant, prefill=work + (forward.ids.shape[0] if forward is not None else 0))
+            self._charge(task.handle, prefill=work + (forward.ids.shape[0] if forward is not None else 0))
 
     def _pick(self) -> _Task | None:
         """The task that gets this turn's slice: the request being prefilled, except that
@@ -1091,7 +1105,7 @@ class Scheduler:
             self._end_failed(r.handle, exc, "sample", started=True)
             return "failed"
         self._emit(r.handle, event)
-        self._charge(r.handle.tenant, decode=1)
+        self._charge(r.handle, decode=1)
         return event.finish_reason
 
     # -- endings
@@ -1111,9 +1125,11 @@ class Scheduler:
         handle._push(event)
         self._notify("on_token", handle, event, time.perf_counter())
 
-    def _charge(self, tenant: str, prefill: float = 0.0, decode: int = 0) -> None:
+    def _charge(self, handle: RequestHandle, prefill: float = 0.0, decode: int = 0) -> None:
+        handle.charged_prefill += prefill
+        handle.charged_decode += decode
         with self._cond:
-            self._queue.charge(tenant, prefill, decode)
+            self._queue.charge(handle.tenant, prefill, decode)
 
     def _end_failed(self, handle: RequestHandle, exc: Exception, stage: str, started: bool = True) -> None:
         """End a request on its own error: a KvblendError as it is, anything else as an
