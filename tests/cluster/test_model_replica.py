@@ -10,7 +10,7 @@ import asyncio
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.model import ModelReplica, Unanswered
 from kvblend.cluster.remote import route_keys
-from kvblend.cluster.wire import Accepted, ModelCall
+from kvblend.cluster.wire import Accepted, Answering, ModelCall
 from kvblend.engine import Engine, Request
 from kvblend.engine.scheduler import Scheduler
 from kvblend.generation import SamplingParams
@@ -75,6 +75,8 @@ def test_a_request_counts_as_unanswered_from_arrival_to_its_first_item() -> None
             a, b = replica.generate(call), replica.generate(call)
             assert isinstance(await a.__anext__(), Accepted) and isinstance(await b.__anext__(), Accepted)
             seen.append(replica.record_routing_stats()["unanswered"])  # both queued or in prefill
+            while not isinstance(await a.__anext__(), Answering):  # Started once it left the queue
+                assert replica.record_routing_stats()["unanswered"] == 2
             await a.__anext__()  # a's stats: its prefill is done; it decodes now
             seen.append(replica.record_routing_stats()["unanswered"])
             await b.aclose()  # b's client left before its first item

@@ -76,8 +76,11 @@ def build_application(settings: Settings, *, replicas: int, router: str = "affin
         health_check_period_s=c.health_check_period_s, health_check_timeout_s=max(30.0, c.health_check_period_s),
         graceful_shutdown_timeout_s=settings.drain_timeout_s + 5.0, graceful_shutdown_wait_loop_s=1.0,
     ).bind(settings)
+    ingresses = ingress_replicas or c.ingress_replicas
+    if ingresses != c.ingress_replicas:  # each ingress keeps its part of the tenants' limits (cluster.remote)
+        settings = settings.model_copy(update={"cluster": c.model_copy(update={"ingress_replicas": ingresses})})
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
-        name=INGRESS_DEPLOYMENT, num_replicas=ingress_replicas or c.ingress_replicas,
+        name=INGRESS_DEPLOYMENT, num_replicas=ingresses,
         ray_actor_options={"num_cpus": ingress_cpus if ingress_cpus is not None else c.ingress_cpus,
                            **({"resources": dict(c.ingress_resources)} if c.ingress_resources else {})},
         max_ongoing_requests=max(64, replicas * max_ongoing(settings)),

@@ -6,7 +6,8 @@ rendered, chunk keys). It is built over an engine that never runs the model (wei
 torch's ``meta`` device: config, tokenizer, fingerprints) whose store holds only the
 shared tiers (disk, Redis) — what ``GET /v1/documents/{id}`` and the store view report —
 and over a ``cluster.remote.RemoteScheduler`` that sends each shaped request to a model
-replica through the model deployment's handle.
+replica through the model deployment's handle, after checking the tenant's own queue cap
+and token rate (this ingress's part of them: ``cluster.remote.tenant_ledger``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from kvblend.cluster.metrics import ClusterExposition
 from kvblend.cluster.purge import PurgePublisher
-from kvblend.cluster.remote import RemoteScheduler, watch_replicas
+from kvblend.cluster.remote import RemoteScheduler, tenant_ledger, watch_replicas
 from kvblend.engine import Engine, PrefixCache
 from kvblend.server.app import create_app
 from kvblend.server.main import configure_logging
@@ -61,7 +62,7 @@ class Ingress:
         from ray import serve
 
         self.engine = shaping_engine(self.settings)
-        scheduler = RemoteScheduler(self.model, self.engine)
+        scheduler = RemoteScheduler(self.model, self.engine, tenant_ledger(self.settings))
         app = create_app(self.engine, self.settings, scheduler=scheduler)
         state = app.state.kvblend
         context = serve.get_replica_context()

@@ -5,8 +5,8 @@ disk and Redis tiers are the shared ones every replica names), and runs one
 ``engine.scheduler.Scheduler`` with the app's metrics on it. The ingress calls:
 
 * ``generate(call: ModelCall)`` — an async generator (through ``.options(stream=True)``):
-  ``Accepted``, the scheduler's items, ``Ended`` (``cluster.wire``). A cancelled call
-  cancels the request here;
+  ``Accepted``, ``Started``, ``Answering``, the scheduler's items, ``Ended``
+  (``cluster.wire``). A cancelled call cancels the request here;
 * ``compute_documents(call: DocumentCall)`` — `/v1/documents` precompute on the jobs
   lane, stored through this replica's store (so into the shared tiers too);
 returns this replica's id, or a ``WireError``;
@@ -37,9 +37,9 @@ from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
 from kvblend.cluster.purge import PurgeFollower, log_reader
 from kvblend.cluster.wire import (
-    INTERNAL, Accepted, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
+    INTERNAL, Accepted, Answering, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
 )
-from kvblend.engine.scheduler import DrainingError
+from kvblend.engine.scheduler import Admitted, DrainingError
 from kvblend.guard.quality import start_check
 from kvblend.guard.shadow import ShadowResult
 from kvblend.server.app import build_scheduler, server_metrics
@@ -97,21 +97,24 @@ class ModelReplica:
         self.unanswered.add(handle)
         try:
             yield Accepted(self.replica)  # inside the try: a call cancelled here cancels the request too
-            started = False
-            async for item in handle.aevents():
+            answering = False
+            async for item in handle.aevents(admissions=True):
+                if isinstance(item, Admitted):
+                    yield Started(item.queue_s)
+                    continue
                 self.unanswered.discard(handle)  # its stats or first token: its prefill is done
-                if not started:
-                    started = True
-                    yield Started(handle.queue_s)
+                if not answering:
+                    answering = True
+                    yield Answering(handle.charged_prefill)
                 yield item
         except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
-            yield Ended(handle.queue_s, to_wire(exc))
+            yield Ended(handle.queue_s, to_wire(exc), handle.charged_prefill, handle.charged_decode)
             return
         finally:
             self.unanswered.discard(handle)
             if not handle.done:  # the call was cancelled (client gone): free the slot
                 handle.cancel()
-        yield Ended(handle.queue_s)
+        yield Ended(handle.queue_s, None, handle.charged_prefill, handle.charged_decode)
 
     async def compute_documents(self, call: DocumentCall) -> str | WireError:
         """Compute the chunks not stored yet (this replica's store decides) on the jobs

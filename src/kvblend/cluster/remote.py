@@ -10,12 +10,22 @@ request's ``RemoteHandle`` has ``RequestHandle``'s event interface (``aevents``,
 replica (its generator's ``finally``). A replica lost mid-request (killed, node down) is a
 ``WorkerDeadError`` for that request (503: retry), never a partial answer passed off as
 whole.
+
+Each replica's scheduler sees only the requests routed to it, so a tenant's own
+``max_queued`` and ``tokens_per_s`` are also kept here, where all of them pass
+(``engine.fair.TenantLedger``, this ingress's part of them): a request is refused (429,
+Retry-After, the replica's messages) while the tenant has that many waiting on the
+replicas (sent, not started yet), or its bucket is empty; the replicas report what they
+charged it (``cluster.wire``), taken from its bucket here as it comes (the prefill before
+the first output, then each decoded token, the rest at the end). The scheduler-wide
+``max_queued`` stays with each replica, which it protects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -23,11 +33,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvblend.cluster.wire import (
-    Accepted, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, Started, WireError, rebuild,
+    Accepted, Answering, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, Started, WireError, rebuild,
 )
 from kvblend.engine import Engine, Request
+from kvblend.engine.fair import TenantLedger
 from kvblend.engine.request import Result
-from kvblend.engine.scheduler import DrainingError, SchedulerObserver, WorkerDeadError
+from kvblend.engine.scheduler import DrainingError, QueueFullError, SchedulerObserver, WorkerDeadError
+from kvblend.generation.stream import StreamEvent
 from kvblend.generation.sampling import SamplingParams
 from kvblend.store.keys import ChunkKey, chunk_key
 
@@ -61,6 +73,10 @@ class RemoteHandle:
         self._owner = owner
         self._ended = False
         self._cancelled = False
+        self._waiting = True  # counted in the tenant's ledger as waiting, until it starts or ends
+        self._prefill_charged = 0.0  # what the tenant's ledger was charged for this request so far
+        self._decode_charged = 0
+        self._events = 0
 
     @property
     def done(self) -> bool:
@@ -80,7 +96,22 @@ class RemoteHandle:
     def _finish(self) -> None:
         if not self._ended:
             self._ended = True
+            self._left_queue()
             self._owner._release()
+
+    def _left_queue(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._owner._ledger_call("left", self.request.tenant)
+
+    def _charge_up_to(self, prefill: float, decode: int) -> None:
+        """Bring what the tenant's ledger was charged for this request up to the replica's
+        totals so far (``prefill`` tokens, ``decode`` tokens)."""
+        more_prefill, more_decode = max(0.0, prefill - self._prefill_charged), max(0, decode - self._decode_charged)
+        if more_prefill or more_decode:
+            self._prefill_charged += more_prefill
+            self._decode_charged += more_decode
+            self._owner._ledger_call("charge", self.request.tenant, more_prefill, more_decode)
 
     async def _next(self) -> Any:
         try:
@@ -117,14 +148,24 @@ class RemoteHandle:
                     raise _lost(RuntimeError("the stream ended without its end")) from None
                 if isinstance(item, Started):
                     self.queue_s = item.queue_s
+                    self._left_queue()
+                    continue
+                if isinstance(item, Answering):
+                    self._left_queue()
+                    self._charge_up_to(item.prefill_tokens, self._decode_charged)
                     continue
                 if isinstance(item, Ended):
                     self.queue_s = item.queue_s
+                    self._charge_up_to(item.prefill_tokens, item.decode_tokens)
                     if item.error is not None:
                         raise rebuild(item.error)
                     return
                 if hasattr(item, "ttft_s"):  # RequestStats
                     self.stats = item
+                elif isinstance(item, StreamEvent):
+                    self._events += 1
+                    # the first token came with the prefill; each next one was decoded
+                    self._charge_up_to(self._prefill_charged, self._events - 1)
                 yield item
         finally:
             self._finish()
@@ -145,9 +186,11 @@ class RemoteScheduler:
     num_jobs = 0
     started = True
 
-    def __init__(self, handle: Any, engine: Engine) -> None:
+    def __init__(self, handle: Any, engine: Engine, ledger: TenantLedger | None = None) -> None:
         self.handle = handle  # DeploymentHandle of the model deployment
         self.engine = engine
+        self.ledger = ledger  # the tenants' own limits (this ingress's part); None: only the replicas'
+        self._ledger_lock = threading.Lock()
         self.observer = SchedulerObserver()  # the replicas' own observers feed their metrics
         self._stream = handle.options(stream=True)
         self._in_flight = 0
@@ -176,15 +219,35 @@ class RemoteScheduler:
             self._in_flight -= 1
             self._idle.notify_all()
 
+    def _ledger_call(self, method: str, *args: Any) -> Any:
+        if self.ledger is None:
+            return None
+        with self._ledger_lock:
+            return getattr(self.ledger, method)(*args)
+
     async def asubmit(self, request: Request, sampling: SamplingParams) -> RemoteHandle:
         """Send the request to a replica the router picks; returns once it was accepted.
-        DrainingError while this ingress drains; the replica's refusals as raised there."""
+        DrainingError while this ingress drains; QueueFullError (429) while the tenant is
+        at its own queue cap or over its token rate (``ledger``); the replica's refusals as
+        raised there."""
         if self._draining:
             raise DrainingError("the server is shutting down and takes no new requests")
         call = ModelCall(route_keys(self.engine, request), request, sampling)
+        if self.ledger is not None:
+            with self._ledger_lock:
+                refusal = self.ledger.check(request.tenant)
+                if refusal is not None:
+                    raise QueueFullError(refusal.message, max(1, math.ceil(refusal.retry_after_s)))
+                self.ledger.queued(request.tenant)
         with self._idle:
             self._in_flight += 1
-        handle = RemoteHandle(request, self._stream.generate.remote(call), self)
+        try:
+            stream = self._stream.generate.remote(call)
+        except BaseException:
+            self._ledger_call("left", request.tenant)
+            self._release()
+            raise
+        handle = RemoteHandle(request, stream, self)
         await handle.open()
         return handle
 
@@ -248,6 +311,14 @@ class RemoteScheduler:
                 self._idle.wait(max(0.0, until - time.monotonic()))
 
 
+def tenant_ledger(settings: Any) -> TenantLedger:
+    """The ledger of one ingress among ``cluster.ingress_replicas``: the tenants' own
+    ``max_queued`` and ``tokens_per_s`` (``scheduler.tenants``) split between them, as Serve
+    spreads the HTTP requests over them."""
+    sch = settings.scheduler
+    return TenantLedger(sch.shares(), sch.decode_weight, parts=settings.cluster.ingress_replicas)
+
+
 def running_replicas(status: Any, app: str, deployment: str) -> int | None:
     """How many replicas of ``deployment`` in ``app`` are RUNNING in a ``serve.status()``
     answer (None when the app or deployment is not in it)."""
@@ -277,4 +348,4 @@ def watch_replicas(scheduler: RemoteScheduler, app: str, deployment: str, period
     return thread
 
 
-__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys", "running_replicas", "watch_replicas"]
+__all__ = ["RemoteHandle", "RemoteScheduler", "route_keys", "running_replicas", "tenant_ledger", "watch_replicas"]

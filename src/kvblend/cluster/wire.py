@@ -6,8 +6,12 @@ token count)`` per document (the key string is ``store.keys.ChunkKey``'s ``tenan
 so the tenant is part of it), which the request router reads
 (``pending_request.args[0].route_keys``).
 
-A streamed request answers ``Accepted`` once the replica's scheduler queued it, then the
-scheduler's items (``StreamEvent``, ``RequestStats``) as they come, then ``Ended``. Errors
+A streamed request answers ``Accepted`` once the replica's scheduler queued it, ``Started``
+when it leaves that queue, ``Answering`` right before its first output, then the
+scheduler's items (``StreamEvent``, ``RequestStats``) as they come, then ``Ended``; what
+the replica charged its tenant (``Answering``: the prefill, then one decode token per
+``StreamEvent`` after the first, ``Ended``: the totals) lets the ingress keep the
+tenant's token rate across replicas (``engine.fair.TenantLedger``). Errors
 never cross as exceptions: the replica sends a ``WireError`` (the error's class name,
 message and Retry-After) and the ingress raises the same class again (``rebuild``), so
 429/503/504/400/500 keep their status and OpenAI shape across the hop.
@@ -81,18 +85,29 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Started:
-    """The request left the replica's queue after ``queue_s`` seconds (sent before its first
-    output, so that a stream's last chunk reports it as one process's does)."""
+    """The request left the replica's queue after ``queue_s`` seconds (sent then, so before
+    its first output: a stream's last chunk reports it as one process's does)."""
 
     queue_s: float
 
 
 @dataclass(frozen=True)
+class Answering:
+    """Sent right before the request's first output: its prefill is done, and its tenant
+    was charged ``prefill_tokens`` for it (``FairQueue.charge``)."""
+
+    prefill_tokens: float
+
+
+@dataclass(frozen=True)
 class Ended:
-    """The request's end: the seconds it waited in the replica's queue, and its error."""
+    """The request's end: the seconds it waited in the replica's queue, its error, and
+    what its tenant was charged for it in all (prefill tokens, decode tokens)."""
 
     queue_s: float
     error: WireError | None = None
+    prefill_tokens: float = 0.0
+    decode_tokens: int = 0
 
 
 # Errors rebuilt by class name; anything else is an internal error (a bare 500).
@@ -131,4 +146,4 @@ def rebuild(error: WireError) -> Exception:
     return cls(error.message)
 
 
-__all__ = ["Accepted", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "Started", "WireError", "rebuild", "to_wire"]
+__all__ = ["Accepted", "Answering", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "Started", "WireError", "rebuild", "to_wire"]
