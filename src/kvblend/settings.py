@@ -375,7 +375,8 @@ class ClusterSettings(_Section):
     no Ray); ``ray_address``: a running Ray cluster to join (None: start a local Ray
     instance); ``router``: ``affinity`` (documents' tokens held in a replica's memory tier)
     or ``default`` (Ray's power of two choices); ``ingress_replicas``: HTTP front ends (sharing the registry file,
-    so on one host: see ``ingress_resources``);
+    so on one host: see ``ingress_resources``; each keeps its part of the tenants' own
+    ``max_queued`` and ``tokens_per_s``, which hold across the model replicas);
     ``replica_cpus``/``ingress_cpus``: Ray CPUs each replica reserves (a model replica runs
     torch on ``max(1, round(replica_cpus))`` threads); ``ingress_resources``: Ray custom
     resources the ingress needs, to pin it to the node holding ``state_dir`` (the document
