@@ -157,3 +157,17 @@ def test_a_tenants_queue_cap_holds_across_two_replicas_at_the_ingress() -> None:
     finally:
         for s in scheds:
             s.drain(5)
+
+
+def test_each_ingress_gets_its_part_of_the_tenants_limits() -> None:
+    """``build_application``'s ingress count reaches the ingresses' settings (a Serve
+    application is built, not run: no Ray instance), and each keeps 1/K of the limits."""
+    pytest.importorskip("ray.serve")
+    from kvblend.cluster.app import build_application
+
+    settings = Settings(scheduler={"tenants": {"t": {"max_queued": 3, "tokens_per_s": 9.0}}})
+    app = build_application(settings, replicas=2, router="default", ingress_replicas=3)
+    ingress_settings = app._bound_deployment.init_args[1]
+    assert ingress_settings.cluster.ingress_replicas == 3 and settings.cluster.ingress_replicas == 1
+    assert tenant_ledger(ingress_settings).share("t") == TenantShare(max_queued=1, tokens_per_s=3.0)
+    assert tenant_ledger(settings).share("t") == TenantShare(max_queued=3, tokens_per_s=9.0)
