@@ -39,8 +39,8 @@ from kvblend.engine import Engine, Request
 from kvblend.engine.fair import TenantLedger
 from kvblend.engine.request import Result
 from kvblend.engine.scheduler import DrainingError, QueueFullError, SchedulerObserver, WorkerDeadError
-from kvblend.generation.stream import StreamEvent
 from kvblend.generation.sampling import SamplingParams
+from kvblend.generation.stream import StreamEvent
 from kvblend.store.keys import ChunkKey, chunk_key
 
 log = logging.getLogger("kvblend.cluster")
