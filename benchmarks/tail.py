@@ -270,10 +270,8 @@ def converge(records: list[dict], ids: set[str] | None, methods: list[str], logi
     for r in rows:
         print(json.dumps(r))
     ratios = [r["ratio"] for r in rows]
-    for key in ("converge", "moved_risk", "late_kl"):
+    for key in ("converge", "moved_risk", "late_kl") if rows else ():
         vals = [r[key] for r in rows]
-        if not rows:
-            break
         print(json.dumps({"signal": key, "n": len(rows), "above_0_5": sum(x > 0.5 for x in ratios),
                           "auc_0_5": auc(vals, [x > 0.5 for x in ratios]),
                           "above_0_25": sum(x > 0.25 for x in ratios),
