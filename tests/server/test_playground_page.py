@@ -2,8 +2,8 @@
 when a request fails (an error status, an in-band error event, a stream cut short), what it
 records when the controls move during a run, how the Store tab pages through the documents,
 what it says of a key no HTTP header can carry, that it works under a path prefix, its tabs,
-names and live regions for assistive technology, and the headers of everything under
-``/playground``. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+names and live regions for assistive technology, the headers of everything under
+``/playground``, and the page's file and folder redirected to the page. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
@@ -242,16 +242,32 @@ def test_a_failed_run_leaves_nothing_of_the_run_before(page, script) -> None:
     assert text(page, "#answer-blend [data-field=text]") not in ("…", "Lyon ."), "a run that failed still shows as running"
 
 
-@pytest.mark.parametrize("path", ["/", "/playground/index.html", "/playground/playground.js",
-                                  "/playground/playground.css"])
+@pytest.mark.parametrize("path", ["/", "/playground/playground.js", "/playground/playground.css"])
 def test_every_file_of_the_page_has_its_headers(url, path) -> None:
-    """The page is reachable at /playground/index.html too: without the CSP's
-    ``frame-ancestors 'none'`` there, another site could frame it."""
     res = httpx.get(url + path)
     assert res.status_code == 200
     assert res.headers["content-security-policy"] == CSP
     assert res.headers["x-content-type-options"] == "nosniff"
     assert res.headers["cache-control"] == "no-cache"  # an upgrade's script is not mixed with an old page
+
+
+@pytest.mark.parametrize(("path", "location"), [("/playground/index.html", "../"), ("/playground/", "../"),
+                                                 ("/playground", "./")])
+def test_the_page_file_and_its_folder_redirect_to_the_page(url, path, location) -> None:
+    """``/playground/index.html`` served the page where its relative URLs name nothing
+    (``playground/playground.js`` under ``/playground/``): no script, no API. Redirected to
+    the page instead, by a relative URL that keeps a reverse proxy's prefix, with the page's
+    headers (nothing there may be framed)."""
+    res = httpx.get(url + path)
+    assert res.status_code == 308 and res.headers["location"] == location, (res.status_code, res.headers)
+    assert res.headers["content-security-policy"] == CSP
+
+
+def test_the_page_opened_by_its_file_name_under_a_path_prefix_works(prefixed_url, script, driver) -> None:
+    script.reset()
+    driver.get(prefixed_url + "/playground/index.html")
+    wait_for(driver, lambda d: "fake-model" in text(d, "#model"), timeout=20)  # its script ran, /v1/models answered
+    assert driver.current_url == prefixed_url + "/"
 
 
 def test_the_upload_can_be_reached_by_keyboard(page) -> None:
