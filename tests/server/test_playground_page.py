@@ -1,9 +1,10 @@
 """The playground page in headless chromium against a scripted API (no model): what it does
 when a request fails (an error status, an in-band error event, a stream cut short), what it
-records when the controls move during a run, how the Store tab pages through the documents,
-what it says of a key no HTTP header can carry, that it works under a path prefix, its tabs,
-names and live regions for assistive technology, the headers of everything under
-``/playground``, and the page's file and folder redirected to the page. The API's shapes are the real server's (``responses.py``, ``usage.py``)."""
+records when the controls move during a run, how the Store tab and the Ask view page through
+the stored documents, what it says of a key no HTTP header can carry, that it works under a
+path prefix, its tabs, names and live regions for assistive technology, the headers of
+everything under ``/playground``, and the page's file and folder redirected to the page. The
+API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import Select
 
 from kvblend.server.playground import CSP, add_playground
 from tests.server.browser import headless_chromium, wait_for
@@ -316,6 +318,32 @@ def test_the_store_tab_pages_through_every_document(page, script) -> None:
     assert all(int(q["limit"]) <= 100 for q in script.listed)  # a page at a time, never all at once
     page.find_element(By.ID, "refresh-store").click()  # a refresh starts again from the first page
     wait_for(page, lambda d: len(store_rows(d)) == 100 and more.is_displayed(), timeout=10)
+
+
+def stored_choices(driver) -> list[str]:
+    """The Ask view's stored documents offered (the values of the select's options but its prompt)."""
+    return driver.execute_script("return [...document.querySelectorAll('#stored option')].slice(1)"
+                                 ".map((o) => o.value)")
+
+
+def test_the_ask_view_pages_through_every_stored_document(page, script) -> None:
+    """The Ask view offered only the first 100 stored documents: it pages as the Store tab does."""
+    script.documents = [f"doc-{i:03d}" for i in range(250)]
+    page.find_element(By.ID, "key-form").submit()  # connects again: the stored documents listed anew
+    more = page.find_element(By.ID, "more-stored")
+    for shown in (100, 200, 250):
+        wait_for(page, lambda d: len(stored_choices(d)) == shown, timeout=10)
+        wait_for(page, lambda d: more.is_displayed() == (shown < 250) and more.is_enabled(), timeout=10)
+        if shown < 250:
+            more.click()
+    assert stored_choices(page) == script.documents  # in order, none twice
+    assert all(int(q["limit"]) <= 100 for q in script.listed)
+    assert [q.get("after") for q in script.listed[-3:]] == [None, "doc-099", "doc-199"]
+    Select(page.find_element(By.ID, "stored")).select_by_value("doc-249")  # one only a later page held
+    assert text(page, "#docs .stored .name") == "stored: doc-249 (4 tokens)"
+    assert banner(page) == ""
+    page.find_element(By.ID, "key-form").submit()  # listed anew: from the first page again
+    wait_for(page, lambda d: len(stored_choices(d)) == 100 and more.is_displayed(), timeout=10)
 
 
 def test_a_key_no_http_header_can_carry_is_named_before_anything_is_sent(page, script) -> None:

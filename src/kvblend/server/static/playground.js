@@ -7,7 +7,7 @@
 const KEY = "kvblend.apiKey";
 const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
-const state = { model: null, runs: [], stored: {}, finished: 0, abort: null, storeListing: 0, storeAfter: null };
+const state = { model: null, runs: [], stored: {}, finished: 0, abort: null };
 
 // ----- API ---------------------------------------------------------------------------------
 class ApiError extends Error {
@@ -119,7 +119,7 @@ async function connect() {
     const models = await api("v1/models");
     state.model = models.data[0].id;
     $("#model").textContent = "model: " + state.model;
-    await loadStoredChoices();
+    await pages.choices.first();
   } catch (err) {
     state.model = null;
     showError(err);
@@ -166,12 +166,63 @@ function documentsField() {
     .filter((doc) => doc && (doc.id || doc.length));
 }
 
-async function loadStoredChoices() {
+const PAGE = 100;  // stored documents per request: the next page comes on "Load more"
+
+// One listing of the caller's stored documents, a page at a time by the `after` cursor: the Ask
+// view's choices and the Store tab's table each keep one. `show(docs, first)` adds a page (`first`:
+// the listing started again); a page that arrives after a newer first() is dropped. The button
+// `more` asks for the next page; it shows while there is one.
+class DocumentPages {
+  constructor(show, more) { this.show = show; this.more = more; this.after = null; this.listing = 0; }
+
+  first() {
+    $(this.more).hidden = true;  // the next page of the listing before is not this one's
+    return this.read(++this.listing, null);
+  }
+
+  async next() {
+    $(this.more).disabled = true;
+    try {
+      return await this.read(this.listing, this.after);
+    } finally {
+      $(this.more).disabled = false;
+    }
+  }
+
+  async read(listing, after) {  // true when the page was shown
+    const docs = await api(`v1/documents?limit=${PAGE}` + (after ? "&after=" + encodeURIComponent(after) : ""));
+    if (listing !== this.listing) return false;
+    this.after = docs.last_id;
+    $(this.more).hidden = !docs.has_more;
+    this.show(docs, after === null);
+    return true;
+  }
+}
+
+const pages = {
+  choices: new DocumentPages(showChoices, "#more-stored"),  // the Ask view's
+  store: new DocumentPages(showStoreDocs, "#more-docs"),
+};
+
+async function nextPage(listing) {
+  clearError();
+  try {
+    await listing.next();
+  } catch (err) {
+    showError(err);
+  }
+}
+
+function showChoices(docs, first) {
   const select = $("#stored");
-  select.length = 1;
-  const list = await api("v1/documents?limit=100");
-  for (const doc of list.data) select.add(new Option(`${doc.id} (${doc.tokens} tokens)`, doc.id));
-  state.stored = Object.fromEntries(list.data.map((d) => [d.id, d]));
+  if (first) {
+    select.length = 1;
+    state.stored = {};
+  }
+  for (const doc of docs.data) {
+    select.add(new Option(`${doc.id} (${doc.tokens} tokens)`, doc.id));
+    state.stored[doc.id] = doc;
+  }
 }
 
 function pickStored() {
@@ -186,7 +237,7 @@ async function saveDocs() {
     const texts = documentsField().filter((doc) => typeof doc === "string");
     for (const text of texts) await api("v1/documents", { text });
     status(`${texts.length} document(s) stored under your key`);
-    await loadStoredChoices();
+    await pages.choices.first();
   } catch (err) {
     showError(err);
   }
@@ -525,48 +576,23 @@ function bytes(n) {
 
 const rate = (x) => (x === null ? "n/a" : pct(x));
 
-const PAGE = 100;  // documents per request: the Store tab asks for the next page on "Load more"
-
-function documentsPage(after) {
-  return `v1/documents?limit=${PAGE}` + (after ? "&after=" + encodeURIComponent(after) : "");
-}
-
-function showDocs(docs) {
+function showStoreDocs(docs, first) {
   const body = $("#store-docs tbody");
+  if (first) body.textContent = "";
   for (const d of docs.data) {
     cells(body, [d.id, d.tokens, d.num_chunks, new Date(d.created * 1000).toLocaleString()]);
   }
-  state.storeAfter = docs.last_id;
-  $("#more-docs").hidden = !docs.has_more;
+  const none = "none yet: “store the pasted documents” on the Ask view";
+  if (first && !docs.data.length) cells(body, [none, "", "", ""]);
 }
 
 async function loadStore() {
   clearError();
-  const listing = ++state.storeListing;  // a refresh drops the page an earlier "Load more" brings back
-  try {
-    const [docs, store] = await Promise.all([api(documentsPage(null)), api("v1/kvblend/store")]);
-    if (listing !== state.storeListing) return;
-    $("#store-docs tbody").textContent = "";
-    showDocs(docs);
-    const none = "none yet: “store the pasted documents” on the Ask view";
-    if (!docs.data.length) cells($("#store-docs tbody"), [none, "", "", ""]);
-    renderTiers(store);
+  try {  // a refresh starts the listing again: a page an earlier "Load more" brings back is dropped
+    const [current, store] = await Promise.all([pages.store.first(), api("v1/kvblend/store")]);
+    if (current) renderTiers(store);
   } catch (err) {
     showError(err);
-  }
-}
-
-async function moreDocs() {
-  clearError();
-  const listing = state.storeListing;
-  $("#more-docs").disabled = true;
-  try {
-    const docs = await api(documentsPage(state.storeAfter));
-    if (listing === state.storeListing) showDocs(docs);
-  } catch (err) {
-    showError(err);
-  } finally {
-    $("#more-docs").disabled = false;
   }
 }
 
@@ -619,7 +645,8 @@ function bind() {
   $("#run").addEventListener("click", run);
   $("#stop").addEventListener("click", () => state.abort && state.abort.abort());
   $("#refresh-store").addEventListener("click", loadStore);
-  $("#more-docs").addEventListener("click", moreDocs);
+  $("#more-docs").addEventListener("click", () => nextPage(pages.store));
+  $("#more-stored").addEventListener("click", () => nextPage(pages.choices));
   for (const tab of $$("[role=tab]")) tab.addEventListener("click", () => showView(tab.dataset.view));
   $("[role=tablist]").addEventListener("keydown", tabKeys);
 }
