@@ -185,3 +185,43 @@ def test_the_search_takes_the_end_of_a_long_message_and_names_a_message_without_
     with pytest.raises(APIError) as empty:
         query_text(CompletionRequest(model="m", prompt="", retrieval={"top_k": 1}))
     assert empty.value.param == "prompt"
+
+
+def test_serving_with_no_index_creates_none_and_finds_what_a_later_ingest_writes(tmp_path, monkeypatch) -> None:
+    """``kvblend serve`` with retrieval on created an empty index folder
+    (``$KVBLEND_HOME/rag/<tokenizer>``, its catalog) at startup, before anything was
+    ingested. Now nothing is written there: a search finds nothing, as over an empty index,
+    until an ingest (another process) writes the index, which the next request then reads."""
+    from starlette.testclient import TestClient
+
+    from kvblend.engine import Engine
+    from kvblend.rag.chunking import ChunkerConfig
+    from kvblend.rag.ingest import IngestConfig, Ingestor
+    from kvblend.rag.readers import Document
+    from kvblend.rag.retriever import Retriever, RetrieverConfig, default_index_dir
+    from kvblend.server import create_app
+    from kvblend.settings import Settings
+    from tests.conftest import make_loaded
+
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    loaded = make_loaded()
+    folder = default_index_dir(loaded.tokenizer_fingerprint)
+    settings = Settings.load(model="tiny", state_dir=str(tmp_path / "state"),
+                             retrieval={"enabled": True, "mode": "bm25"})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2,
+            "retrieval": {"top_k": 2}}
+    with TestClient(create_app(Engine(loaded), settings)) as client:
+        before = client.post("/v1/chat/completions", json=body)
+        assert before.status_code == 200, before.text
+        assert before.json()["kvblend"]["sources"] == [] and before.json()["kvblend"]["documents"] == []
+        assert not folder.parent.exists(), sorted(folder.parent.rglob("*"))
+        writer = Retriever(RetrieverConfig(folder, mode="bm25"))  # what `kvblend ingest` does
+        try:
+            config = IngestConfig(ChunkerConfig("tokens", 32), dense=False)
+            Ingestor(writer, loaded.tokenizer, loaded.tokenizer_fingerprint, config).ingest_documents(
+                [Document("planted.txt", PLANTED)], progress=False)
+        finally:
+            writer.close()
+        after = client.post("/v1/chat/completions", json=body)
+        assert after.status_code == 200, after.text
+        assert [s["source"] for s in after.json()["kvblend"]["sources"]] == ["planted.txt"]

@@ -80,7 +80,7 @@ class ServerState:
     registry: DocumentRegistry
     model_id: str
     model_ids: tuple[str, ...]
-    retriever: Any = None  # kvblend.rag.retriever.Retriever when settings.retrieval.enabled
+    retriever: Any = None  # server.retrieval.IndexReader when settings.retrieval.enabled
     guard: ServerGuard | None = None  # when settings.guard.enabled
     index: DocumentIndex | None = None  # stored texts found in messages (settings.documents.match), set at startup
     index_feed: IndexFeed | None = None  # other processes' document changes, applied to ``index`` before shaping

@@ -7,21 +7,29 @@ prompt) and blends the hits as token ids, the ids they were chunked and precompu
 with, so their store keys are the ones ingest wrote. Nothing shared is changed per
 request (no store admission swap, no retrieval counting): lazy precompute stays a
 ``kvblend ask`` feature. The response's ``kvblend.sources`` names the chunks used.
+
+The server writes nothing to the index folder: where no index is yet (nothing ingested),
+a search finds nothing, as over an empty index, and the folder is opened once an ingest
+has written it (opening a ``Retriever`` would create it).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 from kvblend.errors import InvalidRequestError
-from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig, default_index_dir, search_query
+from kvblend.rag.retriever import Hit, Retriever, RetrieverConfig, default_index_dir, index_exists, search_query
 from kvblend.server.errors import APIError, bad_request
 from kvblend.server.protocol import ChatCompletionRequest, _Common
 from kvblend.settings import Settings
 
 DISABLED = ("retrieval is not enabled on this server: send `documents`, or start the server with "
             "retrieval.enabled (KVBLEND_RETRIEVAL__ENABLED=1) over an index built by `kvblend ingest`")
+
+log = logging.getLogger("kvblend.server")
 
 
 def index_folder(settings: Settings, tokenizer_id: str) -> Path:
@@ -31,16 +39,43 @@ def index_folder(settings: Settings, tokenizer_id: str) -> Path:
     return default_index_dir(tokenizer_id)
 
 
-def open_retriever(settings: Settings, tokenizer_id: str) -> Retriever | None:
+class IndexReader:
+    """The server's side of the index folder: a ``Retriever`` opened by the first search
+    that finds an index there; before, every search finds nothing. Thread-safe."""
+
+    def __init__(self, config: RetrieverConfig) -> None:
+        self.config = config
+        self._retriever: Retriever | None = None
+        self._lock = threading.Lock()
+
+    def _opened(self) -> Retriever | None:
+        with self._lock:
+            if self._retriever is None and index_exists(self.config.folder):
+                self._retriever = Retriever(self.config)
+            return self._retriever
+
+    def search(self, tenant: str, query: str, top_k: int) -> list[Hit]:
+        retriever = self._opened()
+        return [] if retriever is None else retriever.search(tenant, query, top_k)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._retriever is not None:
+                self._retriever.close()
+
+
+def open_retriever(settings: Settings, tokenizer_id: str) -> IndexReader | None:
     """The server's retriever, or None when retrieval is disabled."""
     if not settings.retrieval.enabled:
         return None
     folder = index_folder(settings, tokenizer_id)
-    folder.mkdir(parents=True, exist_ok=True)
-    return Retriever(RetrieverConfig(folder, mode=settings.retrieval.mode))
+    if not index_exists(folder):
+        log.warning("retrieval: no index at %s yet; requests retrieve nothing until `kvblend ingest` writes one",
+                    folder)
+    return IndexReader(RetrieverConfig(folder, mode=settings.retrieval.mode))
 
 
-def check_retrieval(body: _Common, settings: Settings, retriever: Retriever | None) -> int | None:
+def check_retrieval(body: _Common, settings: Settings, retriever: IndexReader | None) -> int | None:
     """The request's top_k, or None when it sends no ``retrieval``. 400 when retrieval is
     off, combined with ``documents``, or asks for more than the server allows."""
     if body.retrieval is None:
@@ -80,7 +115,7 @@ def _searchable(text: str, param: str, what: str) -> str:
     return search_query(text)
 
 
-def search(retriever: Retriever, tenant: str, query: str, top_k: int) -> list[Hit]:
+def search(retriever: IndexReader, tenant: str, query: str, top_k: int) -> list[Hit]:
     """The tenant's top-k chunks for ``query`` (runs off the event loop)."""
     try:
         return retriever.search(tenant, query, top_k)
@@ -96,4 +131,4 @@ def sources(hits: list[Hit]) -> list[dict[str, Any]]:
              "tokens": len(h.token_ids)} for h in hits]
 
 
-__all__ = ["DISABLED", "check_retrieval", "index_folder", "open_retriever", "query_text", "search", "sources"]
+__all__ = ["DISABLED", "IndexReader", "check_retrieval", "index_folder", "open_retriever", "query_text", "search", "sources"]
