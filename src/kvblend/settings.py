@@ -70,6 +70,12 @@ Ratio = Annotated[float, AfterValidator(_unit_interval)]
 RatioOrAuto = Annotated[float | Literal["auto"], AfterValidator(_unit_interval_or_auto)]  # one error, not one per branch
 
 
+def _array(value: Any) -> Any:
+    """A list (YAML, JSON) as the tuple a knob holds: a request body is validated strictly
+    (``server.translate.parse``), where a tuple field takes no list."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -169,8 +175,8 @@ class BlendOptions(_Section):
 
     method: Literal["full", "prefix", "reuse", "blend", "auto"] | None = None
     ratio: RatioOrAuto | None = None  # auto: the loading controller picks it per request
-    check_layers: tuple[int, ...] | None = Field(None, min_length=1, max_length=256)
-    schedule: tuple[float, ...] | None = Field(None, min_length=1, max_length=256)
+    check_layers: Annotated[tuple[int, ...], BeforeValidator(_array)] | None = Field(None, min_length=1, max_length=256)
+    schedule: Annotated[tuple[float, ...], BeforeValidator(_array)] | None = Field(None, min_length=1, max_length=256)
     signal: Literal["v", "k", "kv"] | None = None
     chunk_prefix: Literal["bos", "prompt"] | None = None
     selection: str | None = Field(None, max_length=32)

@@ -70,3 +70,57 @@ def test_a_retrieval_top_k_that_is_not_an_integer_in_1_100_is_a_400_naming_it(cl
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "retrieval.top_k", r.text
+
+
+def _with(body: dict, path: str, value) -> dict:
+    """``body`` with the field at ``path`` ("kvblend.sinks") set to ``value``."""
+    out = {**body}
+    *outer, name = path.split(".")
+    inner = out
+    for part in outer:
+        inner[part] = {**inner.get(part, {})}
+        inner = inner[part]
+    inner[name] = value
+    return out
+
+
+COMPLETION = {"model": "tiny", "prompt": "who is the doctor ?", "max_tokens": 2, "temperature": 0}
+CHAT_INTS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "top_logprobs", "kvblend.sinks")
+
+
+@pytest.mark.parametrize("value", [True, False, "5", 5.0, 5.5])
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", f) for f in CHAT_INTS]
+                         + [("/v1/completions", f) for f in ("max_tokens", "n", "seed", "best_of")])
+def test_an_integer_field_sent_as_a_bool_string_or_float_is_a_400_naming_it(client, path, field, value) -> None:
+    """Every integer of a request body is a JSON integer: ``"top_k": "5"``, ``true`` and
+    ``5.0`` were read as 5, 1 and 5 (``"n": true`` passed as n=1), as ``"retrieval":
+    {"top_k": ...}`` no longer was."""
+    r = client.post(path, json=_with(BODY if path.endswith("chat/completions") else COMPLETION, field, value))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (field, 400, "BadRequestError"), err
+    assert err["message"].startswith(f"{field}: ") and "integer" in err["message"], err
+
+
+def test_the_lists_of_integers_and_the_other_types_are_read_as_sent(client) -> None:
+    for bad, param in ((["1"], "kvblend.check_layers.0"), ([True], "kvblend.check_layers.0")):
+        r = client.post("/v1/chat/completions", json={**BODY, "kvblend": {"check_layers": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for field, value in (("stream", "true"), ("temperature", "0.5"), ("temperature", True), ("logprobs", "1")):
+        r = client.post("/v1/chat/completions", json={**BODY, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+
+
+def test_json_integers_and_nulls_still_pass(client) -> None:
+    """What OpenAI clients send: integers where integers go (a number field takes one
+    too), null for an optional field, arrays for the list knobs."""
+    body = {**BODY, "max_tokens": None, "max_completion_tokens": 2, "n": 1, "seed": 7, "top_k": -1,
+            "top_logprobs": 0, "logprobs": False, "temperature": 1, "top_p": 1, "presence_penalty": 0,
+            "kvblend": {"sinks": 4, "check_layers": [1], "ratio": 1}, "stream": False}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    completion = {**COMPLETION, "n": None, "best_of": 1, "seed": None, "top_k": 3, "logprobs": None}
+    assert client.post("/v1/completions", json=completion).status_code == 200
+    doc = client.post("/v1/documents", json={"text": "the doctor works in paris .",
+                                              "metadata": {"n": 1, "on": True, "x": 0.5, "none": None}})
+    assert doc.status_code == 200, doc.text

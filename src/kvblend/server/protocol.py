@@ -2,7 +2,9 @@
 
 Models accept unknown fields (OpenAI clients send many; they are logged and ignored),
 but every option that would change the answer and is not implemented is refused by
-``unsupported`` with the field's name, never silently dropped.
+``unsupported`` with the field's name, never silently dropped. The server validates a body
+strictly (``translate.parse``): no value is coerced from another JSON type, so an integer
+field here takes a JSON integer (or null where optional) and nothing else.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvblend.rag.retriever import MAX_TOP_K
 from kvblend.settings import BlendOptions
@@ -76,11 +78,11 @@ class KvblendOptions(BlendOptions):
 
 class RetrievalOptions(BaseModel):
     """``"retrieval": {"top_k": k}``: blend the caller's top-k indexed chunks instead of
-    ``documents`` (k is an integer, not a bool, float or string, bounded by the server's
+    ``documents`` (k is a JSON integer, as every integer of a body, bounded by the server's
     ``retrieval.max_top_k``)."""
 
     model_config = ConfigDict(extra="forbid")
-    top_k: StrictInt = Field(ge=1, le=MAX_TOP_K)
+    top_k: int = Field(ge=1, le=MAX_TOP_K)
 
 
 class StreamOptions(BaseModel):
@@ -115,7 +117,7 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # a chat's is a flag, a completion's a count
     top_logprobs: int | None = None
     ignore_eos: bool = False  # vLLM's extension: decode up to max_tokens even past EOS (load tests)
 

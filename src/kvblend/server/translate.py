@@ -32,8 +32,12 @@ MAX_STOP_CHARS = 256
 
 
 def parse(model: type[BaseModel], data: dict) -> BaseModel:
+    """A JSON body as ``model``, each value taken as the type JSON gave it (pydantic's strict
+    mode): an integer field takes a JSON integer, not ``true``, ``"5"`` or ``5.0``; a boolean
+    a JSON boolean; a number an integer or a float; else a 400 naming the field. The one rule
+    for every field of every request body, nested options included."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         raise from_validation(exc) from None
 
