@@ -198,13 +198,17 @@ class BlendOptions(_Section):
 class BlendSettings(BlendOptions):
     """Server-wide defaults of the per-request ``kvblend`` options: every knob not set is
     the engine's own default (``BlendConfig()``, method ``blend``), so the CLI, the server
-    and the library agree; ``r_min``/``r_max`` bound ``ratio: auto`` (server-wide only);
+    and the library agree; ``r_min``/``r_max`` bound ``ratio: auto`` and ``escalate`` is the
+    quantile of moved risk past which a blend recomputes again (server-wide only);
     ``calibrate``: test once per model whether the shift helps it and drop it where it does
     not (``kvblend.engine.calibration``; off: the shift as configured, on every model)."""
 
     r_min: Ratio = _BLEND.r_min
     r_max: Ratio = _BLEND.r_max
     calibrate: bool = True
+    # a quantile (null: off): a blend without the shift whose moved risk is at least this quantile
+    # of its tenant's recent ones recomputes again at twice its ratio (``BlendConfig.escalate``)
+    escalate: Ratio | None = _BLEND.escalate
 
     @model_validator(mode="before")
     @classmethod

@@ -92,6 +92,30 @@ def test_a_blend_risk_reaches_the_response_and_the_histogram(tmp_path) -> None:
     assert m["kvblend:blend_risk_sum/shift"] == pytest.approx(blended["risk"], abs=1e-5)
     assert "shift" not in moved["strategy"] and 0.0 < moved["risk"] <= 1.0  # without the shift: moved_risk
     assert m["kvblend:blend_risk_sum/moved"] == pytest.approx(moved["risk"], abs=1e-5)  # its own kind, not summed in
+    assert moved["escalated"] is False and blended["escalated"] is False
+    assert m["kvblend:blend_escalations_total"] == 0.0
+
+
+def test_an_escalated_blend_says_so_and_is_counted(tmp_path) -> None:
+    """With ``blend.escalate`` 0 (every risk is at least the smallest), once the tenant has
+    MIN_SAMPLES moved risks its next blend without the shift recomputes again: the response
+    says so and ``kvblend:blend_escalations_total`` counts it."""
+    from kvblend.engine.escalation import MIN_SAMPLES
+
+    engine = Engine(make_loaded(), self_check=False, calibrate=False)
+    app = create_app(engine, Settings.load(model="tiny", state_dir=str(tmp_path), blend={"escalate": 0.0}))
+    docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(2)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "which word ?"}], "max_tokens": 1,
+            "documents": docs, "temperature": 0, "kvblend": {"shift": False}}
+    with TestClient(app) as client:
+        for doc in docs:
+            assert client.post("/v1/documents", json={"text": doc}).status_code == 200
+        first = [client.post("/v1/chat/completions", json=body).json()["kvblend"] for _ in range(MIN_SAMPLES)]
+        assert not any(b["escalated"] for b in first)  # too few risks in yet
+        last = client.post("/v1/chat/completions", json=body).json()["kvblend"]
+        m = _scrape(client)
+    assert last["escalated"] is True and last["recompute_fraction"] > first[0]["recompute_fraction"]
+    assert m["kvblend:blend_escalations_total"] == 1.0
 
 
 def test_parked_streams_have_a_gauge(tmp_path) -> None:

@@ -75,6 +75,11 @@ class BlendConfig:
     ``question`` and ``oracle`` select once, with the last ratio of the schedule (check
     layers, schedule and signal are deviation's knobs).
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
+    ``escalate`` (a quantile, None = off): a question-selected blend without the shift whose
+    moved risk (``strategies.moved_risk``: how little its recompute moved the answer from
+    reuse's) is at least this quantile of its tenant's recent ones recomputes again at twice
+    its ratio, the tokens it kept among them (``engine.escalation``; docs/results.md, issue #23).
+    A quantile, not a level, so about the same share of requests pays for it on every model.
 
     The default (``BlendConfig()``, hence ``blend`` in the engine, the CLI, the server and
     the demo) is ``blend:0.15:q+budget+sinks4+shift``: question-attention selection with
@@ -101,6 +106,7 @@ class BlendConfig:
     shift_question: bool = False
     vdev: float = 0.0
     cover: float = 0.0
+    escalate: float | None = 0.9
 
     @classmethod
     def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
@@ -158,6 +164,8 @@ class BlendConfig:
             raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}", "vdev")
         if not 0.0 <= self.cover <= 1.0:
             raise InvalidRequestError(f"cover must be within [0, 1], got {self.cover}", "cover")
+        if self.escalate is not None and not 0.0 <= self.escalate <= 1.0:
+            raise InvalidRequestError(f"escalate must be a quantile within [0, 1] or None, got {self.escalate}", "escalate")
         if self.vdev and self.selection != "question":
             raise InvalidRequestError("vdev (the V-deviation hybrid) combines with question selection only", "vdev")
 

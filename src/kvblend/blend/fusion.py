@@ -104,6 +104,9 @@ class FusionPlan:
     # with ``reuse_cache``: positions below it hold their final K/V there (a first pass computed
     # the prompt before the first placed chunk exactly: nothing there reads reused K/V)
     exact_upto: int = 0
+    # a question-selected blend without the shift whose moved risk is at least this recomputes
+    # again at twice its ratio (``strategies.escalated_keep``; the engine's per-request threshold)
+    escalate_at: float | None = None
 
 
 class FusionOutput(NamedTuple):
@@ -114,6 +117,7 @@ class FusionOutput(NamedTuple):
     checks: tuple[SelectionStats, ...] = ()  # per check layer; spans are ``plan.placed`` in order
     # a strategy's estimate of how much of reuse's error this blend left (``strategies.blend_risk``, ``moved_risk``)
     risk: float | None = None
+    escalated: float | None = None  # the moved risk that sent the blend to twice its ratio (None: it was not)
 
 
 def _prefix_len(plan: FusionPlan) -> int:

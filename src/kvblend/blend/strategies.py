@@ -616,25 +616,51 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
     chosen = choose(ranked, pos, keep, spans, cfg, mass, samples)  # (K,) into the candidates
-    kept = pos[chosen]
-    recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
-    recompute[kept] = True
     # the question pass's cache already holds every chunk re-rotated, the held documents
     # computed in context and the exact prompt before the first placed chunk (only the
     # question's rows are computed again in full): fill it in place
     again = reused.cache if cfg.selection == "question" else None
-    probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
     exact = _first_placed(plan) if again is not None else 0  # the question pass computed it exactly
-    out = yield from fuse_steps(model, replace(base, select_from_start=True, recompute=recompute, correct=probe,
-                                               reuse_cache=again, held=held, exact_upto=exact))
-    if reused is not None:  # the work of both passes (a missed document is computed in the first)
-        out = out._replace(recomputed=[a + b for a, b in zip(reused.recomputed, out.recomputed)])
-    stats = once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
+
+    def recompute_pass(chosen: torch.Tensor) -> Generator[int, None, tuple[FusionOutput, SelectionStats]]:
+        kept = pos[chosen]
+        recompute = torch.zeros(n, dtype=torch.bool, device=model.device)
+        recompute[kept] = True
+        probe = DeviationProbe(cached, min(1, len(model.layers) - 1), correct)
+        out = yield from fuse_steps(model, replace(base, select_from_start=True, recompute=recompute, correct=probe,
+                                                   reuse_cache=again, held=held, exact_upto=exact))
+        return out, once_stats(probe, n_cached, kept[cached[kept]], spans_of(plan), (pos, ranked, chosen, samples))
+
+    out, stats = yield from recompute_pass(chosen)
+    work = [out.recomputed] if reused is None else [reused.recomputed, out.recomputed]
+    escalated = None
     if correct is not None:
         risk = blend_risk(correct, int(chosen.numel()), n_cand)
     else:
         risk = moved_risk(reused.logits, out.logits) if reused is not None else None
-    return out._replace(candidates=n_cached, checks=(stats,), risk=risk)
+        wider = escalated_keep(plan, cfg, risk, keep, n_cand, scores[pos])
+        if wider is not None:  # the answer barely moved from reuse's: twice the tokens, the first ones among them
+            escalated, chosen = risk, torch.cat([chosen, choose(ranked, pos, wider, spans, cfg, mass, samples)]).unique()
+            out, stats = yield from recompute_pass(chosen)
+            work.append(out.recomputed)
+            risk = moved_risk(reused.logits, out.logits)
+    out = out._replace(recomputed=[sum(layer) for layer in zip(*work)])  # every pass's work
+    return out._replace(candidates=n_cached, checks=(stats,), risk=risk, escalated=escalated)
+
+
+def escalated_keep(plan: FusionPlan, cfg: BlendConfig, risk: float | None, keep: int, n_cand: int,
+                   scores: torch.Tensor) -> int | None:
+    """How many candidates a blend recomputes again when its moved risk (``moved_risk``) is at
+    least ``plan.escalate_at`` (the engine's threshold for the request: ``engine.escalation``):
+    as many as twice its ratio keeps (at most all; ``cover`` applies as to the first), never
+    fewer than it kept. None: no second recompute (no threshold, no risk, below it, or every
+    candidate already kept)."""
+    if plan.escalate_at is None or risk is None or risk < plan.escalate_at or keep >= n_cand:
+        return None
+    wider = kept_count(min(1.0, 2 * plan.ratios[-1]), n_cand)
+    if cfg.cover:
+        wider = max(wider, covering_count(scores, cfg.cover))
+    return max(keep, wider)
 
 
 def blend_risk(correct: ShiftCorrection, kept: int, candidates: int) -> float | None:

@@ -36,6 +36,7 @@ from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import SliceSize, Steps, forward_chunks, run_steps
 from kvblend.engine.calibration import ShiftVerdict, ensure_calibrated
+from kvblend.engine.escalation import RiskWindows
 from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.loader import LoadedModel
@@ -84,6 +85,7 @@ class _Built(NamedTuple):
     controller: RatioChoice | None = None
     risk: float | None = None
     strategy: str | None = None  # the blend's as run (``Engine.blend_config``)
+    escalated: bool = False  # the blend recomputed again at twice its ratio (``engine.escalation``)
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
@@ -216,6 +218,7 @@ class Engine:
         self._profile = profile if profile is not None else load_profile(self._profile_path())
         self._profile_lock = threading.Lock()
         self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
+        self.escalation = RiskWindows()  # each tenant's recent moved risks: which blends recompute again
         # Who runs background model work (write-back's chunk KV): None, here on the calling
         # thread; a scheduler sets it so that its worker stays the model's one owner. It takes
         # a step generator and a name and returns the work's value, blocking the caller, or
@@ -478,10 +481,12 @@ class Engine:
             cfg = cfg.with_ratio(choice.ratio)
             if choice.ratio >= 1.0:
                 _skip_loading(chunks)
+        moved = request.method == "blend" and cfg.selection == "question" and not cfg.shift  # a moved risk
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
                           strategy=None if request.method == "reuse" or cfg.plain else cfg,
-                          doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs) if d))
+                          doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs) if d),
+                          escalate_at=self.escalation.threshold(request.tenant, cfg.escalate) if moved else None)
         t = time.perf_counter()
         try:
             if chunks.feed is not None:
@@ -491,6 +496,8 @@ class Engine:
             if chunks.feed is not None:
                 chunks.feed.close()
         timer.add("prefill", t)
+        if moved and out.risk is not None:  # the risk that decided, before any second recompute
+            self.escalation.add(request.tenant, out.escalated if out.escalated is not None else out.risk)
         loading = _fall_back(chunks, {id(p.chunk) for p in dropped}, self.pipeline)
         fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
         if n_prefix and (hit is None or hit.length < n_prefix):
@@ -498,7 +505,7 @@ class Engine:
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
         return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
                       fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk,
-                      cfg.strategy)
+                      cfg.strategy, out.escalated is not None)
 
     def blend_config(self, cfg: BlendConfig) -> BlendConfig:
         """``cfg`` as this model runs it. Where the model's test found that the shift does
@@ -556,7 +563,7 @@ class Engine:
         stats = RequestStats(request.method, len(layout), built.prefix_hit, built.docs, built.recomputed,
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
                              elapsed, built.fallback, built.checks, built.loading, built.controller,
-                             built.strategy if request.method == "blend" else None, built.risk)
+                             built.strategy if request.method == "blend" else None, built.risk, built.escalated)
         return Prepared(layout, built.cache, built.logits, stats)
 
     # ----- generation -------------------------------------------------------------

@@ -171,6 +171,9 @@ class RequestStats(NamedTuple):
     # of reuse's KV error left (``blend.strategies.blend_risk``); a question-selected blend without it, how
     # little it moved the answer from reuse's (``moved_risk``); requests with more risk are shadow-checked first
     risk: float | None = None
+    # the blend's moved risk was in the top of its tenant's recent ones, so it recomputed again at
+    # twice its ratio (``engine.escalation``); ``risk`` is then the second recompute's
+    escalated: bool = False
 
     @property
     def recompute_frac(self) -> float:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import threading
 from collections import Counter, OrderedDict, deque
@@ -50,6 +49,7 @@ from typing import Callable, NamedTuple
 
 from kvblend.blend.strategies import risk_kind
 from kvblend.engine.engine import Engine
+from kvblend.engine.escalation import top_quantile
 from kvblend.engine.request import Request, RequestStats, Result
 from kvblend.engine.scheduler import Scheduler
 from kvblend.generation import SamplingParams
@@ -191,10 +191,9 @@ class QualityGuard:
         if q is None or risk is None:
             return False
         with self._lock:
-            recent = sorted(self._track(model, tenant).risks.get(risk_kind(getattr(stats, "strategy", None)), ()))
-        if len(recent) < self.config.min_samples:
-            return False
-        return risk >= recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
+            recent = tuple(self._track(model, tenant).risks.get(risk_kind(getattr(stats, "strategy", None)), ()))
+        bar = top_quantile(recent, q, self.config.min_samples)
+        return bar is not None and risk >= bar
 
     def shadow_after(self, model: str, routing: Routing, stats: RequestStats | None) -> bool:
         """Whether to shadow-check a served request: the route's draw, or its risk (``risky``)."""

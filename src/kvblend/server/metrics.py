@@ -115,6 +115,9 @@ class ServerMetrics:
         self.risk = Histogram(P + "blend_risk", "A blend's estimate (0: none, 1: reuse's) of how much of reuse's error "
                               "it left, from what it computed anyway; kind: shift (KV error left) or moved (how little "
                               "the answer moved from reuse's)", [*lab, "kind"], buckets=RISK_BUCKETS, registry=reg)
+        self.escalations = Counter(P + "blend_escalations", "Blends whose moved risk was in the top of their "
+                                   "tenant's recent ones, so they recomputed again at twice their ratio", lab,
+                                   registry=reg).labels(model_name)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
         Gauge(P + "num_requests_waiting", "Requests waiting in the queue", lab, registry=reg).labels(
@@ -168,6 +171,8 @@ class ServerMetrics:
             self.recompute.observe(stats.recompute_frac)
             if getattr(stats, "risk", None) is not None:
                 self.risk.labels(self.model_name, risk_kind(getattr(stats, "strategy", None))).observe(stats.risk)
+            if getattr(stats, "escalated", False):
+                self.escalations.inc()
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(cached)
             self.decode.observe(max(0.0, e2e_s - stats.ttft_s))

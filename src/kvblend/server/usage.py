@@ -26,7 +26,8 @@ def usage(stats: RequestStats | None, completion_tokens: int) -> dict[str, Any]:
 
 def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
     """Method, document hits by tier, recompute fraction, the blend's risk (when it measured
-    one: ``RequestStats.risk``, its estimate of how much of reuse's error it left) and the time
+    one: ``RequestStats.risk``, its estimate of how much of reuse's error it left, and whether
+    it escalated: recomputed again at twice its ratio, ``RequestStats.escalated``) and the time
     breakdown."""
     if stats is None:
         return {"queue_s": round(queue_s, 6)}
@@ -39,7 +40,8 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
         "doc_hits": dict(hits),
         "doc_misses": sum(1 for d in stats.docs if d.source == "computed"),
         "recompute_fraction": round(stats.recompute_frac, 6),
-        **({"risk": round(stats.risk, 6)} if getattr(stats, "risk", None) is not None else {}),
+        **({"risk": round(stats.risk, 6), "escalated": bool(getattr(stats, "escalated", False))}
+           if getattr(stats, "risk", None) is not None else {}),
         "queue_s": round(queue_s, 6),
         "lookup_s": round(stats.lookup_s, 6),
         "load_s": round(stats.load_s, 6),

@@ -1,0 +1,66 @@
+"""Which blends recompute again: a risk in the top of its tenant's recent ones.
+
+A question-selected blend without the shift measures how little its recompute moved the
+answer from plain reuse's (``blend.strategies.moved_risk``). Where that is high, the blend
+most likely left reuse's error in place, and the engine runs its recompute again at twice
+the ratio (``FusionPlan.escalate_at``, ``strategies.escalated_keep``). "High" is relative:
+at least the ``BlendConfig.escalate`` quantile of the tenant's last ``WINDOW`` such risks,
+so about the same share of requests pays for a second pass on every model, whatever the
+scale of its risks (issue #23, docs/results.md "The tail"). Before ``MIN_SAMPLES`` risks
+are in, nothing escalates.
+
+``top_quantile`` is the one rule for "in the top of recent risks": the guard's risk-first
+shadow checks use it too (``guard.quality.QualityGuard.risky``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+WINDOW = 256  # risks kept per tenant
+MIN_SAMPLES = 16  # risks a tenant needs before anything escalates
+MAX_TENANTS = 4096  # tenants tracked; the least recently seen go first
+
+
+def top_quantile(recent: Sequence[float], q: float, min_samples: int) -> float | None:
+    """The ``q``-quantile of ``recent`` (the ceil(q x n)-th smallest): a risk at least this
+    is in their top 1 - q. None while fewer than ``min_samples`` are in."""
+    if len(recent) < max(1, min_samples):
+        return None
+    ordered = sorted(recent)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class RiskWindows:
+    """The last ``window`` moved risks of each tenant; thread-safe, bounded in tenants.
+    Holds floats only (no request content); one tenant's risks never set another's bar."""
+
+    def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES, max_tenants: int = MAX_TENANTS) -> None:
+        if not 1 <= min_samples <= window or max_tenants < 1:
+            raise ValueError("need 1 <= min_samples <= window and max_tenants >= 1")
+        self.window, self.min_samples, self.max_tenants = window, min_samples, max_tenants
+        self._risks: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def threshold(self, tenant: str, quantile: float | None) -> float | None:
+        """The risk at or above which this tenant's next blend escalates (``top_quantile``);
+        None when ``quantile`` is None or too few risks are in."""
+        if quantile is None:
+            return None
+        with self._lock:
+            recent = tuple(self._risks.get(tenant, ()))
+        return top_quantile(recent, quantile, self.min_samples)
+
+    def add(self, tenant: str, risk: float) -> None:
+        """Record a blend's moved risk, the one that decided (before any escalation)."""
+        with self._lock:
+            recent = self._risks.get(tenant)
+            if recent is None:
+                recent = self._risks[tenant] = deque(maxlen=self.window)
+                while len(self._risks) > self.max_tenants:
+                    self._risks.popitem(last=False)
+            self._risks.move_to_end(tenant)
+            recent.append(risk)
