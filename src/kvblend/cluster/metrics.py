@@ -10,6 +10,13 @@ and answers the same families, each sample with a ``replica`` label: a model rep
 or ``ingress:<id>`` for what only the HTTP layer counts (errors it answered, client
 disconnects, the quality guard's checks, scores and fallbacks). A replica silent for ``STALE_S`` (gone: killed, restarted under a new id)
 drops out. A scrape sees values up to one push period old.
+
+The Redis tier is one store every process shares, and its occupancy (``store_bytes``,
+``store_entries``) is read from Redis itself: every replica would report the same figure,
+and a sum over replicas would count it once per replica. So those two gauges of the shared
+tiers (``SHARED_TIERS``) come once, from the ingress's own store, without a ``replica``
+label, as a gauge of one shared resource is exported once; the replicas' own lookups of
+that tier (``document_lookups``, ``store_unavailable``) stay labelled by replica, and sum.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvblend.server.quality import GUARD_FAMILIES
 
@@ -32,6 +41,8 @@ NAMESPACE = "kvblend"
 STALE_S = 30.0
 # counted by the HTTP layer only: its errors, disconnects, and the quality guard
 INGRESS_FAMILIES = ("kvblend:request_errors", "kvblend:client_disconnects", *GUARD_FAMILIES)
+SHARED_TIERS = ("redis",)  # one store for every process: its occupancy is the same figure in each
+OCCUPANCY = ("kvblend:store_bytes", "kvblend:store_entries")
 
 
 class MetricsBoard:
@@ -100,22 +111,36 @@ class MetricsPusher:
             pass
 
 
-def _labelled(family: Metric, replica: str, merged: dict[str, Metric]) -> None:
+def _add(family: Metric, samples: Iterable[Sample], merged: dict[str, Metric]) -> None:
     into = merged.get(family.name)
     if into is None:
         into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-    into.samples.extend(s._replace(labels={**s.labels, "replica": replica}) for s in family.samples)
+    into.samples.extend(samples)
+
+
+def _labelled(family: Metric, replica: str, merged: dict[str, Metric]) -> None:
+    _add(family, (s._replace(labels={**s.labels, "replica": replica}) for s in family.samples), merged)
+
+
+def _shared(family: Metric, sample: Sample) -> bool:
+    """Whether ``sample`` is the occupancy of a tier every process shares."""
+    return family.name in OCCUPANCY and sample.labels.get("tier") in SHARED_TIERS
 
 
 def merge(ingress_id: str, ingress: CollectorRegistry, replicas: dict[str, bytes]) -> bytes:
     """One exposition: the ingress's HTTP-layer families and every replica's, each sample
-    labelled with its ``replica``; a family appears once."""
+    labelled with its ``replica``, and the shared tiers' occupancy once, from the
+    ingress, unlabelled; a family appears once."""
     merged: dict[str, Metric] = {}
     for family in ingress.collect():
         if family.name in INGRESS_FAMILIES:
             _labelled(family, f"ingress:{ingress_id}", merged)
+        shared = [s for s in family.samples if _shared(family, s)]
+        if shared:
+            _add(family, shared, merged)
     for replica, text in sorted(replicas.items()):
         for family in text_string_to_metric_families(text.decode()):
+            family.samples = [s for s in family.samples if not _shared(family, s)]
             _labelled(family, replica, merged)
 
     class _Merged:
