@@ -1,8 +1,13 @@
-"""The ingress's ``/metrics`` over the model replicas' expositions (``cluster.metrics.merge``):
-no Ray instance, the replicas' registries built here."""
+"""The ingress's ``/metrics`` over the model replicas' expositions (``cluster.metrics.merge``)
+and its ``/health``'s count of their worker restarts: no Ray instance, the replicas'
+registries built here."""
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,3 +45,59 @@ def test_the_shared_tiers_occupancy_is_exported_once_not_per_replica() -> None:
             if labels["tier"] == "redis" and labels["outcome"] == "hit"]
     assert sorted(hits) == [("r0", 1), ("r1", 1)]  # each replica's own lookups: they sum
     assert text.decode().count("# TYPE kvblend:store_bytes gauge") == 1
+
+
+def _exposition(restarts: int) -> bytes:
+    metrics = _metrics({})
+    metrics.restarts.inc(restarts)
+    return generate_latest(metrics.registry)
+
+
+def test_the_tally_keeps_a_replaced_replicas_restarts() -> None:
+    from kvblend.cluster.metrics import RestartTally, worker_restarts
+
+    tally = RestartTally()
+    assert tally.update({"r0": _exposition(1), "r1": _exposition(2)}) == 3
+    assert tally.update({"r0": _exposition(1), "r2": _exposition(0)}) == 3  # r1 gave up; Ray replaced it
+    assert tally.update({}) == 3  # the board did not answer
+    assert worker_restarts(b"") == 0
+
+
+def test_health_on_the_ingress_counts_the_replicas_worker_restarts(tmp_path, monkeypatch) -> None:
+    """``X-Kvblend-Worker-Restarts`` on the ingress's ``/health`` was always 0 (the remote
+    scheduler has no worker loop of its own): now the watcher reads the replicas' counts
+    from their metrics, and a replica that gave up keeps its part once Ray replaced it."""
+    serve = pytest.importorskip("ray.serve")
+    from starlette.testclient import TestClient
+
+    from kvblend.cluster import remote as remote_mod
+    from kvblend.cluster.remote import RemoteScheduler, watch_replicas
+    from kvblend.engine import Engine
+    from kvblend.server import create_app
+    from kvblend.settings import Settings
+    from tests.conftest import make_loaded
+
+    boards = iter([{"r0": _exposition(1), "r1": _exposition(2)}, {"r0": _exposition(1), "r2": _exposition(0)}])
+    stop, seen = threading.Event(), []
+    engine = Engine(make_loaded())
+    remote = RemoteScheduler(SimpleNamespace(options=lambda **_: None), engine)  # no call reaches a replica
+
+    def read() -> dict[str, bytes]:
+        seen.append(remote.restarts)  # what the last read left
+        board = next(boards, None)
+        if board is None:
+            stop.set()
+            raise RuntimeError("no more boards")
+        return board
+
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    monkeypatch.setattr(remote_mod, "board_texts", read, raising=False)
+    try:
+        watch_replicas(remote, "app", "model", 0.01, stop).join(10)
+    finally:
+        stop.set()
+    settings = Settings(state_dir=str(tmp_path / "state"), store={"tiers": ["memory"]})
+    with TestClient(create_app(engine, settings, scheduler=remote)) as client:
+        health = client.get("/health")
+    assert health.status_code == 200 and health.headers["X-Kvblend-Worker-Restarts"] == "3"
+    assert seen == [0, 3, 3]  # each read's total stood until the next

@@ -43,6 +43,7 @@ STALE_S = 30.0
 INGRESS_FAMILIES = ("kvblend:request_errors", "kvblend:client_disconnects", *GUARD_FAMILIES)
 SHARED_TIERS = ("redis",)  # one store for every process: its occupancy is the same figure in each
 OCCUPANCY = ("kvblend:store_bytes", "kvblend:store_entries")
+RESTARTS = "kvblend:worker_restarts_total"
 
 
 class MetricsBoard:
@@ -152,6 +153,15 @@ def merge(ingress_id: str, ingress: CollectorRegistry, replicas: dict[str, bytes
     return generate_latest(out)
 
 
+def board_texts(timeout_s: float = 5.0) -> dict[str, bytes]:
+    """Each live replica's latest exposition ({} while no replica has pushed one); raises
+    when the board does not answer."""
+    import ray
+
+    board = board_actor(create=False)
+    return {} if board is None else ray.get(board.latest.remote(), timeout=timeout_s)
+
+
 class ClusterExposition:
     """The ingress's ``/metrics`` body (``ServerState.exposition``): see the module docstring."""
 
@@ -159,16 +169,35 @@ class ClusterExposition:
         self.ingress_id, self.registry = ingress_id, registry
 
     def __call__(self) -> bytes:
-        import ray
-
-        board = board_actor(create=False)
         texts: dict[str, bytes] = {}
-        if board is not None:
-            try:
-                texts = ray.get(board.latest.remote(), timeout=5.0)
-            except Exception:  # noqa: BLE001 - the ingress's own metrics still answer
-                log.warning("replica metrics unavailable", exc_info=True)
+        try:
+            texts = board_texts()
+        except Exception:  # noqa: BLE001 - the ingress's own metrics still answer
+            log.warning("replica metrics unavailable", exc_info=True)
         return merge(self.ingress_id, self.registry, texts)
 
 
-__all__ = ["BOARD_NAME", "ClusterExposition", "MetricsBoard", "MetricsPusher", "board_actor", "merge"]
+def worker_restarts(text: bytes) -> int:
+    """The model worker's loop restarts in one replica's exposition (its supervisor's)."""
+    lines = [line for line in text.decode().splitlines() if line.startswith(RESTARTS)]
+    return int(sum(s.value for f in text_string_to_metric_families("\n".join(lines) + "\n") for s in f.samples))
+
+
+class RestartTally:
+    """The model workers' loop restarts this ingress has seen (``/health``'s
+    ``X-Kvblend-Worker-Restarts``): each replica's largest count, summed, so that a replica
+    gone from the board (its worker gave up and Ray replaced it) keeps its part and the
+    total, like one process's count, never goes down while the ingress runs."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def update(self, texts: dict[str, bytes]) -> int:
+        """Take the replicas' latest expositions; the total."""
+        for replica, text in texts.items():
+            self._seen[replica] = max(self._seen.get(replica, 0), worker_restarts(text))
+        return sum(self._seen.values())
+
+
+__all__ = ["BOARD_NAME", "ClusterExposition", "MetricsBoard", "MetricsPusher", "RestartTally", "board_actor",
+           "board_texts", "merge", "worker_restarts"]

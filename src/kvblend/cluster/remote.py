@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+from kvblend.cluster.metrics import RestartTally, board_texts
 from kvblend.cluster.wire import (
     Accepted, Answering, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, Started, WireError, rebuild,
 )
@@ -178,9 +179,9 @@ class RemoteScheduler:
     in their metrics, labelled by replica); ``alive`` is False while no model replica is
     running (``replicas_running``, kept by the ingress's watcher; None: not known yet), so
     ``/health`` tells a load balancer that this ingress cannot answer; Ray restarts dead
-    replicas."""
+    replicas. ``restarts``: the model workers' loop restarts over the replicas, as the
+    watcher last read them from their metrics."""
 
-    restarts = 0
     num_waiting = 0
     num_background = 0
     num_jobs = 0
@@ -197,6 +198,7 @@ class RemoteScheduler:
         self._idle = threading.Condition()
         self._draining = False
         self.replicas_running: int | None = None
+        self.restarts = 0
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -331,9 +333,12 @@ def running_replicas(status: Any, app: str, deployment: str) -> int | None:
 
 def watch_replicas(scheduler: RemoteScheduler, app: str, deployment: str, period_s: float,
                    stop: threading.Event) -> threading.Thread:
-    """A daemon thread setting ``scheduler.replicas_running`` from ``serve.status()`` every
-    ``period_s`` until ``stop`` is set (a failed status call leaves the last value)."""
+    """A daemon thread setting, every ``period_s`` until ``stop`` is set,
+    ``scheduler.replicas_running`` from ``serve.status()`` and ``scheduler.restarts`` from
+    the replicas' metrics (``cluster.metrics.RestartTally``); a failed read leaves the last value."""
     from ray import serve
+
+    tally = RestartTally()
 
     def run() -> None:
         while not stop.is_set():
@@ -341,6 +346,10 @@ def watch_replicas(scheduler: RemoteScheduler, app: str, deployment: str, period
                 scheduler.replicas_running = running_replicas(serve.status(), app, deployment)
             except Exception as exc:  # noqa: BLE001 - the controller is busy or restarting: try again
                 log.debug("serve.status() failed: %s", exc)
+            try:
+                scheduler.restarts = tally.update(board_texts())
+            except Exception as exc:  # noqa: BLE001 - the board is busy or restarting: try again
+                log.debug("replica metrics unavailable: %s", exc)
             stop.wait(period_s)
 
     thread = threading.Thread(target=run, name="kvblend-replica-watch", daemon=True)
