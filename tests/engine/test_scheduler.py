@@ -347,6 +347,36 @@ def test_a_handle_reports_its_admission_on_request_and_what_its_tenant_was_charg
         sched.drain(5)
 
 
+def test_on_end_calls_back_once_the_request_ended_with_its_final_charges() -> None:
+    """A model replica whose call was cancelled stops reading its request, and sends its
+    ingress what the tenant was charged once the scheduler ended it (``cluster.model``):
+    ``on_end`` calls back then, on the worker thread, or at once for a request that ended;
+    a failing callback is logged, not raised into the worker."""
+    sched = _started(Engine(make_loaded()), max_running=1, prefill_chunk_tokens=16)
+    request = Request(documents=[tuple(5 + i % 40 for i in range(100))], question="where is the river ?",
+                      method="full", tenant="t")
+    seen = []
+    try:
+        handle = sched.submit(request, SamplingParams(max_tokens=120, ignore_eos=True))
+        handle.on_end(lambda h: 1 / 0)
+        handle.on_end(lambda h: seen.append((threading.current_thread().name, h.done, h.charged_prefill)))
+        until = time.monotonic() + 30
+        while handle.charged_prefill == 0 and time.monotonic() < until:
+            time.sleep(0.001)
+        handle.cancel()  # in its prefill or its first decode steps
+        with pytest.raises(KvblendError, match="cancelled"):
+            handle.result()
+        while not seen and time.monotonic() < until:  # called right after the end reached the reader
+            time.sleep(0.001)
+        ((thread, done, charged),) = seen
+        assert thread != threading.current_thread().name and done and charged == handle.charged_prefill > 0
+        handle.on_end(lambda h: seen.append(h.charged_decode))  # ended already: at once
+        assert seen[1:] == [handle.charged_decode]
+        assert sched.alive
+    finally:
+        sched.drain(5)
+
+
 def test_submitters_on_many_threads_all_get_their_answers() -> None:
     eng = Engine(make_loaded())
     sched = _started(eng, max_running=4, max_queued=64)

@@ -11,6 +11,7 @@ Contract (the HTTP server builds on exactly this)::
                                                  # token's event; raises the request's error
     async for item in handle.aevents(): ...      # the same, for asyncio
     handle.cancel()                              # client gone: slot freed within one step
+    handle.on_end(fn)                            # fn(handle) once it ended, its charges final
     future = sched.submit_job(steps, name)       # model work of the jobs lane (documents,
                                                  # write-back): QueueFullError when it is full
     job = sched.submit_background(steps)         # low-priority lane (shadow checks): a Future,
@@ -84,7 +85,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple
 
@@ -215,7 +216,8 @@ class RequestHandle:
     raises the request's KvblendError (deadline, cancel, drain, worker death, invalid).
     ``replica`` names the model replica serving it: None here, in one process (the Ray
     Serve stand-in's handles set it). ``charged_prefill`` and ``charged_decode``: what its
-    tenant was charged for it so far (``FairQueue.charge``), final once it ended.
+    tenant was charged for it so far (``FairQueue.charge``), final once it ended
+    (``on_end``: a callback then, for a caller that stopped reading).
     """
 
     replica: str | None = None
@@ -237,6 +239,7 @@ class RequestHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aitems: asyncio.Queue | None = None
         self._ended = False
+        self._on_end: list[Callable[[RequestHandle], None]] = []
 
     @property
     def tenant(self) -> str:
@@ -257,20 +260,34 @@ class RequestHandle:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
+    def on_end(self, fn: Callable[[RequestHandle], None]) -> None:
+        """Call ``fn(self)`` once the request has ended, its charges final: now if it has,
+        else on the worker thread as it ends (keep ``fn`` short; what it raises is logged)."""
+        with self._lock:
+            if not self._ended:
+                self._on_end.append(fn)
+                return
+        _call_logged(fn, self)
+
     # -- the worker side
     def _push(self, item: StreamEvent | RequestStats | _End) -> None:
         with self._lock:
             if self._ended:
                 return
             self._ended = isinstance(item, _End)
-            if self._loop is None:
-                self._items.put(item)
-                return
+            ended: list[Callable[[RequestHandle], None]] = []
+            if self._ended:
+                ended, self._on_end = self._on_end, []
             loop, aitems = self._loop, self._aitems
-        try:
-            loop.call_soon_threadsafe(aitems.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody will read this
-            self._cancelled.set()
+            if loop is None:
+                self._items.put(item)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(aitems.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed: nobody will read this
+                self._cancelled.set()
+        for fn in ended:
+            _call_logged(fn, self)
 
     # -- the consumer side
     def events(self) -> Iterator[StreamEvent | RequestStats]:
@@ -304,6 +321,13 @@ class RequestHandle:
     def result(self) -> Result:
         """Block until the request ends and return it whole (raises its error)."""
         return result_of(self.events())
+
+
+def _call_logged(fn: Callable[[RequestHandle], None], handle: RequestHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # noqa: BLE001 - a caller's callback must not break the worker
+        log.exception("a callback at the end of request %s failed", handle.id)
 
 
 class _Running(NamedTuple):
