@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
 from kvblend.cluster.remote import RemoteScheduler, tenant_ledger
 from kvblend.engine import Engine, Request
 from kvblend.engine.fair import TenantLedger, TenantShare
-from kvblend.engine.scheduler import QueueFullError, Scheduler
+from kvblend.engine.scheduler import DEFAULT_CHUNK_TOKENS, QueueFullError, Scheduler
 from kvblend.generation import SamplingParams
 from kvblend.settings import Settings
 from tests.cluster.test_model_replica import _Method, _replica, _Stream
@@ -33,11 +34,11 @@ class _RoundRobin:
         return self
 
 
-def _replicas(n: int, max_running: int = 2, **share):
-    """``n`` replicas over started schedulers; each scheduler's ``handles`` lists the
-    requests it took."""
-    scheds = [Scheduler(Engine(make_loaded()), max_running=max_running, shares={"metered": TenantShare(**share)})
-              for _ in range(n)]
+def _replicas(n: int, max_running: int = 2, chunk: int = DEFAULT_CHUNK_TOKENS, **share):
+    """``n`` replicas over started schedulers (prefill slices of ``chunk`` tokens); each
+    scheduler's ``handles`` lists the requests it took."""
+    scheds = [Scheduler(Engine(make_loaded()), max_running=max_running, prefill_chunk_tokens=chunk,
+                        shares={"metered": TenantShare(**share)}) for _ in range(n)]
     for s in scheds:
         s.handles = []
         s.submit = lambda *a, _s=s, _submit=s.submit, **k: _s.handles.append(_submit(*a, **k)) or _s.handles[-1]
@@ -171,3 +172,60 @@ def test_each_ingress_gets_its_part_of_the_tenants_limits() -> None:
     assert ingress_settings.cluster.ingress_replicas == 3 and settings.cluster.ingress_replicas == 1
     assert tenant_ledger(ingress_settings).share("t") == TenantShare(max_queued=1, tokens_per_s=3.0)
     assert tenant_ledger(settings).share("t") == TenantShare(max_queued=3, tokens_per_s=9.0)
+
+
+def test_a_request_cancelled_in_its_prefill_is_charged_at_the_ingress_what_its_replica_charged() -> None:
+    """The ingress took a request's prefill from the tenant's bucket only with ``Answering``,
+    sent before its first output: a client that left mid-prefill had the replica's bucket
+    charged and the ingress's not at all. Now the replica sends its totals to the ingress's
+    inbox once the cancelled request ended there, and the ingress charges the rest."""
+    (sched,), (replica,) = _replicas(1, max_running=1, chunk=16, tokens_per_s=1e6)  # a prefill of several slices
+    engine = Engine(make_loaded())
+    remote = RemoteScheduler(_RoundRobin([replica]), engine, TenantLedger({"metered": TenantShare(tokens_per_s=1e6)}))
+    remote.inbox = "ingress-inbox"
+    posted, charged = [], []
+    replica.post = lambda inbox, item: posted.append(inbox) or remote.settle([item])  # the inbox's thread, in short
+    real_charge = remote.ledger.charge
+    remote.ledger.charge = lambda tenant, p=0.0, d=0: charged.append(p + 2.0 * d) or real_charge(tenant, p, d)
+    request = Request(documents=[tuple(5 + i % 40 for i in range(120))], question="what ?", tenant="metered",
+                      method="full")
+
+    async def main() -> None:
+        handle = await remote.asubmit(request, SamplingParams(max_tokens=8, ignore_eos=True))
+        reader = asyncio.ensure_future(handle.aevents().__anext__())  # the app reads as the items come
+        until = time.monotonic() + 30
+        while sched.handles[0].charged_prefill == 0 and time.monotonic() < until:
+            await asyncio.sleep(0.001)
+        reader.cancel()  # the client left: Serve cancels the handler, and the call with it
+        handle.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        while not posted and time.monotonic() < until:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        (replicas_handle,) = sched.handles
+        assert replicas_handle.stats is None, "the request answered before it was cancelled"
+        assert _charged(replicas_handle) > 0 and sum(charged) == pytest.approx(_charged(replicas_handle))
+        assert posted == ["ingress-inbox"]
+        assert not remote._awaiting
+    finally:
+        sched.drain(5)
+
+
+def test_the_inbox_hands_over_what_was_posted_once() -> None:
+    """``cluster.settle.Inbox``, the ingress's actor, as plain asyncio: a take waits for a
+    post (up to its limit) and hands each item over once."""
+    from kvblend.cluster.settle import Inbox
+    from kvblend.cluster.wire import Settled
+
+    async def main() -> list:
+        inbox = Inbox()
+        empty = await inbox.take(0.01)
+        waiting = asyncio.ensure_future(inbox.take(10.0))
+        await asyncio.sleep(0.01)
+        await inbox.post(Settled(7, 12.0, 3))
+        return [empty, await waiting, await inbox.take(0.01)]
+
+    assert asyncio.run(main()) == [[], [Settled(7, 12.0, 3)], []]

@@ -7,7 +7,9 @@ torch's ``meta`` device: config, tokenizer, fingerprints) whose store holds only
 shared tiers (disk, Redis) — what ``GET /v1/documents/{id}`` and the store view report —
 and over a ``cluster.remote.RemoteScheduler`` that sends each shaped request to a model
 replica through the model deployment's handle, after checking the tenant's own queue cap
-and token rate (this ingress's part of them: ``cluster.remote.tenant_ledger``).
+and token rate (this ingress's part of them: ``cluster.remote.tenant_ledger``; what a
+replica charged for a call cancelled before its end comes back through this ingress's
+inbox, ``cluster.settle``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from kvblend.cluster.metrics import ClusterExposition
 from kvblend.cluster.purge import PurgePublisher
 from kvblend.cluster.remote import RemoteScheduler, tenant_ledger, watch_replicas
+from kvblend.cluster.settle import follow_inbox, start_inbox
 from kvblend.engine import Engine, PrefixCache
 from kvblend.server.app import create_app
 from kvblend.server.main import configure_logging
@@ -56,6 +59,7 @@ class Ingress:
         self.model = model  # DeploymentHandle of the model deployment
         self.settings = settings
         self.engine: Engine | None = None
+        self._inbox: Any = None  # the settlement inbox's actor handle: it lives while we hold it
         self._stop = threading.Event()
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -69,6 +73,8 @@ class Ingress:
         watch_replicas(scheduler, context.replica_id.deployment_id.app_name, MODEL_DEPLOYMENT, REPLICA_WATCH_S, self._stop)
         ingress_id = serve.get_replica_context().replica_id.unique_id
         state.exposition = ClusterExposition(ingress_id, state.metrics.registry)
+        scheduler.inbox, self._inbox = start_inbox(ingress_id)
+        follow_inbox(self._inbox, scheduler, self._stop)
         app_name = context.replica_id.deployment_id.app_name
         publisher = PurgePublisher(app_name)  # a DELETE's freed chunk keys leave the replicas' own tiers too
         state.purge, state.revive = publisher.purge, publisher.revive

@@ -6,7 +6,8 @@ disk and Redis tiers are the shared ones every replica names), and runs one
 
 * ``generate(call: ModelCall)`` — an async generator (through ``.options(stream=True)``):
   ``Accepted``, ``Started``, ``Answering``, the scheduler's items, ``Ended``
-  (``cluster.wire``). A cancelled call cancels the request here;
+  (``cluster.wire``). A cancelled call cancels the request here and, once it ended, sends
+  what its tenant was charged to the ingress's inbox (``cluster.settle``);
 * ``compute_documents(call: DocumentCall)`` — `/v1/documents` precompute on the jobs
   lane, stored through this replica's store (so into the shared tiers too);
 returns this replica's id, or a ``WireError``;
@@ -36,10 +37,11 @@ from typing import Any
 from kvblend.cluster.affinity import ResidentSummary
 from kvblend.cluster.metrics import MetricsPusher
 from kvblend.cluster.purge import PurgeFollower, log_reader
+from kvblend.cluster.settle import post
 from kvblend.cluster.wire import (
-    INTERNAL, Accepted, Answering, DocumentCall, Ended, ModelCall, ShadowCall, Started, WireError, to_wire,
+    INTERNAL, Accepted, Answering, DocumentCall, Ended, ModelCall, Settled, ShadowCall, Started, WireError, to_wire,
 )
-from kvblend.engine.scheduler import Admitted, DrainingError
+from kvblend.engine.scheduler import Admitted, DrainingError, RequestHandle
 from kvblend.guard.quality import start_check
 from kvblend.guard.shadow import ShadowResult
 from kvblend.server.app import build_scheduler, server_metrics
@@ -85,6 +87,7 @@ class ModelReplica:
         self._closed = threading.Event()
         self.purger = PurgeFollower(self.engine.store, settings.cluster.routing_stats_period_s,
                                     log_reader(_app_name())).start()
+        self.post = post  # a cancelled call's charges, to its ingress's inbox
         log.info("model replica %s ready", self.replica)
 
     # -- requests
@@ -97,24 +100,37 @@ class ModelReplica:
         self.unanswered.add(handle)
         try:
             yield Accepted(self.replica)  # inside the try: a call cancelled here cancels the request too
-            answering = False
-            async for item in handle.aevents(admissions=True):
-                if isinstance(item, Admitted):
-                    yield Started(item.queue_s)
-                    continue
-                self.unanswered.discard(handle)  # its stats or first token: its prefill is done
-                if not answering:
-                    answering = True
-                    yield Answering(handle.charged_prefill)
+            async for item in self._answer(handle):
                 yield item
+            yield Ended(handle.queue_s, None, handle.charged_prefill, handle.charged_decode)
         except Exception as exc:  # noqa: BLE001 - the request's error, in-band (the scheduler logged it)
             yield Ended(handle.queue_s, to_wire(exc), handle.charged_prefill, handle.charged_decode)
-            return
+        except BaseException:  # cancelled (client gone): no Ended goes out
+            self._settle_later(call, handle)
+            raise
         finally:
             self.unanswered.discard(handle)
             if not handle.done:  # the call was cancelled (client gone): free the slot
                 handle.cancel()
-        yield Ended(handle.queue_s, None, handle.charged_prefill, handle.charged_decode)
+
+    def _settle_later(self, call: ModelCall, handle: RequestHandle) -> None:
+        """Once the cancelled call's request has ended here, send what its tenant was
+        charged for it to the call's ingress (``cluster.settle``), if it asked."""
+        if call.reply_to is not None:
+            handle.on_end(lambda h: self.post(call.reply_to, Settled(call.call, h.charged_prefill, h.charged_decode)))
+
+    async def _answer(self, handle: RequestHandle):  # noqa: ANN202 - an async generator of wire items
+        """The request's items as the scheduler gives them, with ``Started`` and ``Answering``."""
+        answering = False
+        async for item in handle.aevents(admissions=True):
+            if isinstance(item, Admitted):
+                yield Started(item.queue_s)
+                continue
+            self.unanswered.discard(handle)  # its stats or first token: its prefill is done
+            if not answering:
+                answering = True
+                yield Answering(handle.charged_prefill)
+            yield item
 
     async def compute_documents(self, call: DocumentCall) -> str | WireError:
         """Compute the chunks not stored yet (this replica's store decides) on the jobs

@@ -17,13 +17,16 @@ Each replica's scheduler sees only the requests routed to it, so a tenant's own
 Retry-After, the replica's messages) while the tenant has that many waiting on the
 replicas (sent, not started yet), or its bucket is empty; the replicas report what they
 charged it (``cluster.wire``), taken from its bucket here as it comes (the prefill before
-the first output, then each decoded token, the rest at the end). The scheduler-wide
-``max_queued`` stays with each replica, which it protects.
+the first output, then each decoded token, the rest at the end; for a call cancelled before
+its end, the rest once the replica ended the request, through this ingress's inbox:
+``cluster.settle``, ``RemoteScheduler.settle``). The scheduler-wide ``max_queued`` stays
+with each replica, which it protects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import threading
@@ -34,7 +37,7 @@ from typing import Any
 
 from kvblend.cluster.metrics import RestartTally, board_texts
 from kvblend.cluster.wire import (
-    Accepted, Answering, DocumentCall, Ended, ModelCall, RouteKeys, ShadowCall, Started, WireError, rebuild,
+    Accepted, Answering, DocumentCall, Ended, ModelCall, RouteKeys, Settled, ShadowCall, Started, WireError, rebuild,
 )
 from kvblend.engine import Engine, Request
 from kvblend.engine.fair import TenantLedger
@@ -45,6 +48,7 @@ from kvblend.generation.stream import StreamEvent
 from kvblend.store.keys import ChunkKey, chunk_key
 
 log = logging.getLogger("kvblend.cluster")
+SETTLE_WAIT_S = 60.0  # a call ended without its totals is forgotten this long after (its replica was lost)
 
 
 def route_keys(engine: Engine, request: Request) -> RouteKeys:
@@ -65,8 +69,10 @@ def _lost(exc: BaseException) -> WorkerDeadError:
 class RemoteHandle:
     """One request on a model replica; see the module docstring. Read ``aevents`` once."""
 
-    def __init__(self, request: Request, stream: Any, owner: RemoteScheduler) -> None:
+    def __init__(self, request: Request, stream: Any, owner: RemoteScheduler, number: int = 0) -> None:
         self.request = request
+        self.number = number  # the call's number at this ingress (``ModelCall.call``)
+        self.finished_at: float | None = None
         self.replica: str | None = None
         self.queue_s = 0.0
         self.stats = None
@@ -97,6 +103,7 @@ class RemoteHandle:
     def _finish(self) -> None:
         if not self._ended:
             self._ended = True
+            self.finished_at = time.monotonic()
             self._left_queue()
             self._owner._release()
 
@@ -107,12 +114,16 @@ class RemoteHandle:
 
     def _charge_up_to(self, prefill: float, decode: int) -> None:
         """Bring what the tenant's ledger was charged for this request up to the replica's
-        totals so far (``prefill`` tokens, ``decode`` tokens)."""
-        more_prefill, more_decode = max(0.0, prefill - self._prefill_charged), max(0, decode - self._decode_charged)
-        if more_prefill or more_decode:
+        totals so far (``prefill`` tokens, ``decode`` tokens); from the event loop, or the
+        inbox's thread once the call was cancelled."""
+        owner = self._owner
+        with owner._ledger_lock:
+            more_prefill = max(0.0, prefill - self._prefill_charged)
+            more_decode = max(0, decode - self._decode_charged)
             self._prefill_charged += more_prefill
             self._decode_charged += more_decode
-            self._owner._ledger_call("charge", self.request.tenant, more_prefill, more_decode)
+            if owner.ledger is not None and (more_prefill or more_decode):
+                owner.ledger.charge(self.request.tenant, more_prefill, more_decode)
 
     async def _next(self) -> Any:
         try:
@@ -133,6 +144,7 @@ class RemoteHandle:
             self._finish()
             raise
         if isinstance(first, Ended):
+            self._owner._got_totals(self)
             self._finish()
             raise rebuild(first.error or WireError("InternalRequestError", "no answer"))
         assert isinstance(first, Accepted), first
@@ -158,6 +170,7 @@ class RemoteHandle:
                 if isinstance(item, Ended):
                     self.queue_s = item.queue_s
                     self._charge_up_to(item.prefill_tokens, item.decode_tokens)
+                    self._owner._got_totals(self)
                     if item.error is not None:
                         raise rebuild(item.error)
                     return
@@ -180,7 +193,8 @@ class RemoteScheduler:
     running (``replicas_running``, kept by the ingress's watcher; None: not known yet), so
     ``/health`` tells a load balancer that this ingress cannot answer; Ray restarts dead
     replicas. ``restarts``: the model workers' loop restarts over the replicas, as the
-    watcher last read them from their metrics."""
+    watcher last read them from their metrics. ``inbox``: the name of this ingress's inbox
+    (``cluster.settle``), named in the calls of tenants with limits; None: not named."""
 
     num_waiting = 0
     num_background = 0
@@ -199,6 +213,9 @@ class RemoteScheduler:
         self._draining = False
         self.replicas_running: int | None = None
         self.restarts = 0
+        self.inbox: str | None = None
+        self._numbers = itertools.count(1)
+        self._awaiting: dict[int, RemoteHandle] = {}  # calls that named the inbox and have no totals yet
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -234,7 +251,8 @@ class RemoteScheduler:
         raised there."""
         if self._draining:
             raise DrainingError("the server is shutting down and takes no new requests")
-        call = ModelCall(route_keys(self.engine, request), request, sampling)
+        number, reply_to = next(self._numbers), self._reply_to(request.tenant)
+        call = ModelCall(route_keys(self.engine, request), request, sampling, reply_to, number)
         if self.ledger is not None:
             with self._ledger_lock:
                 refusal = self.ledger.check(request.tenant)
@@ -249,9 +267,37 @@ class RemoteScheduler:
             self._ledger_call("left", request.tenant)
             self._release()
             raise
-        handle = RemoteHandle(request, stream, self)
+        handle = RemoteHandle(request, stream, self, number)
+        if reply_to is not None:
+            with self._ledger_lock:
+                self._awaiting[number] = handle
         await handle.open()
         return handle
+
+    def _reply_to(self, tenant: str) -> str | None:
+        """The inbox a call of ``tenant`` names: only a tenant this ingress keeps limits for."""
+        if self.inbox is None or self.ledger is None or self.ledger.share(tenant) is None:
+            return None
+        return self.inbox
+
+    def _got_totals(self, handle: RemoteHandle) -> None:
+        """The call's totals came in its stream (``Ended``): no settlement is awaited."""
+        with self._ledger_lock:
+            self._awaiting.pop(handle.number, None)
+
+    def settle(self, items: list[Settled]) -> None:
+        """Charge each call's tenant what its replica charged beyond what came in its stream
+        (the call was cancelled before its ``Ended``: ``cluster.settle``); forget the calls
+        that ended without their totals over ``SETTLE_WAIT_S`` ago (their replica was lost)."""
+        now = time.monotonic()
+        with self._ledger_lock:
+            found = [(self._awaiting.pop(item.call, None), item) for item in items]
+            for number, handle in list(self._awaiting.items()):
+                if handle.finished_at is not None and now - handle.finished_at > SETTLE_WAIT_S:
+                    del self._awaiting[number]
+        for handle, item in found:
+            if handle is not None:
+                handle._charge_up_to(item.prefill_tokens, item.decode_tokens)
 
     async def compute_documents(self, todo: list[tuple[ChunkKey, tuple[int, ...]]], prefix: tuple[int, ...],
                                 name: str) -> str:

@@ -11,10 +11,12 @@ when it leaves that queue, ``Answering`` right before its first output, then the
 scheduler's items (``StreamEvent``, ``RequestStats``) as they come, then ``Ended``; what
 the replica charged its tenant (``Answering``: the prefill, then one decode token per
 ``StreamEvent`` after the first, ``Ended``: the totals) lets the ingress keep the
-tenant's token rate across replicas (``engine.fair.TenantLedger``). Errors
-never cross as exceptions: the replica sends a ``WireError`` (the error's class name,
-message and Retry-After) and the ingress raises the same class again (``rebuild``), so
-429/503/504/400/500 keep their status and OpenAI shape across the hop.
+tenant's token rate across replicas (``engine.fair.TenantLedger``). A call cancelled
+before its ``Ended`` (the client left) gets no more items: when the call names the
+ingress's inbox, the replica sends the totals there as ``Settled`` (``cluster.settle``).
+Errors never cross as exceptions: the replica sends a ``WireError`` (the error's class
+name, message and Retry-After) and the ingress raises the same class again (``rebuild``),
+so 429/503/504/400/500 keep their status and OpenAI shape across the hop.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ RouteKeys = tuple[tuple[str, int], ...]
 
 @dataclass(frozen=True)
 class ModelCall:
-    """A shaped chat/completion request for a replica's scheduler."""
+    """A shaped chat/completion request for a replica's scheduler. ``reply_to``: the
+    ingress's inbox for what the replica charged should the call be cancelled before its
+    ``Ended`` (None: not wanted), and ``call`` its number there."""
 
     route_keys: RouteKeys
     request: Request
     sampling: SamplingParams
+    reply_to: str | None = None
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,16 @@ class Ended:
     decode_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What the replica charged the tenant of call number ``call`` in all (``Ended``'s
+    totals), once its request ended, for a call cancelled before its ``Ended``."""
+
+    call: int
+    prefill_tokens: float
+    decode_tokens: int
+
+
 # Errors rebuilt by class name; anything else is an internal error (a bare 500).
 _KNOWN: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (
@@ -146,4 +162,5 @@ def rebuild(error: WireError) -> Exception:
     return cls(error.message)
 
 
-__all__ = ["Accepted", "Answering", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "ShadowCall", "Started", "WireError", "rebuild", "to_wire"]
+__all__ = ["Accepted", "Answering", "DocumentCall", "Ended", "ModelCall", "RouteKeys", "Settled", "ShadowCall", "Started",
+           "WireError", "rebuild", "to_wire"]
