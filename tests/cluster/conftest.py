@@ -43,7 +43,9 @@ def cluster(ray_instance, tmp_path_factory, smollm2_calibrated):
             port=free_port(), state_dir=str(tmp_path_factory.mktemp("cluster-state")), log_level="warning",
             api_keys={KEY: "alice"}, drain_timeout_s=5,
             store={"tiers": ["memory", "redis"], "memory_bytes": "64MiB", "redis_url": redis.url},
-            scheduler={"max_running": 4, "max_queued": 16},
+            # a token rate no test reaches: the ingress keeps alice's ledger, so her calls name
+            # its inbox and a cancelled one's charges come back through it (cluster.settle)
+            scheduler={"max_running": 4, "max_queued": 16, "tenants": {"alice": {"tokens_per_s": 1e9}}},
             # every blend is shadow-checked on a replica, one at a time; no quality bound,
             # so no test's answers depend on the guard switching to fallback
             guard={"enabled": True, "shadow_fraction": 1.0, "min_f1": None, "max_pending": 1},

@@ -232,6 +232,8 @@ def test_metrics_carry_a_replica_label_for_each_model_replica_and_the_ingress(cl
     errors = _samples(text, "kvblend:request_errors_total")
     assert any(r.startswith("ingress:") and v >= 1 for r, v in errors.items()), errors
     assert text.count("# TYPE kvblend:num_requests_running gauge") == 1
+    redis = re.findall(r'^kvblend:store_bytes\{([^}]*tier="redis"[^}]*)\}', text, re.M)
+    assert len(redis) == 1 and "replica=" not in redis[0], redis  # the shared tier once, not per replica
 
 
 def test_a_client_leaving_a_stream_cancels_its_request_on_the_replica(cluster):
@@ -277,5 +279,7 @@ def test_ingress_answers_like_one_process(cluster, path):
     with cluster.client() as c:
         resp = c.get(path)
     assert resp.status_code == 200
+    if path == "/health":
+        assert resp.headers["X-Kvblend-Worker-Restarts"] == "0"  # the replicas' workers never restarted
     if path == "/v1/models":
         assert resp.json()["data"][0]["id"] == "smollm2-135m"
