@@ -13,7 +13,10 @@ replica id>``; it lives and dies with the ingress). The calls of tenants with li
 it (``ModelCall.reply_to``); a replica whose call is cancelled before its ``Ended`` sends
 the request's totals there once its scheduler has ended it (``Settled``, ``post``), and
 the ingress's ``follow_inbox`` thread hands them to ``RemoteScheduler.settle``, which
-charges the tenant what it was not charged yet.
+charges the tenant what it was not charged yet. One case stays short: a request that had
+ended on the replica, its last items and ``Ended`` still on their way, when the client
+left; the replica sent its end and posts nothing, so the tokens of the items the ingress
+never read (those in flight, a few at most) are charged by the replica only.
 """
 
 from __future__ import annotations
