@@ -206,7 +206,7 @@ class BlendSettings(BlendOptions):
     r_min: Ratio = _BLEND.r_min
     r_max: Ratio = _BLEND.r_max
     calibrate: bool = True
-    # a quantile (null: off): a blend without the shift whose moved risk is at least this quantile
+    # a quantile (null: off): a blend without the shift whose moved risk is above this quantile
     # of its tenant's recent ones recomputes again at twice its ratio (``BlendConfig.escalate``)
     escalate: Ratio | None = _BLEND.escalate
 

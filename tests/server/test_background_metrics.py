@@ -97,24 +97,28 @@ def test_a_blend_risk_reaches_the_response_and_the_histogram(tmp_path) -> None:
 
 
 def test_an_escalated_blend_says_so_and_is_counted(tmp_path) -> None:
-    """With ``blend.escalate`` 0 (every risk is at least the smallest), once the tenant has
-    MIN_SAMPLES moved risks its next blend without the shift recomputes again: the response
-    says so and ``kvblend:blend_escalations_total`` counts it."""
+    """Once the tenant has MIN_SAMPLES moved risks, a blend without the shift whose risk is
+    above their ``blend.escalate`` quantile recomputes again: the response says so and
+    ``kvblend:blend_escalations_total`` counts it; a blend at the top's level does not."""
     from kvblend.engine.escalation import MIN_SAMPLES
 
     engine = Engine(make_loaded(), self_check=False, calibrate=False)
-    app = create_app(engine, Settings.load(model="tiny", state_dir=str(tmp_path), blend={"escalate": 0.0}))
+    app = create_app(engine, Settings.load(model="tiny", state_dir=str(tmp_path), blend={"escalate": 1.0}))
     docs = [" ".join(f"w{i}{j}" for j in range(40)) + " ." for i in range(2)]
     body = {"model": "tiny", "messages": [{"role": "user", "content": "which word ?"}], "max_tokens": 1,
             "documents": docs, "temperature": 0, "kvblend": {"shift": False}}
     with TestClient(app) as client:
         for doc in docs:
             assert client.post("/v1/documents", json={"text": doc}).status_code == 200
-        first = [client.post("/v1/chat/completions", json=body).json()["kvblend"] for _ in range(MIN_SAMPLES)]
-        assert not any(b["escalated"] for b in first)  # too few risks in yet
-        last = client.post("/v1/chat/completions", json=body).json()["kvblend"]
+        first = client.post("/v1/chat/completions", json=body).json()["kvblend"]
+        assert first["escalated"] is False  # no risks in yet
+        for _ in range(MIN_SAMPLES):
+            engine.escalation.add("default", first["risk"] / 2)  # the tenant's past risks, all below this prompt's
+        escalated = client.post("/v1/chat/completions", json=body).json()["kvblend"]
+        again = client.post("/v1/chat/completions", json=body).json()["kvblend"]  # its own risk is now the top
         m = _scrape(client)
-    assert last["escalated"] is True and last["recompute_fraction"] > first[0]["recompute_fraction"]
+    assert escalated["escalated"] is True and escalated["recompute_fraction"] > first["recompute_fraction"]
+    assert again["escalated"] is False and again["risk"] == first["risk"]
     assert m["kvblend:blend_escalations_total"] == 1.0
 
 

@@ -77,7 +77,7 @@ class BlendConfig:
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
     ``escalate`` (a quantile, None = off): a question-selected blend without the shift whose
     moved risk (``strategies.moved_risk``: how little its recompute moved the answer from
-    reuse's) is at least this quantile of its tenant's recent ones recomputes again at twice
+    reuse's) is above this quantile of its tenant's recent ones recomputes again at twice
     its ratio, the tokens it kept among them (``engine.escalation``; docs/results.md, issue #23).
     A quantile, not a level, so about the same share of requests pays for it on every model.
 

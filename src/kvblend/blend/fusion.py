@@ -104,7 +104,7 @@ class FusionPlan:
     # with ``reuse_cache``: positions below it hold their final K/V there (a first pass computed
     # the prompt before the first placed chunk exactly: nothing there reads reused K/V)
     exact_upto: int = 0
-    # a question-selected blend without the shift whose moved risk is at least this recomputes
+    # a question-selected blend without the shift whose moved risk is above this recomputes
     # again at twice its ratio (``strategies.escalated_keep``; the engine's per-request threshold)
     escalate_at: float | None = None
 

@@ -650,12 +650,12 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
 
 def escalated_keep(plan: FusionPlan, cfg: BlendConfig, risk: float | None, keep: int, n_cand: int,
                    scores: torch.Tensor) -> int | None:
-    """How many candidates a blend recomputes again when its moved risk (``moved_risk``) is at
-    least ``plan.escalate_at`` (the engine's threshold for the request: ``engine.escalation``):
+    """How many candidates a blend recomputes again when its moved risk (``moved_risk``) is
+    above ``plan.escalate_at`` (the engine's threshold for the request: ``engine.escalation``):
     as many as twice its ratio keeps (at most all; ``cover`` applies as to the first), never
     fewer than it kept. None: no second recompute (no threshold, no risk, below it, or every
     candidate already kept)."""
-    if plan.escalate_at is None or risk is None or risk < plan.escalate_at or keep >= n_cand:
+    if plan.escalate_at is None or risk is None or risk <= plan.escalate_at or keep >= n_cand:
         return None
     wider = kept_count(min(1.0, 2 * plan.ratios[-1]), n_cand)
     if cfg.cover:

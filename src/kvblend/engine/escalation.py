@@ -4,9 +4,10 @@ A question-selected blend without the shift measures how little its recompute mo
 answer from plain reuse's (``blend.strategies.moved_risk``). Where that is high, the blend
 most likely left reuse's error in place, and the engine runs its recompute again at twice
 the ratio (``FusionPlan.escalate_at``, ``strategies.escalated_keep``). "High" is relative:
-at least the ``BlendConfig.escalate`` quantile of the tenant's last ``WINDOW`` such risks,
-so about the same share of requests pays for a second pass on every model, whatever the
-scale of its risks (issue #23, docs/results.md "The tail"). Before ``MIN_SAMPLES`` risks
+above the ``BlendConfig.escalate`` quantile of the tenant's last ``WINDOW`` such risks, so
+about the same share of requests pays for a second pass on every model, whatever the scale
+of its risks (issue #23, docs/results.md "The tail"); strictly above, so a prompt sent
+again and again (equal risks) does not escalate every time. Before ``MIN_SAMPLES`` risks
 are in, nothing escalates.
 
 ``top_quantile`` is the one rule for "in the top of recent risks": the guard's risk-first
@@ -26,8 +27,8 @@ MAX_TENANTS = 4096  # tenants tracked; the least recently seen go first
 
 
 def top_quantile(recent: Sequence[float], q: float, min_samples: int) -> float | None:
-    """The ``q``-quantile of ``recent`` (the ceil(q x n)-th smallest): a risk at least this
-    is in their top 1 - q. None while fewer than ``min_samples`` are in."""
+    """The ``q``-quantile of ``recent`` (the ceil(q x n)-th smallest): a risk above it is in
+    their top 1 - q. None while fewer than ``min_samples`` are in."""
     if len(recent) < max(1, min_samples):
         return None
     ordered = sorted(recent)
@@ -46,7 +47,7 @@ class RiskWindows:
         self._lock = threading.Lock()
 
     def threshold(self, tenant: str, quantile: float | None) -> float | None:
-        """The risk at or above which this tenant's next blend escalates (``top_quantile``);
+        """The risk above which this tenant's next blend escalates (``top_quantile``);
         None when ``quantile`` is None or too few risks are in."""
         if quantile is None:
             return None
