@@ -3,11 +3,19 @@ the exact-to-IVF switch."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kvblend.rag.faiss_index import FaissIndex
 from kvblend.rag.backends import build_vector_index
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _unit(rng, n, dim=16):
@@ -92,3 +100,45 @@ def test_a_reader_open_across_an_ingest_sees_its_vectors(tmp_path):
     assert reader.count("t2") == 1
     writer.close()
     reader.close()
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+from kvblend.rag.faiss_index import FaissIndex
+folder, vecs = sys.argv[1], np.load(sys.argv[2])
+writer = FaissIndex(folder, 16, ivf_min=100)
+writer.upsert("t", [str(i) for i in range(200, 300)], vecs[200:300])
+writer.delete("t", ["5"])
+os.kill(os.getpid(), signal.SIGKILL)  # killed before its flush: the log moved, no snapshot of it
+"""
+
+
+def _kill_a_writer(folder, vecs):
+    np.save(folder / "vecs.npy", vecs)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(folder), str(folder / "vecs.npy")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def test_a_reader_recovers_an_ivf_tenant_whose_writer_was_killed(tmp_path):
+    """A killed `kvblend ingest` never writes the snapshot an IVF tenant's reader waits for:
+    once no writer holds changes it has not flushed, the reader rebuilds the tenant from the
+    log (keeping its IVF training), so chunks added since are found and deleted ones are
+    not; its close writes the snapshot, which the next open reads."""
+    rng = np.random.default_rng(4)
+    vecs = _unit(rng, 300)
+    writer = FaissIndex(tmp_path, 16, ivf_min=100)
+    writer.upsert("t", [str(i) for i in range(200)], vecs[:200])
+    writer.close()
+    reader = FaissIndex(tmp_path, 16, ivf_min=100)
+    assert reader.count("t") == 200 and reader._tenant("t").trained_at == 200
+    _kill_a_writer(tmp_path, vecs)
+    assert reader.search("t", vecs[250], 1)[0].chunk_id == "250"
+    assert "5" not in {h.chunk_id for h in reader.search("t", vecs[5], 20)}
+    assert reader.count("t") == 299 and reader._tenant("t").trained_at == 200  # not trained per search
+    reader.close()
+    again = FaissIndex(tmp_path, 16, ivf_min=100)
+    assert again._load_snapshot("t") is not None and again.count("t") == 299
+    again.close()

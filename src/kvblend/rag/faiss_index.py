@@ -7,19 +7,25 @@ an in-memory faiss index rebuilt from it or read from a snapshot.
     open    -> snapshot when its version equals the log's, otherwise a rebuild from the log
     follow  -> a tenant whose log version moved (another process wrote it: the server
                reading while ``kvblend ingest`` writes) is reloaded the same way; an IVF
-               one only from a snapshot (never trained per search), kept until then
+               one from the writer's snapshot (never trained per search), kept until then
+               while the writer lives (``pending.lock``), rebuilt from the log on its own
+               training once no process holds unflushed changes (a killed ingest)
 
 Why faiss and not LanceDB or Qdrant's local mode: see docs/retrieval.md (measured).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import math
 import os
 import sqlite3
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import faiss
@@ -29,6 +35,8 @@ from kvblend.rag.vector_index import ScoredId
 from kvblend.store.keys import validate_tenant
 
 IVF_MIN = 20_000  # below this many vectors a tenant's search is exact
+PENDING_LOCK = "pending.lock"
+log = logging.getLogger(__name__)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS vectors (
     id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, chunk_id TEXT NOT NULL, vec BLOB NOT NULL,
@@ -48,12 +56,60 @@ class _TenantIndex:
         self.version = version
 
 
+class _PendingLock:
+    """``pending.lock``: a process holds it shared from its first write to the log until its
+    flush has written the snapshots (the kernel drops it when the process dies), so a reader
+    can tell a writer that will still write its snapshot from one killed before it did."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a+")
+        self.held = False
+
+    def hold(self) -> None:
+        if not self.held:
+            fcntl.flock(self._file, fcntl.LOCK_SH)  # waits only out another's `alone`
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self.held = False
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[bool]:
+        """Whether no process (this one included) holds unflushed changes; while True, none
+        can start writing."""
+        if self.held:
+            yield False
+            return
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.release()
+        self._file.close()
+
+
 def _exact(dim: int) -> faiss.Index:
     return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
 
 def _nlist(n: int) -> int:
     return int(min(4096, max(64, 2 * math.sqrt(n))))
+
+
+def _emptied(index: faiss.Index) -> faiss.Index:
+    """A copy of ``index`` without its vectors: an IVF keeps its training."""
+    copy = faiss.clone_index(index)
+    copy.reset()
+    return copy
 
 
 def _ivf(dim: int, vectors: np.ndarray, seed: int = 0) -> faiss.Index:
@@ -87,6 +143,8 @@ class FaissIndex:
         self._lock = threading.RLock()
         self._tenants: dict[str, _TenantIndex] = {}
         self._dirty: set[str] = set()
+        self._behind: set[str] = set()  # rebuilt from the log: their snapshot is behind it
+        self._pending = _PendingLock(self.folder / PENDING_LOCK)
 
     # ----- durable log ----------------------------------------------------------------
     def _version(self, tenant: str) -> int:
@@ -125,10 +183,16 @@ class FaissIndex:
             return None
         return _TenantIndex(index, names, meta["trained_at"], meta["version"])
 
-    def _rebuild(self, tenant: str) -> _TenantIndex:
+    def _rebuild(self, tenant: str, like: _TenantIndex | None = None) -> _TenantIndex:
+        """The tenant from the log, on ``like``'s training when given (no training per
+        search), else trained for its size."""
         version = self._version(tenant)  # before the rows: a write in between only makes it look stale
         ids, mat, names = self._rows(tenant)
-        if len(ids) >= self.ivf_min:
+        if version:
+            self._behind.add(tenant)
+        if like is not None:
+            index, trained = _emptied(like.index), like.trained_at
+        elif len(ids) >= self.ivf_min:
             index, trained = _ivf(self.dim, mat), len(ids)
         else:
             index, trained = _exact(self.dim), 0
@@ -147,9 +211,29 @@ class FaissIndex:
             fresh = self._load_snapshot(tenant)
             if fresh is None and not t.trained_at and self._count(tenant) < self.ivf_min:
                 fresh = self._rebuild(tenant)  # exact: cheap; an IVF waits for the writer's snapshot
+            if fresh is None:
+                fresh = self._recover(tenant, t)
             if fresh is not None:
                 self._tenants[tenant] = t = fresh
         return t
+
+    def _recover(self, tenant: str, t: _TenantIndex) -> _TenantIndex | None:
+        """``t`` rebuilt from the log on its own training when no process holds unflushed
+        changes: the writer that moved the log died before its snapshot (a killed ingest),
+        which would otherwise never come. None while a writer may still write it."""
+        with self._pending.alone() as alone:
+            if not alone:
+                return None
+        fresh = self._load_snapshot(tenant)  # flushed since the first look
+        if fresh is not None:
+            return fresh
+        start, n = time.perf_counter(), self._count(tenant)
+        log.warning("vector index %s: tenant %r's snapshot is behind its log and no writer holds changes (an "
+                    "ingest stopped before its flush): rebuilding its %d vectors from the log", self.folder, tenant, n)
+        fresh = self._rebuild(tenant, like=t)
+        log.warning("vector index %s: tenant %r rebuilt (%d vectors) in %.1f s", self.folder, tenant,
+                    fresh.index.ntotal, time.perf_counter() - start)
+        return fresh
 
     def _count(self, tenant: str) -> int:
         return self._db.execute("SELECT COUNT(*) FROM vectors WHERE tenant = ?", (tenant,)).fetchone()[0]
@@ -168,6 +252,7 @@ class FaissIndex:
             return
         with self._lock:
             t = self._tenant(tenant)
+            self._pending.hold()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for cid, vec in zip(chunk_ids, vectors):
@@ -197,6 +282,7 @@ class FaissIndex:
             ids = [t.rows[c] for c in chunk_ids if c in t.rows]
             if not ids:
                 return 0
+            self._pending.hold()
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany("DELETE FROM vectors WHERE id = ?", [(i,) for i in ids])
             self._bump(tenant)
@@ -229,20 +315,40 @@ class FaissIndex:
             return set(self._tenant(tenant).rows)
 
     def flush(self) -> None:
-        """Write a snapshot of every changed tenant (atomic: temp file, then rename)."""
+        """Write a snapshot of every changed tenant, then of those rebuilt from the log because
+        theirs was behind it (a killed ingest) while no process holds unflushed changes."""
         with self._lock:
             for tenant in sorted(self._dirty):
-                t = self._tenants[tenant]
-                index_path, meta_path = self._snapshot_paths(tenant)
-                tmp = index_path.with_suffix(".faiss.tmp")
-                faiss.write_index(t.index, str(tmp))
-                os.replace(tmp, index_path)
-                meta = {"version": self._version(tenant), "dim": self.dim, "trained_at": t.trained_at}
-                tmp_meta = meta_path.with_suffix(".json.tmp")
-                tmp_meta.write_text(json.dumps(meta))
-                os.replace(tmp_meta, meta_path)
+                self._write_snapshot(tenant)
             self._dirty.clear()
+            self._pending.release()
+            if self._behind:
+                self._repair()
+
+    def _repair(self) -> None:
+        with self._pending.alone() as alone:
+            if not alone:
+                return  # a writer's own flush will write them
+            for tenant in sorted(self._behind):
+                if self._tenants[tenant].version == self._version(tenant):
+                    self._write_snapshot(tenant)
+            self._behind.clear()
+
+    def _write_snapshot(self, tenant: str) -> None:
+        """``<tenant>.faiss`` and ``<tenant>.json`` (the log version the index reflects),
+        each atomic: a temp file, then a rename."""
+        t = self._tenants[tenant]
+        index_path, meta_path = self._snapshot_paths(tenant)
+        tmp = index_path.with_suffix(".faiss.tmp")
+        faiss.write_index(t.index, str(tmp))
+        os.replace(tmp, index_path)
+        meta = {"version": t.version, "dim": self.dim, "trained_at": t.trained_at}
+        tmp_meta = meta_path.with_suffix(".json.tmp")
+        tmp_meta.write_text(json.dumps(meta))
+        os.replace(tmp_meta, meta_path)
+        self._behind.discard(tenant)
 
     def close(self) -> None:
         self.flush()
+        self._pending.close()
         self._db.close()
