@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kvblend.errors import KvblendError, ModelNotFoundError, UnsupportedModelErr
 from kvblend.models.weights import fingerprint_files
 
 META_FILE = "kvblend.json"
+_BARS = threading.Lock()  # the switch below swaps a module global: one conversion at a time holds it
 
 
 def cache_home() -> Path:
@@ -39,17 +41,20 @@ def _progress(message: str) -> None:
 def _bars_as_configured() -> Iterator[None]:
     """transformers' GGUF reader draws its tensor bar with tqdm directly, past
     ``transformers.utils.logging.disable_progress_bar()`` (`kvblend ingest --quiet`): for
-    the conversion, its bar follows that switch."""
+    the conversion, its bar follows that switch. Conversions in one process take turns
+    here: two at once would each save the other's stand-in, and the last to leave would put
+    one back for good."""
     from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.utils import logging as hf_logging
 
-    bar = reader.tqdm
-    if not hf_logging.is_progress_bar_enabled():
-        reader.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        reader.tqdm = bar
+    with _BARS:
+        bar = reader.tqdm
+        if not hf_logging.is_progress_bar_enabled():
+            reader.tqdm = functools.partial(bar, disable=True)
+        try:
+            yield
+        finally:
+            reader.tqdm = bar
 
 
 def _write_converted(gguf: Path, out: Path, name: str) -> None:
