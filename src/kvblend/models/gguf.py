@@ -2,13 +2,15 @@
 
 A GGUF is read once through transformers (slow: it dequantises every tensor) and
 converted into the local model cache (safetensors + tokenizer files, keyed by the
-GGUF's sha256). Later starts read that folder. Below the loader and the packaged-model
-registry, which both use it.
+GGUF's sha256). Later starts read that folder. One process converts a GGUF at a time (a
+lock beside the folder): another waits, then reads what it wrote. Below the loader and the
+packaged-model registry, which both use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -102,16 +104,40 @@ def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
     if (folder / META_FILE).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    with _converting(folder):
+        if not (folder / META_FILE).exists():  # else the process this one waited for wrote it
+            _convert_into(gguf, folder, name or gguf.stem)
+    return folder
+
+
+@contextlib.contextmanager
+def _converting(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s conversion lock (an ``flock``, dropped if its holder dies),
+    waiting for a process converting the same GGUF."""
+    with open(folder.parent / f".{folder.name}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _progress(f"another process is converting this GGUF into {folder}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf: Path, folder: Path, name: str) -> None:
+    """Convert into a temp folder beside ``folder``, then rename it; first remove the temp
+    folders of conversions of this GGUF that were killed (only the lock's holder converts)."""
+    for stale in folder.parent.glob(f".convert-{folder.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{folder.name}-", dir=folder.parent))
     try:
-        _write_converted(gguf, tmp, name or gguf.stem)
+        _write_converted(gguf, tmp, name)
         tmp.rename(folder)
-    except FileExistsError:
-        shutil.rmtree(tmp, ignore_errors=True)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, KvblendError):
             raise
         raise UnsupportedModelError(f"cannot convert {gguf}: {exc}") from exc
     _progress(f"converted model cached in {folder}")
-    return folder
