@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from kvblend.cli import main
 from kvblend.commands.ingest import default_store_dir
 from kvblend.rag.retriever import default_index_dir
@@ -76,3 +78,27 @@ def test_chunks_is_a_positive_integer_with_a_bound_before_anything_loads(capsys)
             with pytest.raises(SystemExit):
                 main([*command, "--chunks", bad])
             assert "argument --chunks: must be an integer in [1, 100]" in capsys.readouterr().err
+
+
+def test_quiet_ingest_keeps_pypdfs_notes_off_the_terminal_and_still_lists_a_broken_pdf(tmp_path, monkeypatch,
+                                                                                       capsys, caplog):
+    """pypdf logs a warning for each fault it repairs while reading ("incorrect startxref
+    pointer", with no file named), which printed under ``--quiet``; a PDF it cannot read at
+    all is still skipped and listed with its reason."""
+    from tests.conftest import make_loaded
+    from tests.rag.helpers import pdf_bytes
+
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("kvblend.cliargs.load_from_args", lambda args: make_loaded())
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "repaired.pdf").write_bytes(pdf_bytes("The keeper is Theodora Quill").replace(b"startxref\n", b"startxref\n9"))
+    (folder / "broken.pdf").write_bytes(b"%PDF-1.4\nnot a pdf at all\n")
+    argv = ["ingest", str(folder), "--quiet", "--retriever", "bm25", "--precompute", "lazy", "--index",
+            str(tmp_path / "idx"), "--store-dir", str(tmp_path / "kv")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert not [r for r in caplog.records if r.name.startswith("pypdf")]  # the terminal's handler gets none either
+    assert "startxref" not in captured.err and "ingested 1 file(s)" in captured.out
+    assert "skipped 1 file(s):" in captured.out and "broken.pdf: unreadable PDF" in captured.out
+    assert logging.getLogger("pypdf").level == logging.NOTSET  # as it was: the switch is the ingest's only

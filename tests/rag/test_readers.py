@@ -3,30 +3,12 @@
 from __future__ import annotations
 
 from kvblend.rag.readers import discover, html_text, read_documents
-
-
-def _pdf(text: str) -> bytes:
-    """A one-page PDF showing ``text`` in Helvetica, with a correct xref table."""
-    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-               b"/Resources << /Font << /F1 5 0 R >> >> >>",
-               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for i, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+from tests.rag.helpers import pdf_bytes
 
 
 def test_pdf_text_is_extracted(tmp_path):
     p = tmp_path / "a.pdf"
-    p.write_bytes(_pdf("The lighthouse keeper is Theodora Quill"))
+    p.write_bytes(pdf_bytes("The lighthouse keeper is Theodora Quill"))
     [doc] = read_documents(p)
     assert "Theodora Quill" in doc.text and doc.source == str(p)
 

@@ -7,7 +7,10 @@ Both find the index and the chunk KV store under ``KVBLEND_HOME`` by default
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +107,7 @@ def add_ingest_command(sub) -> None:
     p.add_argument("--store-dir", default=None, help="chunk KV disk tier (default: store.disk_dir, else $KVBLEND_HOME/kv: the server's)")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--hidden", action="store_true", help="also read hidden files and folders (names starting with '.')")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, nor pypdf's notes on PDFs it repaired")
     add_retrieval_args(p)
     from kvblend.cliargs import add_model_args as _add_model_args
 
@@ -141,7 +144,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         ingestor = Ingestor(retriever, loaded.tokenizer, loaded.tokenizer_fingerprint, config, KvWarmer(engine))
         lazy_after = config.precompute_after if config.precompute == "lazy" else 0
         retriever.catalog.set_meta(f"precompute_after:{config.tenant}", str(lazy_after))
-        summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet, hidden=args.hidden)
+        with _pdf_notes_off(args.quiet):
+            summary = ingestor.ingest([Path(p) for p in args.paths], progress=not args.quiet, hidden=args.hidden)
         _print_summary(summary, retriever, config)
         if summary.chunks:
             print(_economics(ingestor, engine, loaded).describe())
@@ -149,6 +153,22 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         retriever.close()
         engine.close()
     return 0 if summary.files else 1
+
+
+@contextlib.contextmanager
+def _pdf_notes_off(quiet: bool) -> Iterator[None]:
+    """Under ``--quiet``, pypdf's log records (a warning, or an error it recovers from, for
+    each fault it works around while reading; logging's last resort prints them to stderr,
+    naming no file) are dropped for the ingest; a PDF it cannot read raises, and is still
+    skipped with its reason in the summary."""
+    pypdf_log = logging.getLogger("pypdf")
+    level = pypdf_log.level
+    if quiet:
+        pypdf_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        pypdf_log.setLevel(level)
 
 
 def _print_summary(s, retriever, config) -> None:
