@@ -16,6 +16,14 @@ for a question-selected blend, how spread the question's attention over the docu
 (``cover15``: the share of its mass on the top 15 % of candidates; ``need``: the fraction of
 candidates that holds each share, what ``+coverS`` would keep).
 
+Each method runs once per question, without the engine's escalation (``engine.escalation``:
+a blend without the shift whose moved risk is in the top of its tenant's recent ones
+recomputes again at twice its ratio, which depends on the requests before it); ``--report
+--escalate Q`` applies that rule to the records instead: the risk method's questions whose
+risk is above the Q quantile of the split's risks take the records of the same blend at
+twice its ratio (run it too, e.g. ``blend:0.3:...`` beside ``blend:0.15:...``), exactly what
+the engine serves then (tests/engine/test_escalation.py).
+
 ``--report`` prints, per method, the per-question ratio KL / reuse's KL (mean of the KL
 over questions divided by reuse's mean, median / p90 / max of per-question ratios, the
 number of questions worse than reuse, the mean recomputed fraction), and the risk signal's AUC at separating questions
@@ -27,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import kvblend.blend.strategies as strategies
 from kvblend.engine import Engine
+from kvblend.engine.escalation import MIN_SAMPLES, top_quantile
 from kvblend.eval.datasets import load_musique
 from kvblend.eval.runner import (
     Reference, decode_answer, example_request, parse_method, teacher_force, warm_documents,
@@ -113,6 +123,7 @@ class Spy:
 def score(engine: Engine, ex, method: str, ref: Reference, spy: Spy | None = None,
           keep_logits: Path | None = None) -> dict:
     spec = parse_method(method)
+    spec = replace(spec, blend=replace(spec.blend, escalate=None))  # once: ``--escalate`` applies the rule after
     if spy is not None:
         spy.reset()
     prepared = engine.prepare(example_request(ex, spec), len(ref.answer_ids) + 1)
@@ -245,6 +256,42 @@ def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
         print(json.dumps(line))
 
 
+def doubled(method: str) -> str:
+    """``blend:R:...`` at twice its ratio (at most 1): the blend an escalated request runs."""
+    name, ratio, *rest = method.split(":")
+    return ":".join([name, f"{min(1.0, 2 * float(ratio)):g}", *rest])
+
+
+def escalation(records: list[dict], ids: set[str] | None, method: str, quantile: float) -> None:
+    """The engine's escalation applied to ``method``'s records: a question whose risk is
+    above the ``quantile`` of the split's risks (``engine.escalation.top_quantile``; the
+    split stands for the tenant's window) takes the record of ``doubled(method)``. Prints the
+    report's figures for the blend as served, how many escalated, and those without a record
+    at twice the ratio (left out)."""
+    by = {}
+    for r in records:
+        if ids is None or r["id"] in ids:
+            by.setdefault(r["id"], {})[r["method"]] = with_risk(r)
+    rows = {i: m for i, m in by.items() if "reuse" in m and method in m and m[method]["risk"] is not None}
+    bar = top_quantile([m[method]["risk"] for m in rows.values()], quantile, MIN_SAMPLES)
+    up = {i for i, m in rows.items() if bar is not None and m[method]["risk"] > bar}
+    wide = doubled(method)
+    missing = sorted(i for i in up if wide not in rows[i])
+    served = {i: rows[i][wide if i in up else method] for i in rows if i not in missing}
+    ratios = sorted(served[i]["kl"] / max(rows[i]["reuse"]["kl"], 1e-12) for i in served)
+    if not ratios:
+        return
+    mean_ratio = statistics.mean(r["kl"] for r in served.values()) / statistics.mean(rows[i]["reuse"]["kl"] for i in served)
+    print(json.dumps({"escalated": method, "quantile": quantile, "threshold": bar, "n": len(ratios),
+                      "n_escalated": len(up), "escalated_ids": sorted(up, key=lambda i: int(i.rsplit("-", 1)[-1])),
+                      "missing": missing, "mean_ratio": round(mean_ratio, 3),
+                      "median_ratio": round(statistics.median(ratios), 3),
+                      "p90_ratio": round(ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))], 3),
+                      "max_ratio": round(ratios[-1], 3), "worse_than_reuse": sum(x > 1 for x in ratios),
+                      "above_0_5": sum(x > 0.5 for x in ratios),
+                      "recompute_frac": round(statistics.mean(r["recompute_frac"] for r in served.values()), 3)}))
+
+
 def converge(records: list[dict], ids: set[str] | None, methods: list[str], logits: Path) -> None:
     """How far a blend's answer still moved in its second half of recomputed tokens, as a
     risk: for a blend ``methods[0]`` and the same blend at half its ratio ``methods[1]``
@@ -340,6 +387,8 @@ def main() -> None:
     ap.add_argument("--converge", default=None,
                     help="with --report: BLEND,HALF (the same blend at half the ratio, both run with --keep-logits)")
     ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
+    ap.add_argument("--escalate", type=float, default=None,
+                    help="with --report: the engine's escalation at this quantile, on --risk-method (see escalation)")
     args = ap.parse_args()
     out = Path(args.out)
     records_path = out / "records.jsonl"
@@ -350,6 +399,8 @@ def main() -> None:
         report(records, ids, args.risk_method)
         if args.pool:
             pooled(records, ids, args.pool.split(","))
+        if args.escalate is not None:
+            escalation(records, ids, args.risk_method, args.escalate)
         if args.table:
             per_question(records, ids, args.table.split(","))
         if args.converge:
