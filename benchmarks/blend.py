@@ -10,7 +10,11 @@ TTFT part (``blend`` = the engine's default strategy at ``--ratio``, or the meth
 prefix cache has seen them in another order, so `prefix` reuses the system prompt only.
 Methods are timed alternately so machine noise hits all alike; ratios are given of the
 medians, as the median of per-round ratios, and best against best. ``--also`` times one more
-method spec beside them (e.g. the default blend at another ratio). Ends with one JSON line.
+method spec beside them (e.g. the default blend at another ratio). ``escalated`` is
+``blend`` for a tenant whose recent moved risks all lie below its own, so that a blend
+without the shift (a model whose shift test failed) recomputes again at twice its ratio
+(``engine.escalation``): what the requests that escalate pay (on a model that keeps the shift
+it is ``blend``). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
+from kvblend.engine.escalation import MIN_SAMPLES
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, load_musique, musique_query
 from kvblend.eval.runner import MethodSpec, parse_method, run_example
 from kvblend.models import DEFAULT_MODEL, load_model
@@ -61,33 +67,46 @@ def blend_specs(ratio: float, blend_method: str | None, also: str | None = None)
 
 
 def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_method: str | None = None,
-                 also: str | None = None) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float]]:
-    """Median TTFT and every round's per method, and the share of the prompt each recomputed
+                 also: str | None = None
+                 ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float], dict[str, bool]]:
+    """Median TTFT and every round's per method, the share of the prompt each recomputed
     as it ran (a model whose shift test fails runs a blend asking for the shift at twice its
-    ratio, so the spec's ratio is not always what ran)."""
+    ratio, so the spec's ratio is not always what ran), and whether it escalated."""
     docs = fixed_length_docs(engine, examples, 6, 512)
     question = musique_query(examples[0].question)
     specs = blend_specs(ratio, blend_method, also)
 
-    def request(method: str, order=None, q: str = question) -> Request:
-        """``blend``: the chosen blend method; ``cacheblend``: the paper's selection."""
+    def request(method: str, order=None, q: str = question, tenant: str | None = None) -> Request:
+        """``blend``: the chosen blend method; ``cacheblend``: the paper's selection;
+        ``escalated``: ``blend`` for the tenant whose every blend escalates."""
         ds = [docs[i] for i in (order or range(len(docs)))]
-        spec = specs.get(method)
+        spec = specs.get("blend" if method == "escalated" else method)
         return Request(documents=ds, question=q, system=MUSIQUE_INSTRUCTION,
-                       method=spec.method if spec else method, blend=spec.blend if spec else BlendConfig(ratio=ratio))
+                       method=spec.method if spec else method, blend=spec.blend if spec else BlendConfig(ratio=ratio),
+                       tenant=tenant or ("escalated" if method == "escalated" else "default"))
 
-    engine.prepare(request("blend", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # store + prefix
-    engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))
+    def warm_prefixes() -> None:  # each tenant's prefix cache holds the system prompt, from another order
+        for tenant in ("default", "escalated"):
+            engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up"), tenant=tenant))
+
+    for m in ("blend", "escalated"):  # each tenant's store
+        engine.prepare(request(m, order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))
+    warm_prefixes()
     engine.flush()
-    times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend", "cacheblend", *specs)}
+    for _ in range(MIN_SAMPLES):
+        engine.escalation.add("escalated", 0.0)  # a tenant whose recent risks all lie below any blend's
+    times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend", "escalated", "cacheblend",
+                                                     *specs)}
     recomputed: dict[str, float] = {}
+    escalated: dict[str, bool] = {}
     for _ in range(repeats + 1):
         for m in times:
             t = time.perf_counter()
-            recomputed[m] = engine.prepare(request(m)).stats.recompute_frac
+            stats = engine.prepare(request(m)).stats
             times[m].append(time.perf_counter() - t)
+            recomputed[m], escalated[m] = stats.recompute_frac, stats.escalated
         engine.prefix_cache.clear()  # `prefix` must not reuse its own last run ...
-        engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up")))  # ... only other orders
+        warm_prefixes()  # ... only other orders
     times = {m: v[1:] for m, v in times.items()}  # the first round is a warm-up
     med = {m: statistics.median(v) for m, v in times.items()}
     tokens = engine.prepare(request("full")).stats.prompt_tokens
@@ -97,7 +116,7 @@ def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_met
     for m, v in times.items():
         print(f"  {m:10s} {med[m]:8.3f} {min(v):8.3f}   {med[m] / med['full']:16.3f}   "
               f"{paired_ratio(v, times['full']):15.3f}   {min(v) / min(times['full']):13.3f}   {recomputed[m]:10.3f}")
-    return med, times, recomputed
+    return med, times, recomputed, escalated
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -108,6 +127,7 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 
 def quality_section(engine: Engine, examples, ratios: list[float]) -> dict[str, dict[str, float]]:
     specs = [parse_method(m) for m in ["prefix", "reuse"] + [f"blend:{r}" for r in ratios]]
+    specs = [replace(s, blend=replace(s.blend, escalate=None)) for s in specs]  # each ratio as named, every time
     rows: dict[str, list[dict]] = {}
     for i, ex in enumerate(examples):
         scores = run_example(engine, ex, specs)
@@ -144,7 +164,7 @@ def main() -> None:
     specs = blend_specs(args.ratio, args.blend_method, args.also)  # a bad spec fails before any model work
     engine = Engine(load_model(args.model))
     examples = load_musique(args.dataset, n_docs=6, limit=max(args.limit, 3))
-    med, times, recomputed = ttft_section(engine, examples, args.ratio, args.repeats, args.blend_method, args.also)
+    med, times, recomputed, escalated = ttft_section(engine, examples, args.ratio, args.repeats, args.blend_method, args.also)
     result = {"ttft_full_s": med["full"], "ttft_prefix_s": med["prefix"], "ttft_reuse_s": med["reuse"],
               "ttft_blend_s": med["blend"],
               "ttft_cacheblend_s": med["cacheblend"],
@@ -158,6 +178,12 @@ def main() -> None:
               "blend_method": specs["blend"].label, "cacheblend_method": specs["cacheblend"].label,
               "threads": args.threads, "model": args.model,
               "recompute_frac": {m: round(v, 4) for m, v in recomputed.items()}}
+    up = BlendConfig().escalate  # the share of moved-risk blends that escalate: about 1 - this
+    result.update({"escalated_over_full": med["escalated"] / med["full"],
+                   "escalated_over_full_paired": paired_ratio(times["escalated"], times["full"]),
+                   "escalated_over_blend_paired": paired_ratio(times["escalated"], times["blend"]),
+                   "escalates": escalated["escalated"],
+                   "served_over_full": (up * med["blend"] + (1 - up) * med["escalated"]) / med["full"]})
     if args.also:
         result.update({"also_method": specs["also"].label, "also_over_full": med["also"] / med["full"],
                        "also_over_full_paired": paired_ratio(times["also"], times["full"]),
