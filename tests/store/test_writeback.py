@@ -152,3 +152,17 @@ def test_an_idle_forgotten_write_back_keeps_nothing_alive() -> None:
     assert gone() is None
     thread.join(5)
     assert not thread.is_alive()  # and ends once its write-back is collected
+
+
+def test_at_exit_the_pending_chunks_are_written_and_the_thread_ends(tmp_path: Path) -> None:
+    """A write-back thread left alive while the interpreter tears down aborted the process now
+    and then (exit -6, "terminate called without an active exception"): the exit hook writes
+    what is pending, then ends the thread."""
+    from kvblend.store import writeback
+
+    store = DiskStore(tmp_path, 1 << 30)
+    wb = WriteBack(store, max_queue=4)
+    key, chunk = keyed(1)
+    assert wb.submit(key, chunk)
+    writeback.end_at_exit(wb)  # what the exit hook does to every live one
+    assert store.get(key) is not None and not wb._thread.is_alive()
