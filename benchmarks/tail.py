@@ -266,8 +266,8 @@ def escalation(records: list[dict], ids: set[str] | None, method: str, quantile:
     """The engine's escalation applied to ``method``'s records: a question whose risk is
     above the ``quantile`` of the split's risks (``engine.escalation.top_quantile``; the
     split stands for the tenant's window) takes the record of ``doubled(method)``. Prints the
-    report's figures for the blend as served, how many escalated, and those without a record
-    at twice the ratio (left out)."""
+    report's figures for the blend as served (with the served risk's AUC at ratio > 0.5), how
+    many escalated, and those without a record at twice the ratio (left out)."""
     by = {}
     for r in records:
         if ids is None or r["id"] in ids:
@@ -278,9 +278,11 @@ def escalation(records: list[dict], ids: set[str] | None, method: str, quantile:
     wide = doubled(method)
     missing = sorted(i for i in up if wide not in rows[i])
     served = {i: rows[i][wide if i in up else method] for i in rows if i not in missing}
-    ratios = sorted(served[i]["kl"] / max(rows[i]["reuse"]["kl"], 1e-12) for i in served)
+    ratio_of = {i: served[i]["kl"] / max(rows[i]["reuse"]["kl"], 1e-12) for i in served}
+    ratios = sorted(ratio_of.values())
     if not ratios:
         return
+    risks = [served[i]["risk"] for i in served]  # the served request's risk: an escalated one's second recompute's
     mean_ratio = statistics.mean(r["kl"] for r in served.values()) / statistics.mean(rows[i]["reuse"]["kl"] for i in served)
     print(json.dumps({"escalated": method, "quantile": quantile, "threshold": bar, "n": len(ratios),
                       "n_escalated": len(up), "escalated_ids": sorted(up, key=lambda i: int(i.rsplit("-", 1)[-1])),
@@ -289,6 +291,7 @@ def escalation(records: list[dict], ids: set[str] | None, method: str, quantile:
                       "p90_ratio": round(ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))], 3),
                       "max_ratio": round(ratios[-1], 3), "worse_than_reuse": sum(x > 1 for x in ratios),
                       "above_0_5": sum(x > 0.5 for x in ratios),
+                      "auc_risk": auc(risks, [ratio_of[i] > 0.5 for i in served]),
                       "recompute_frac": round(statistics.mean(r["recompute_frac"] for r in served.values()), 3)}))
 
 
