@@ -304,18 +304,26 @@ def store_rows(driver) -> list[str]:
                                  ".map((tr) => tr.cells[0].textContent)")
 
 
+def page_through(page, script, more_id: str, shown_now) -> None:
+    """Click ``more_id`` until all of ``script.documents`` (250) are shown (``shown_now``
+    reads them), checking the button is shown exactly while pages are left: every document
+    once, in order, a page of at most 100 at a time."""
+    more = page.find_element(By.ID, more_id)
+    for shown in (100, 200, 250):
+        wait_for(page, lambda d: len(shown_now(d)) == shown, timeout=10)
+        wait_for(page, lambda d: more.is_displayed() == (shown < 250) and more.is_enabled(), timeout=10)
+        if shown < 250:
+            more.click()
+    assert shown_now(page) == script.documents  # in order, none twice
+    assert all(int(q["limit"]) <= 100 for q in script.listed)  # a page at a time, never all at once
+
+
 def test_the_store_tab_pages_through_every_document(page, script) -> None:
     script.documents = [f"doc-{i:03d}" for i in range(250)]
     page.find_element(By.CSS_SELECTOR, "[data-view=store]").click()
     more = page.find_element(By.ID, "more-docs")
-    for shown in (100, 200, 250):
-        wait_for(page, lambda d: len(store_rows(d)) == shown, timeout=10)
-        wait_for(page, lambda d: more.is_displayed() == (shown < 250) and more.is_enabled(), timeout=10)
-        if shown < 250:
-            more.click()
-    assert store_rows(page) == script.documents  # in order, none twice
+    page_through(page, script, "more-docs", store_rows)
     assert banner(page) == ""
-    assert all(int(q["limit"]) <= 100 for q in script.listed)  # a page at a time, never all at once
     page.find_element(By.ID, "refresh-store").click()  # a refresh starts again from the first page
     wait_for(page, lambda d: len(store_rows(d)) == 100 and more.is_displayed(), timeout=10)
 
@@ -330,14 +338,8 @@ def test_the_ask_view_pages_through_every_stored_document(page, script) -> None:
     """The Ask view offered only the first 100 stored documents: it pages as the Store tab does."""
     script.documents = [f"doc-{i:03d}" for i in range(250)]
     page.find_element(By.ID, "key-form").submit()  # connects again: the stored documents listed anew
+    page_through(page, script, "more-stored", stored_choices)
     more = page.find_element(By.ID, "more-stored")
-    for shown in (100, 200, 250):
-        wait_for(page, lambda d: len(stored_choices(d)) == shown, timeout=10)
-        wait_for(page, lambda d: more.is_displayed() == (shown < 250) and more.is_enabled(), timeout=10)
-        if shown < 250:
-            more.click()
-    assert stored_choices(page) == script.documents  # in order, none twice
-    assert all(int(q["limit"]) <= 100 for q in script.listed)
     assert [q.get("after") for q in script.listed[-3:]] == [None, "doc-099", "doc-199"]
     Select(page.find_element(By.ID, "stored")).select_by_value("doc-249")  # one only a later page held
     assert text(page, "#docs .stored .name") == "stored: doc-249 (4 tokens)"
