@@ -25,7 +25,7 @@ from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_steps
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop_steps
-from kvblend.blend.strategies import fuse_planned_steps
+from kvblend.blend.strategies import fuse_planned_steps, risk_kind
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
 from kvblend.engine.explain import doc_selections
@@ -481,7 +481,7 @@ class Engine:
             cfg = cfg.with_ratio(choice.ratio)
             if choice.ratio >= 1.0:
                 _skip_loading(chunks)
-        moved = request.method == "blend" and cfg.selection == "question" and not cfg.shift  # a moved risk
+        moved = request.method == "blend" and risk_kind(cfg.strategy) == "moved"  # its risk, if any, is moved_risk
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
                           strategy=None if request.method == "reuse" or cfg.plain else cfg,

@@ -28,7 +28,10 @@ MAX_TENANTS = 4096  # tenants tracked; the least recently seen go first
 
 def top_quantile(recent: Sequence[float], q: float, min_samples: int) -> float | None:
     """The ``q``-quantile of ``recent`` (the ceil(q x n)-th smallest): a risk above it is in
-    their top 1 - q. None while fewer than ``min_samples`` are in."""
+    their top 1 - q. None while fewer than ``min_samples`` are in. The guard shadow-checks a
+    risk at or above it (a tie costs a check, and its pending checks are bounded); a blend
+    escalates only above it (a prompt sent again and again would otherwise pay a second
+    recompute every time)."""
     if len(recent) < max(1, min_samples):
         return None
     ordered = sorted(recent)
