@@ -82,6 +82,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -187,6 +188,8 @@ class Sample:
     detail: str = ""
     gaps: list[float] = field(default_factory=list)  # s between consecutive token chunks (client side)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    kvblend: dict = field(default_factory=dict)  # the usage chunk's kvblend block
 
 
 @dataclass
@@ -394,45 +397,79 @@ def server_config(max_running: int, max_queued: int) -> dict:
             "store": {"tiers": ["memory"]}, "log_level": "warning", "drain_timeout_s": 5}
 
 
+class ServerStartError(SystemExit):
+    """The server exited (``exited``), or did not answer ``/health`` before its start
+    timeout; the message says which, with the end of its log. A SystemExit, so a script
+    that does not catch it ends with that message."""
+
+    def __init__(self, message: str, exited: bool) -> None:
+        super().__init__(message)
+        self.exited = exited
+
+
 @contextmanager
-def running_server(model: str, config: dict, timeout_s: float, threads: int | None = None) -> Iterator[str]:
+def running_server(model: str, config: dict, timeout_s: float, threads: int | None = None,
+                   env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
+                   stop_timeout_s: float = 30.0) -> Iterator[str]:
     """Start `kvblend serve` with ``config`` (settings as YAML) on a free loopback port;
-    yield its base URL; stop it (SIGTERM). ``threads``: the server's torch threads
-    (OMP_NUM_THREADS; default: torch's choice)."""
+    yield its base URL; stop it (SIGTERM, then SIGKILL after ``stop_timeout_s``), also on an
+    exception or Ctrl-C. ``threads``: the server's torch threads (OMP_NUM_THREADS; default:
+    torch's choice); ``env``: more environment variables; ``extra_args``: more `serve` flags
+    (``--replicas 2``). The server runs in its own process group: whatever of that group is
+    still running once the server exited (a Ray instance it started) is killed, and said."""
     with tempfile.TemporaryDirectory(prefix="kvblend-serve-bench-") as tmp:
         cfg = Path(tmp) / "serve.yaml"
         cfg.write_text(json.dumps({"state_dir": str(Path(tmp) / "state"), **config}))  # JSON is YAML
         port = free_port()
         cmd = [sys.executable, "-m", "kvblend", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-               "--config", str(cfg)]
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+               "--config", str(cfg), *extra_args]
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
         with open(Path(tmp) / "server.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, proc, timeout_s, Path(tmp) / "server.log")
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc, stop_timeout_s)
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float, grace_s: float = 5.0) -> None:
+    """SIGTERM ``proc`` (a session leader), SIGKILL it after ``timeout_s``, then SIGKILL
+    what is left of its process group ``grace_s`` after it exited."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"the server did not stop within {timeout_s:.0f} s of SIGTERM: killed", file=sys.stderr, flush=True)
+        proc.kill()
+        proc.wait()
+    end = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL if time.monotonic() >= end else 0)
+        except (ProcessLookupError, PermissionError):
+            return  # the group is empty: nothing was left behind
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.2)
+    print(f"processes the server started were still running {grace_s:.0f} s after it exited: killed",
+          file=sys.stderr, flush=True)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
+            raise ServerStartError(f"the server exited ({proc.returncode}):\n{log.read_text()[-2000:]}", exited=True)
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"the server was not healthy within {timeout_s} s")
+    raise ServerStartError(f"the server was not healthy within {timeout_s:.0f} s; the end of its log:\n"
+                           f"{log.read_text()[-2000:]}", exited=False)
 
 
 # ----- one request -----------------------------------------------------------------------------
@@ -456,7 +493,7 @@ async def stream_request(client: httpx.AsyncClient, body: dict, timeout_s: float
 
 async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers: dict[str, str] | None,
                   stop: asyncio.Event | None) -> Sample:
-    done, usage, server_ttft, error, seen = False, None, math.nan, None, 0
+    done, usage, block, server_ttft, error, seen = False, None, None, math.nan, None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             return _http_error(r.status_code, await r.aread(), r.headers.get("retry-after", ""))
@@ -475,8 +512,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers
                 seen += tokens
                 flight.times.append(time.perf_counter())
             if chunk.get("usage"):
-                usage = chunk["usage"]
-                server_ttft = chunk.get("kvblend", {}).get("ttft_s", math.nan)
+                usage, block = chunk["usage"], chunk.get("kvblend")
+                server_ttft = (block or {}).get("ttft_s", math.nan)
             if stop is not None and stop.is_set() and flight.first is not None:
                 return _sample("closed", flight, len(flight.times))
     if error is not None:
@@ -485,6 +522,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, flight: Flight, headers
         return Sample("lost", detail="the stream ended without a token, usage or [DONE]")
     sample = _sample("ok", flight, usage["completion_tokens"])
     sample.server_ttft_s, sample.prompt_tokens = server_ttft, usage["prompt_tokens"]
+    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    sample.kvblend = block or {}
     return sample
 
 
