@@ -388,7 +388,9 @@ class ClusterSettings(_Section):
     so on one host: see ``ingress_resources``; each keeps its part of the tenants' own
     ``max_queued`` and ``tokens_per_s``, which hold across the model replicas);
     ``replica_cpus``/``ingress_cpus``: Ray CPUs each replica reserves (a model replica runs
-    torch on ``max(1, round(replica_cpus))`` threads); ``ingress_resources``: Ray custom
+    torch on ``max(1, round(replica_cpus))`` threads; ``replica_cpus`` unset: an equal share
+    of the CPUs the ingresses leave, at least 0.25, ``cluster.placement``; what does not fit
+    the Ray cluster is refused at start); ``ingress_resources``: Ray custom
     resources the ingress needs, to pin it to the node holding ``state_dir`` (the document
     registry) and the retrieval index (``ray start --resources='{"kvblend_ingress": 1}'``
     there, ``{"kvblend_ingress": 0.01}`` here); ``routing_stats_period_s``: how often
@@ -404,7 +406,7 @@ class ClusterSettings(_Section):
     ray_address: str | None = None
     router: Literal["affinity", "default"] = "affinity"
     ingress_replicas: int = Field(1, ge=1, le=64)
-    replica_cpus: float = Field(1.0, gt=0, le=1024, allow_inf_nan=False)
+    replica_cpus: float | None = Field(None, gt=0, le=1024, allow_inf_nan=False)
     ingress_cpus: float = Field(0.5, ge=0, le=1024, allow_inf_nan=False)
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     routing_stats_period_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)

@@ -241,7 +241,9 @@ def max_ongoing(settings: Settings) -> int:
 
 
 def replica_threads(settings: Settings) -> int:
-    return max(1, math.floor(settings.cluster.replica_cpus + 0.5))
+    """Torch threads of a model replica: its CPUs rounded (``cluster.replica_cpus``; unset: 1)."""
+    cpus = settings.cluster.replica_cpus
+    return max(1, math.floor(cpus + 0.5)) if cpus is not None else 1
 
 
 __all__ = ["ModelReplica", "Unanswered", "max_ongoing", "memory_tier"]
