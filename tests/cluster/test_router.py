@@ -235,3 +235,23 @@ def test_a_background_call_goes_to_its_documents_and_is_not_counted_as_load() ->
         # r2 has the request just sent, r1 its one unanswered: not the two checks as well
         assert await route(router, pending(((DOC_A, 500),))) == "r1"
     run(main())
+
+
+@dataclass
+class SentAgain:
+    route_keys: Any
+    avoid: tuple[str, ...]
+
+
+def test_a_call_sent_again_passes_over_the_replica_that_lost_it_while_another_runs() -> None:
+    """A request whose replica died is sent once more (``cluster.remote``); until Ray drops
+    the dead replica from the candidates, affinity would send it straight back there."""
+    async def main() -> None:
+        holder, other = FakeReplica("r1", stats=stats([DOC_A])), FakeReplica("r2", stats=stats([]))
+        router = make_router([holder, other])
+        assert await route(router, pending(((DOC_A, 500),))) == "r1"
+        assert await route(router, pending(arg=SentAgain(((DOC_A, 500),), ("r1",)))) == "r2"
+        alone = make_router([FakeReplica("r1", stats=stats([DOC_A]))])  # no other: the one there is
+        assert await route(alone, pending(arg=SentAgain(((DOC_A, 500),), ("r1",)))) == "r1"
+        assert await route(router, pending(arg=SentAgain(((DOC_A, 500),), "r1"))) == "r1"  # malformed: ignored
+    run(main())

@@ -95,7 +95,7 @@ class ModelReplica:
         try:
             handle = self.scheduler.submit(call.request, call.sampling)
         except Exception as exc:  # noqa: BLE001 - refusals go back as data
-            yield Ended(0.0, self._wire(exc))
+            yield Ended(0.0, self._wire(exc), replica=self.replica)
             return
         self.unanswered.add(handle)
         try:

@@ -7,9 +7,11 @@
 request's ``RemoteHandle`` has ``RequestHandle``'s event interface (``aevents``,
 ``cancel``, ``done``, ``queue_s``, ``replica``), fed by a streaming handle call
 (``.options(stream=True)``). ``cancel`` cancels the call, which cancels the request on the
-replica (its generator's ``finally``). A replica lost mid-request (killed, node down) is a
-``WorkerDeadError`` for that request (503: retry), never a partial answer passed off as
-whole.
+replica (its generator's ``finally``). A request whose replica is lost (killed, node down,
+the hop failed, or its model worker died) before it streamed a token is sent once more,
+to another replica (``ModelCall.avoid`` names the lost one to the router); lost again, or
+lost after a token, it is a ``WorkerDeadError`` (503: retry), never a partial answer
+passed off as whole.
 
 Each replica's scheduler sees only the requests routed to it, so a tenant's own
 ``max_queued`` and ``tokens_per_s`` are also kept here, where all of them pass
@@ -26,6 +28,7 @@ with each replica, which it protects.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -61,17 +64,27 @@ def route_keys(engine: Engine, request: Request) -> RouteKeys:
     return tuple((str(chunk_key(ids, ctx)), len(ids)) for ids in layout.docs)
 
 
-def _lost(exc: BaseException) -> WorkerDeadError:
+def _lost(exc: BaseException | str) -> WorkerDeadError:
     log.warning("model replica call failed: %s", exc)
     return WorkerDeadError("the model replica serving this request stopped; retry the request")
 
 
-class RemoteHandle:
-    """One request on a model replica; see the module docstring. Read ``aevents`` once."""
+def _worker_died(item: object) -> bool:
+    """An ``Ended`` saying the replica's model worker died (its requests end so; Ray then replaces it)."""
+    return isinstance(item, Ended) and item.error is not None and item.error.kind == WorkerDeadError.__name__
 
-    def __init__(self, request: Request, stream: Any, owner: RemoteScheduler, number: int = 0) -> None:
+
+class RemoteHandle:
+    """One request on a model replica; see the module docstring. Read ``aevents`` once.
+    ``call``: what was sent (None: it is not sent again when its replica is lost);
+    ``retried``: whether it was."""
+
+    def __init__(self, request: Request, stream: Any, owner: RemoteScheduler, number: int = 0,
+                 call: ModelCall | None = None) -> None:
         self.request = request
         self.number = number  # the call's number at this ingress (``ModelCall.call``)
+        self.call = call
+        self.retried = False
         self.finished_at: float | None = None
         self.replica: str | None = None
         self.queue_s = 0.0
@@ -126,20 +139,52 @@ class RemoteHandle:
                 owner.ledger.charge(self.request.tenant, more_prefill, more_decode)
 
     async def _next(self) -> Any:
+        """The call's next item. A lost replica (Ray's error, a stream cut before its
+        ``Ended``, an ``Ended`` saying its worker died) before any token: the call goes once
+        more, to another replica, and its items follow; else a ``WorkerDeadError``."""
+        while True:
+            try:
+                item = await self._stream.__anext__()
+            except asyncio.CancelledError:
+                raise
+            except StopAsyncIteration:
+                lost: BaseException | str = "the stream ended before its end"
+            except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)
+                lost = exc
+            else:
+                if not (_worker_died(item) and self._may_retry()):
+                    return item
+                self._charge_up_to(item.prefill_tokens, item.decode_tokens)
+                self.replica = item.replica or self.replica  # a refusal names its replica
+                lost = item.error.message
+            if not self._may_retry():
+                raise _lost(lost) from None
+            self._send_again(lost)
+
+    def _may_retry(self) -> bool:
+        return (self.call is not None and not self.retried and self._events == 0 and not self._cancelled
+                and not self._owner.draining)
+
+    def _send_again(self, lost: BaseException | str) -> None:
+        """Send the call again, once, avoiding the replica that lost it (``Accepted`` follows)."""
+        self.retried = True
+        log.warning("model replica %s lost a request before its first token (%s); sending it to another",
+                    self.replica or "(not known yet)", lost)
         try:
-            return await self._stream.__anext__()
-        except (StopAsyncIteration, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the replica or the hop failed (Ray's errors)
-            raise _lost(exc) from None
+            self._stream.cancel()  # in case the replica still runs it (the hop failed, not the replica)
+        except Exception:  # noqa: BLE001 - a stream that failed may refuse even that
+            pass
+        avoid = (self.replica,) if self.replica is not None else ()
+        self.replica = None
+        if not self._waiting:  # it waits in a queue again
+            self._waiting = True
+            self._owner._ledger_call("queued", self.request.tenant)
+        self._stream, self.number, self.call = self._owner._send_again(self, avoid)
 
     async def open(self) -> None:
         """Wait for the replica to accept the request; raises its refusal (429, 503, ...)."""
         try:
             first = await self._next()
-        except StopAsyncIteration:
-            self._finish()
-            raise _lost(RuntimeError("the stream ended before the replica answered")) from None
         except BaseException:
             self._finish()
             raise
@@ -155,10 +200,10 @@ class RemoteHandle:
         request's error as the local scheduler would."""
         try:
             while True:
-                try:
-                    item = await self._next()
-                except StopAsyncIteration:
-                    raise _lost(RuntimeError("the stream ended without its end")) from None
+                item = await self._next()
+                if isinstance(item, Accepted):  # sent again: the replica that took it
+                    self.replica = item.replica
+                    continue
                 if isinstance(item, Started):
                     self.queue_s = item.queue_s
                     self._left_queue()
@@ -267,12 +312,24 @@ class RemoteScheduler:
             self._ledger_call("left", request.tenant)
             self._release()
             raise
-        handle = RemoteHandle(request, stream, self, number)
+        handle = RemoteHandle(request, stream, self, number, call)
         if reply_to is not None:
             with self._ledger_lock:
                 self._awaiting[number] = handle
         await handle.open()
         return handle
+
+    def _send_again(self, handle: RemoteHandle, avoid: tuple[str, ...]) -> tuple[Any, int, ModelCall]:
+        """Send ``handle``'s call again under a new number, the router told to pass over
+        ``avoid``; its stream, number and call. Its old number awaits no totals (a replica
+        lost or unreachable sends none, and a late one finds nothing to settle)."""
+        assert handle.call is not None
+        call = dataclasses.replace(handle.call, call=next(self._numbers), avoid=avoid)
+        with self._ledger_lock:
+            self._awaiting.pop(handle.number, None)
+            if call.reply_to is not None:
+                self._awaiting[call.call] = handle
+        return self._stream.generate.remote(call), call.call, call
 
     def _reply_to(self, tenant: str) -> str | None:
         """The inbox a call of ``tenant`` names: only a tenant this ingress keeps limits for."""

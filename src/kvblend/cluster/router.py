@@ -27,7 +27,9 @@ a report covers them or the request ends (``on_request_completed``), after
 ``ROUTED_TTL_S`` at the latest. Without a usable report the load is Ray's count of the
 replica's requests in flight, or unknown. Background calls (``background`` true on the
 first argument: the guard's shadow checks) go where their documents are whatever the
-loads and are not counted as load.
+loads and are not counted as load. A call sent again after its replica was lost
+(``avoid`` on its first argument, ``cluster.wire.ModelCall``) passes over that replica
+while another runs (Ray drops a dead replica from the candidates only once it knows).
 
 The ranking itself is ``kvblend.cluster.affinity.rank_replicas``; this class only maps
 Ray's replica objects to ``ReplicaState`` and back, and never raises from routing: an
@@ -74,6 +76,17 @@ def request_route_keys(pending_request: Optional[PendingRequest]) -> object:
         return getattr(args[0], "route_keys", None) if args else None
     except Exception:  # an argument whose attribute access fails routes by load
         return None
+
+
+def request_avoids(pending_request: Optional[PendingRequest]) -> frozenset[str]:
+    """Replica ids the request passes over while another runs (``avoid`` on its first
+    argument: a call sent again after its replica was lost); empty when absent or unreadable."""
+    try:
+        args = pending_request.args if pending_request is not None else None
+        avoid = getattr(args[0], "avoid", ()) if args else ()
+        return frozenset(a for a in avoid if isinstance(a, str)) if isinstance(avoid, tuple) else frozenset()
+    except Exception:
+        return frozenset()
 
 
 def request_is_background(pending_request: Optional[PendingRequest]) -> bool:
@@ -144,6 +157,9 @@ class DocumentAffinityRouter(RequestRouter):
         if pending_request is not None:
             # Retrying rank after rank must back off, or full replicas make a busy loop.
             pending_request.routing_context.should_backoff = True
+        avoid = request_avoids(pending_request)
+        if avoid and any(r.replica_id.unique_id not in avoid for r in candidate_replicas):
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -35,13 +35,15 @@ RouteKeys = tuple[tuple[str, int], ...]
 class ModelCall:
     """A shaped chat/completion request for a replica's scheduler. ``reply_to``: the
     ingress's inbox for what the replica charged should the call be cancelled before its
-    ``Ended`` (None: not wanted), and ``call`` its number there."""
+    ``Ended`` (None: not wanted), and ``call`` its number there. ``avoid``: replica ids the
+    router passes over while another runs (a call sent again after its replica was lost)."""
 
     route_keys: RouteKeys
     request: Request
     sampling: SamplingParams
     reply_to: str | None = None
     call: int = 0
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,14 @@ class Answering:
 @dataclass(frozen=True)
 class Ended:
     """The request's end: the seconds it waited in the replica's queue, its error, and
-    what its tenant was charged for it in all (prefill tokens, decode tokens)."""
+    what its tenant was charged for it in all (prefill tokens, decode tokens); ``replica``:
+    the replica's id on a refusal (sent instead of ``Accepted``)."""
 
     queue_s: float
     error: WireError | None = None
     prefill_tokens: float = 0.0
     decode_tokens: int = 0
+    replica: str | None = None
 
 
 @dataclass(frozen=True)
