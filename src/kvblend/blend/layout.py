@@ -28,9 +28,8 @@ from typing import Any, NamedTuple
 from kvblend.errors import InvalidRequestError
 from kvblend.generation.stream import chat_text
 
-_CUT = "\x00KVBLEND_CUT\x00"  # a segment boundary without a document (no documents at all)
 _MARK = "\x00KVBLEND_DOC_{}\x00"
-_MARKS = re.compile("\x00KVBLEND_(?:DOC_(\\d+)|CUT)\x00")
+_MARKS = re.compile("\x00KVBLEND_DOC_(\\d+)\x00")
 
 
 class DocPlace(NamedTuple):
@@ -127,15 +126,19 @@ def check_placement(conv: Sequence[dict[str, str]], placement: Sequence[DocPlace
 
 def _with_marks(conv: list[dict[str, str]], placement: Sequence[DocPlace] | None, n_docs: int) -> list[dict[str, str]]:
     """The conversation with a placeholder per document where it stands (``None``: all at
-    the start of the last user turn, or a bare cut there when there are none: at the start
-    of the last message when no user turn holds it either)."""
+    the start of the last user turn). Without documents there is no placeholder: the
+    rendered text is tokenized whole, as any server tokenizes it, so that a chat's next
+    turn repeats this turn's ids exactly (a cut would tokenize the text on either side of
+    it alone, and the next turn, cut elsewhere, would differ there: no prefix reuse)."""
     if placement is None:
+        if not n_docs:
+            if not conv:
+                raise InvalidRequestError("the conversation needs a user message to hold the documents")
+            return conv
         users = [i for i, m in enumerate(conv) if m.get("role") == "user"]
-        if not users and (n_docs or not conv):
+        if not users:
             raise InvalidRequestError("the conversation needs a user message to hold the documents")
-        at = users[-1] if users else len(conv) - 1
-        marks = "".join(_MARK.format(i) for i in range(n_docs)) or _CUT
-        conv[at]["content"] = marks + (conv[at]["content"] or "")
+        conv[users[-1]]["content"] = "".join(_MARK.format(i) for i in range(n_docs)) + (conv[users[-1]]["content"] or "")
         return conv
     check_placement(conv, placement, n_docs)
     by_message: dict[int, list[tuple[int, DocPlace]]] = {}
@@ -153,14 +156,13 @@ def _with_marks(conv: list[dict[str, str]], placement: Sequence[DocPlace] | None
 def split_marked(texts: Sequence[str], n_docs: int) -> list[list[str]]:
     """Each text cut at the placeholders of ``n_docs`` documents: per text, the segments
     around its placeholders. InvalidRequestError unless the placeholders, read across the
-    texts in order, are each document's once in order (or the one bare cut when there are
-    none): a template that altered them."""
+    texts in order, are each document's once in order: a template that altered them."""
     out, found = [], []
     for text in texts:
         parts = _MARKS.split(text)
         out.append(parts[0::2])
         found += parts[1::2]
-    if found != ([str(i) for i in range(n_docs)] if n_docs else [None]):
+    if found != [str(i) for i in range(n_docs)]:
         raise InvalidRequestError("the chat template altered the document placeholders")
     return out
 
@@ -198,8 +200,8 @@ def render_layout(
     conv = _with_marks(conversation(system, messages, question), placement, len(docs))
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         text = chat_text(tokenizer, conv, template_kwargs)
-        if not docs and not _MARKS.search(text):  # a template that drops a turn without a user message
-            return _from_segments(tokenizer, [[""], [text]], docs)  # took the cut with it: no cached prefix
+        if not docs:  # the whole text, tokenized at once
+            return _from_segments(tokenizer, [[""], [text]], docs)
         return _from_segments(tokenizer, [[s] for s in split_marked([text], len(docs))[0]], docs)
     if messages is not None:
         raise InvalidRequestError("this model has no chat template: send a question, not messages")
@@ -214,6 +216,8 @@ def _plain_layout(tokenizer: Any, conv: list[dict[str, str]], docs: tuple[tuple[
     for texts in split_marked([m["content"] or "" for m in conv], len(docs)):
         segments[-1].append(texts[0])
         segments.extend([t] for t in texts[1:])
+    if not docs:  # one segment: the whole prompt, after an empty prefix
+        segments.insert(0, [""])
     layout = _from_segments(tokenizer, segments, docs)
     if not len(layout):
         raise InvalidRequestError("the prompt is empty: give a question, documents or a system prompt")
