@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -35,7 +35,7 @@ from kvblend.engine.request import CheckStat, DocStat, Request, RequestStats, Re
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams, StreamEvent, stream_from
 from kvblend.generation.chunked import SliceSize, Steps, forward_chunks, run_steps
-from kvblend.engine.calibration import ShiftVerdict, ensure_calibrated
+from kvblend.engine.calibration import ShiftVerdict, calibrate_later, ensure_calibrated, is_known, known_verdict
 from kvblend.engine.escalation import RiskWindows
 from kvblend.engine.selfcheck import SelfCheckResult, ensure_checked
 from kvblend.models.kv_cache import KVCache
@@ -54,12 +54,15 @@ DEFAULT_WRITEBACK_QUEUE = 64
 
 
 class Prepared(NamedTuple):
-    """A prompt ready to decode: its cache, next-token logits, and how it was built."""
+    """A prompt ready to decode: its cache, next-token logits, and how it was built.
+    ``exact_tokens``: how many leading positions of ``cache`` hold exactly the KV a full
+    prefill computes, and entered the prefix cache (0 for ``full``, which caches nothing)."""
 
     layout: PromptLayout
     cache: KVCache
     logits: torch.Tensor  # (V,)
     stats: RequestStats
+    exact_tokens: int = 0
 
 
 class WarmPlan(NamedTuple):
@@ -86,6 +89,7 @@ class _Built(NamedTuple):
     risk: float | None = None
     strategy: str | None = None  # the blend's as run (``Engine.blend_config``)
     escalated: bool = False  # the blend recomputed again at twice its ratio (``engine.escalation``)
+    exact: int = 0  # leading positions whose KV is exact and entered the prefix cache
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
@@ -159,6 +163,23 @@ def _skip_loading(chunks: _Chunks) -> None:
     chunks.feed = None
 
 
+def _whole_documents(hit: PrefixHit | None, layout: PromptLayout) -> PrefixHit | None:
+    """``hit`` cut back to the start of a document it ends inside, so that every document
+    lies wholly inside the exact prefix or wholly after it; None when nothing is left."""
+    if hit is None:
+        return None
+    length = hit.length
+    for start, doc in zip(layout.doc_starts, layout.docs):
+        if start < length < start + len(doc):
+            length = start
+            break
+    if length == hit.length:
+        return hit
+    if length == 0:
+        return None
+    return PrefixHit(length, [k[:, :length] for k in hit.keys], [v[:, :length] for v in hit.values])
+
+
 def sink_prefix(tokenizer: Any) -> tuple[int, ...]:
     """The token chunk KV is computed after under the ``bos`` chunk prefix (the attention
     sink): the tokenizer's BOS token, else the first token of its chat template (Qwen2.5:
@@ -182,7 +203,9 @@ class Engine:
     fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
     ``calibrate``: test once per model whether the blend's shift helps it
     (``kvblend.engine.calibration``); on a model where it does not, a blend that asks for
-    it runs without it at twice its ratio (``blend_config``) and its stats say so.
+    it runs without it at twice its ratio (``blend_config``) and its stats say so. A packaged
+    model's verdict ships with kvblend; ``"background"`` tests a model with none shipped or
+    stored on a thread, blending without the shift until its verdict is in (the server).
 
     Missed chunks are written back by one :class:`WriteBack` (bounded by the store's
     ``writeback_queue``, from ``StoreConfig``): a chunk's KV is computed only once the
@@ -191,7 +214,7 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, store: ChunkStore | None = None,
         prefix_cache: PrefixCache | None = None, self_check: bool = True, *, pipeline: bool = True,
-        load_timeout_s: float | None = 30.0, profile: Profile | None = None, calibrate: bool = True,
+        load_timeout_s: float | None = 30.0, profile: Profile | None = None, calibrate: bool | str = True,
     ) -> None:
         """``pipeline``: read disk/Redis chunks layer by layer while fusion runs (else each
         chunk is read whole before fusion starts); a layer not loaded ``load_timeout_s``
@@ -210,9 +233,10 @@ class Engine:
         self._gate = RequestGate()
         self.self_check: SelfCheckResult | None = ensure_checked(loaded) if self_check else None
         checked = self.self_check is None or self.self_check.passed
-        self.shift_verdict: ShiftVerdict | None = (
-            ensure_calibrated(loaded, lambda: Engine(loaded, self_check=False, calibrate=False))
-            if calibrate and checked else None)
+        self.shift_verdict: ShiftVerdict | None = None
+        self.shift_pending = False  # the shift test runs in the background: blend without the shift meanwhile
+        if calibrate and checked:
+            self._calibrate(calibrate == "background")
         self.pipeline = pipeline and hasattr(self.store, "locate")
         self.load_timeout_s = load_timeout_s
         self._profile = profile if profile is not None else load_profile(self._profile_path())
@@ -225,6 +249,23 @@ class Engine:
         # raises ComputeRefused when it cannot take the work.
         self.model_owner: Callable[[Steps, str], Any] | None = None
         self.slice_tokens: SliceSize = None  # background work's forward slices (None: whole; a callable: asked per slice)
+
+    def _calibrate(self, background: bool) -> None:
+        """The shift test's verdict (``kvblend.engine.calibration``): shipped, stored or
+        measured now; with ``background``, one that must be measured is measured on a thread
+        while the engine serves, its blends without the shift until then."""
+        private = partial(Engine, self.loaded, self_check=False, calibrate=False)
+        known = known_verdict(self.loaded)
+        if is_known(known):
+            self.shift_verdict = known  # type: ignore[assignment]
+        elif not background:
+            self.shift_verdict = ensure_calibrated(self.loaded, private)
+        else:
+            self.shift_pending = True
+            calibrate_later(self.loaded, private, self._calibrated)
+
+    def _calibrated(self, verdict: ShiftVerdict | None) -> None:
+        self.shift_verdict, self.shift_pending = verdict, False
 
     # ----- profile, controller, placement -------------------------------------------
     def _profile_path(self) -> Path:
@@ -246,7 +287,8 @@ class Engine:
 
     def _choose_ratio(self, request: Request, layout: PromptLayout, chunks: _Chunks, prefix_hit: int) -> RatioChoice:
         cfg = request.blend
-        docs = [DocLoad(s.index, s.source, s.tokens) for s in chunks.stats if s.source not in ("computed", "empty")]
+        docs = [DocLoad(s.index, s.source, s.tokens) for s in chunks.stats
+                if s.source not in ("computed", "empty", "prefix")]
         forced = len(layout) - prefix_hit - sum(d.tokens for d in docs)
         return choose_ratio(self.profile(), self.model.cfg, docs, forced, len(layout), self.kv_dtype,
                             cfg.r_min, cfg.r_max)
@@ -320,17 +362,22 @@ class Engine:
         for key, chunk in chunks:
             self._put(key, chunk)
 
-    def _lookup(self, request: Request, layout: PromptLayout, timer: _Timer) -> _Chunks:
+    def _lookup(self, request: Request, layout: PromptLayout, timer: _Timer, covered: int = 0) -> _Chunks:
         """Each document's chunk KV. A hit reports the tier that served it; a miss is
         recomputed in the prompt ("computed") or, without ``recompute_misses``, computed
         alone now and blended ("chunk"); neither, nor an empty document, is a hit. A
-        repeat within the request reports "request" and its first occurrence's hit."""
+        repeat within the request reports "request" and its first occurrence's hit. A
+        document within the first ``covered`` positions (the exact prefix hit) is not
+        looked up: "prefix", its tokens counted in the prefix hit."""
         ctx = self.key_context(self.chunk_prefix(request, layout), request.tenant)
         out, seen = _Chunks(), {}
         t = time.perf_counter()
         for i, (ids, start) in enumerate(zip(layout.docs, layout.doc_starts)):
             if not ids:
                 out.stats.append(DocStat(i, 0, False, "empty"))
+                continue
+            if start + len(ids) <= covered:
+                out.stats.append(DocStat(i, len(ids), False, "prefix"))
                 continue
             key = chunk_key(ids, ctx)
             if key in seen:
@@ -461,17 +508,19 @@ class Engine:
             self.prefix_cache.insert(scope, ids, cache, ids.shape[0])
         done = hit.length if hit else 0
         docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
-        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback)
+        return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback,
+                      exact=ids.shape[0] if use_prefix else 0)
 
     def _prefill_fused(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer, slice_tokens: SliceSize = None) -> Generator[Any, Any, _Built]:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute
         (a step per layer of each fusion pass)."""
-        n_prefix, scope = len(layout.prefix), self.prefix_scope(request.tenant)
+        scope = self.prefix_scope(request.tenant)
         fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
-        n_prefix = n_prefix if fallback is None else 0  # the prefix is then computed in fusion
-        hit = self.prefix_cache.lookup(scope, ids[:n_prefix], max_len=min(n_prefix, ids.shape[0] - 1))
-        chunks = self._lookup(request, layout, timer)
+        hit = None if fallback else _whole_documents(
+            self.prefix_cache.lookup(scope, ids, max_len=ids.shape[0] - 1), layout)
+        covered = hit.length if hit else 0  # documents inside it are exact already: no lookup, no blend
+        chunks = self._lookup(request, layout, timer, covered)
         yield from self._compute_alone(chunks, self.chunk_prefix(request, layout), slice_tokens, timer)
         cfg, choice = self.blend_config(request.blend), None
         if cfg.auto and request.method == "reuse":
@@ -485,7 +534,8 @@ class Engine:
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
                           strategy=None if request.method == "reuse" or cfg.plain else cfg,
-                          doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs) if d),
+                          doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs)
+                                          if d and a >= covered),
                           escalate_at=self.escalation.threshold(request.tenant, cfg.escalate) if moved else None)
         t = time.perf_counter()
         try:
@@ -500,12 +550,15 @@ class Engine:
             self.escalation.add(request.tenant, out.escalated if out.escalated is not None else out.risk)
         loading = _fall_back(chunks, {id(p.chunk) for p in dropped}, self.pipeline)
         fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
-        if n_prefix and (hit is None or hit.length < n_prefix):
-            self.prefix_cache.insert(scope, ids[:n_prefix], out.cache, n_prefix)
+        # every position before the first reused document was computed exactly, reading
+        # nothing reused: the whole prompt when no document was reused
+        exact = 0 if fallback else min((p.start for p in fused), default=ids.shape[0])
+        if exact > covered:
+            self.prefix_cache.insert(scope, ids, out.cache, exact)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
-        return _Built(out.cache, out.logits, hit.length if hit else 0, chunks.stats, out.recomputed, out.candidates,
+        return _Built(out.cache, out.logits, covered, chunks.stats, out.recomputed, out.candidates,
                       fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk,
-                      cfg.strategy, out.escalated is not None)
+                      cfg.strategy, out.escalated is not None, exact)
 
     def blend_config(self, cfg: BlendConfig) -> BlendConfig:
         """``cfg`` as this model runs it. Where the model's test found that the shift does
@@ -513,7 +566,7 @@ class Engine:
         its ratio instead (``BlendConfig.without_shift``): the shift is what corrects the
         tokens not recomputed, and on such a model more of them are recomputed instead
         (docs/results.md, issue #23: Qwen2.5's mean KL ratio 0.30 at 15 %, 0.16 at 30 %)."""
-        if cfg.shift and self.shift_verdict is not None and not self.shift_verdict.helps:
+        if cfg.shift and (self.shift_pending or self.shift_verdict is not None and not self.shift_verdict.helps):
             return cfg.without_shift()
         return cfg
 
@@ -564,7 +617,19 @@ class Engine:
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
                              elapsed, built.fallback, built.checks, built.loading, built.controller,
                              built.strategy if request.method == "blend" else None, built.risk, built.escalated)
-        return Prepared(layout, built.cache, built.logits, stats)
+        return Prepared(layout, built.cache, built.logits, stats, built.exact)
+
+    def remember_answer(self, request: Request, prepared: Prepared, tokens: Sequence[int]) -> int:
+        """After ``prepared`` decoded ``tokens``: when its whole prompt was exact, enter the
+        prompt and the generated tokens whose KV ``prepared.cache`` holds (all but the last)
+        in the prefix cache, so that a chat's next turn, which repeats them, reuses them.
+        Returns the tokens entered (0 when nothing was)."""
+        n, kept = len(prepared.layout), min(len(tokens), prepared.cache.length - len(prepared.layout))
+        if prepared.exact_tokens < n or kept <= 0 or not self._prefix_cache_exact(n + kept):
+            return 0
+        ids = torch.tensor((*prepared.layout.ids, *tokens[:kept]), dtype=torch.long)
+        self.prefix_cache.insert(self.prefix_scope(request.tenant), ids, prepared.cache, n + kept)
+        return n + kept
 
     # ----- generation -------------------------------------------------------------
     def stream(self, request: Request, sampling: SamplingParams) -> Iterator[StreamEvent | RequestStats]:
@@ -577,8 +642,12 @@ class Engine:
                              self.loaded.eos_token_ids)
         first = next(events)
         yield prepared.stats._replace(ttft_s=time.perf_counter() - start)
+        tokens = [first.token_id]
         yield first
-        yield from events
+        for event in events:
+            tokens.append(event.token_id)
+            yield event
+        self.remember_answer(request, prepared, tokens)
 
     def generate(self, request: Request, sampling: SamplingParams | None = None) -> Result:
         """Run a request to completion."""

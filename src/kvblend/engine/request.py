@@ -108,7 +108,8 @@ class DocStat(NamedTuple):
     # selection once over the reused context and then blended like a chunk), "chunk" (a miss whose chunk KV
     # was computed alone in this request and blended), "fallback" (found, but a layer failed
     # to load: recomputed in full), "skipped" (stored on a tier slower than recomputing it:
-    # computed, see the controller), "request" (a repeat within this request) or "empty"
+    # computed, see the controller), "request" (a repeat within this request), "prefix" (inside
+    # the exact prefix cache hit: its tokens count in ``prefix_hit_tokens``) or "empty"
 
 
 class DocSelection(NamedTuple):

@@ -333,6 +333,7 @@ def _call_logged(fn: Callable[[RequestHandle], None], handle: RequestHandle) -> 
 class _Running(NamedTuple):
     handle: RequestHandle
     slot: DecodeSlot
+    prepared: Any  # the engine's ``Prepared``: its cache is the slot's
 
 
 class _Task:
@@ -976,7 +977,7 @@ class Scheduler:
             self._end(handle, "ok", event.finish_reason, None)
         else:
             with self._cond:
-                self._running.append(_Running(handle, slot))
+                self._running.append(_Running(handle, slot, prepared))
 
     def _job_done(self, job: _Job, outcome: str, value: Any) -> None:
         lane = self._jobs if job.lane == "jobs" else self._background
@@ -1017,7 +1018,17 @@ class Scheduler:
                 self._running = [r for r in self._running if id(r) not in done]
             for r, reason in finished:
                 if reason != "failed":
+                    self._remember(r)
                     self._end(r.handle, "ok", reason, None)
+
+    def _remember(self, r: _Running) -> None:
+        """A request that decoded to its end: its prompt and answer enter the prefix cache
+        (``Engine.remember_answer``), so a chat's next turn reuses both. Caching is an
+        optimisation: a failure here is logged and the request still ends normally."""
+        try:
+            self.engine.remember_answer(r.handle.request, r.prepared, r.slot.tokens)
+        except Exception:  # noqa: BLE001 - never fail a finished request over its cache entry
+            log.warning("request %s: its answer did not enter the prefix cache", r.handle.id, exc_info=True)
 
     def _forward(self, members: list[Forward]) -> list[torch.Tensor | Exception]:
         """``forward_batch`` over the members; when it fails, each member alone, so that a

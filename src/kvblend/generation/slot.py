@@ -69,6 +69,7 @@ class DecodeSlot:
         self.text = TextStream(tokenizer, self.params.stop) if tokenizer is not None else None
         self.eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
         self.count = 0
+        self.tokens: list[int] = []  # every sampled token, in order
         self.last_token: int | None = None
         self.finished = False
 
@@ -78,6 +79,7 @@ class DecodeSlot:
             raise RuntimeError("this request has already finished decoding")
         token = self.sampler(logits.reshape(-1))  # (V,)
         self.count += 1
+        self.tokens.append(token)
         self.last_token = token
         if token in self.eos:
             return self._finish(token, self._flush(), "stop")

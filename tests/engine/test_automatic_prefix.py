@@ -1,0 +1,94 @@
+"""Automatic prefix caching for every caching method (issue #40): every exactly computed
+run of tokens enters the tenant's radix tree: a prompt no reused document touched, the
+exact prefix of a blended one, and the answer decoded after an exact prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.engine import Engine, PrefixCache, Request
+from kvblend.generation import SamplingParams
+from tests.conftest import make_loaded
+from tests.engine.test_blend_invariants import DOCS, QUESTION
+
+SYSTEM = "answer the question ."
+CONTEXT = " ".join(DOCS)
+
+
+def plain(question: str = QUESTION, method: str = "blend", tenant: str = "default") -> Request:
+    """A prompt with no documents: the passages pasted into the user turn."""
+    return Request(question=f"{CONTEXT} {question}", system=SYSTEM, method=method, tenant=tenant)
+
+
+def test_a_repeated_plain_prompt_is_served_from_the_prefix_cache_exactly() -> None:
+    eng = Engine(make_loaded())
+    first = eng.prepare(plain())
+    again = eng.prepare(plain())
+    n = len(again.layout)
+    assert first.stats.prefix_hit_tokens < n // 4  # cold: at most the system turn
+    assert again.stats.prefix_hit_tokens == n - 1  # all but the token that yields the logits
+    full = eng.prepare(plain(method="full")).logits
+    assert torch.allclose(again.logits, full, atol=1e-4)
+    assert eng.prepare(plain(tenant="globex")).stats.prefix_hit_tokens == 0  # scoped by tenant
+
+
+def test_full_prefill_neither_reads_nor_fills_the_prefix_cache() -> None:
+    eng = Engine(make_loaded())
+    assert eng.prepare(plain(method="full")).exact_tokens == 0
+    assert eng.prepare(plain()).stats.prefix_hit_tokens == 0
+    assert eng.prepare(plain(method="full")).stats.prefix_hit_tokens == 0
+
+
+def test_documents_inside_an_exact_cached_prompt_are_not_blended() -> None:
+    """An exact prompt (``prefix``) is cached whole; a blend of the same documents then
+    takes them from the exact prefix, so its logits are full prefill's."""
+    eng = Engine(make_loaded())
+    req = Request(documents=DOCS, question=QUESTION, system=SYSTEM, method="prefix")
+    eng.prepare(req)
+    blended = eng.prepare(Request(documents=DOCS, question=QUESTION, system=SYSTEM))
+    assert [d.source for d in blended.stats.docs] == ["prefix"] * 3
+    assert blended.stats.prefix_hit_tokens == len(blended.layout) - 1
+    full = eng.prepare(Request(documents=DOCS, question=QUESTION, system=SYSTEM, method="full")).logits
+    assert torch.allclose(blended.logits, full, atol=1e-4)
+
+
+def test_a_prefix_hit_ending_inside_a_document_stops_at_its_start() -> None:
+    eng = Engine(make_loaded())
+    eng.prepare(Request(documents=DOCS, question=QUESTION, system=SYSTEM, method="prefix"))
+    changed = DOCS[1].replace("green", "purple")  # the same first words: the match ends inside it
+    got = eng.prepare(Request(documents=[DOCS[0], changed], question=QUESTION, system=SYSTEM,
+                              blend=BlendConfig(recompute_misses=False)))
+    assert got.layout.doc_starts[1] < got.layout.doc_starts[1] + len(got.layout.docs[1])
+    assert got.stats.prefix_hit_tokens == got.layout.doc_starts[1]
+    assert [d.source for d in got.stats.docs] == ["prefix", "chunk"]
+
+
+def test_a_blend_caches_only_its_exact_prefix() -> None:
+    """Tokens after a reused document read approximate KV: they never enter the cache."""
+    eng = Engine(make_loaded())
+    req = Request(documents=DOCS, question=QUESTION, system=SYSTEM, blend=BlendConfig(recompute_misses=False))
+    first = eng.prepare(req)
+    assert first.exact_tokens == first.layout.doc_starts[0]
+    again = eng.prepare(req)
+    assert again.stats.prefix_hit_tokens == first.layout.doc_starts[0]
+    assert [d.source for d in again.stats.docs] == ["memory"] * 3
+
+
+def test_the_answer_after_an_exact_prompt_is_cached_for_the_next_turn() -> None:
+    eng = Engine(make_loaded())
+    turn1 = Request(question=f"{CONTEXT} {QUESTION}", system=SYSTEM)
+    prompt = eng.layout(turn1).ids
+    result = eng.generate(turn1, SamplingParams(max_tokens=6, ignore_eos=True))
+    answer = result.token_ids
+    # the next turn's prompt repeats the first prompt and the answer's tokens, then goes on
+    probe = torch.tensor([*prompt, *answer, *eng.tokenizer("and then ?", add_special_tokens=False)["input_ids"]])
+    hit = eng.prefix_cache.lookup(eng.prefix_scope("default"), probe)
+    assert hit is not None and hit.length == len(prompt) + len(answer) - 1  # the last token's KV is never computed
+    ref = Engine(make_loaded(), prefix_cache=PrefixCache(0))
+    cache_ref = ref.prepare(Request(question=f"{CONTEXT} {QUESTION}", system=SYSTEM, method="full"),
+                            extra_capacity=len(answer))
+    tail = ref.model(torch.tensor(answer[:-1]), cache_ref.cache, logits_for="all")
+    assert tail.shape[0] == len(answer) - 1
+    for layer in range(len(hit.keys)):  # the cached answer KV is a full prefill's
+        assert torch.allclose(hit.keys[layer], cache_ref.cache.keys[layer][:, : hit.length], atol=1e-4)
