@@ -115,6 +115,9 @@ def test_the_setting_reaches_the_servers_engine(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr("kvblend.models.load_model", lambda *a, **kw: tiny)
     server_main.build_engine(settings)
     assert seen["calibrate"] is False
+    monkeypatch.delenv("KVBLEND_BLEND__CALIBRATE")
+    server_main.build_engine(Settings())
+    assert seen["calibrate"] == "background"  # the server answers while a model's test still runs
 
 
 def test_a_test_that_fails_leaves_the_shift_as_configured_and_is_not_stored(home: Path, tmp_path: Path,
@@ -141,3 +144,44 @@ def test_a_test_that_fails_leaves_the_shift_as_configured_and_is_not_stored(home
 def test_without_the_shift_a_blend_recomputes_twice_its_ratio(cfg, want) -> None:
     got = cfg.without_shift()
     assert not got.shift and all(getattr(got, k) == v for k, v in want.items()), got
+
+
+def test_a_fresh_home_reads_the_default_models_shipped_verdict_without_testing(
+        smollm2, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packaged model's verdict ships with kvblend: a fresh $KVBLEND_HOME serves at once."""
+    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress: pytest.fail("tested again"))
+    verdict = Engine(smollm2, self_check=False).shift_verdict
+    assert verdict == calibration.shipped_verdict(smollm2) and verdict.helps
+    assert not (home / "calibration").exists()
+
+
+def test_a_shipped_verdict_is_keyed_by_weights_config_and_dtype(tmp_path: Path, tiny) -> None:
+    table = tmp_path / "verdicts.json"
+    table.write_text(json.dumps({calibration.shipped_key(tiny): json.loads(HURTS.to_json())}))
+    assert calibration.shipped_verdict(tiny, table) == HURTS
+    other = dataclasses.replace(tiny, _fingerprint="other-weights")
+    assert calibration.shipped_verdict(other, table) is None
+    table.write_text("{torn")
+    assert calibration.shipped_verdict(tiny, table) is None
+
+
+def test_in_the_background_a_model_blends_without_the_shift_until_its_verdict_is_in(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    release = threading.Event()
+
+    def slow(engine, progress):
+        assert release.wait(60)
+        return HELPS
+
+    monkeypatch.setattr(calibration, "run_calibration", slow)
+    engine = Engine(load_hf_folder(saved_model(tmp_path / "model")), calibrate="background")
+    assert engine.shift_pending and engine.shift_verdict is None  # built at once, the test still running
+    assert not engine.blend_config(BlendConfig()).shift  # meanwhile: without the shift, twice the ratio
+    assert engine.blend_config(BlendConfig()).ratio == 0.3
+    release.set()
+    for t in [t for t in threading.enumerate() if t.name == "kvblend-shift-test"]:
+        t.join(60)
+    assert not engine.shift_pending and engine.shift_verdict == HELPS
+    assert engine.blend_config(BlendConfig()).shift

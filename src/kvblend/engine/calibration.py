@@ -22,6 +22,13 @@ Results are memoised in the process and stored as JSON under
 device type, kvblend build). Only a model loaded from files is tested: one built in memory
 (the tests' tiny models) keeps the shift as configured, as does a model whose context is
 too short for three of the questions.
+
+A packaged model's verdict is the same on every machine, so it ships with kvblend
+(``kvblend.data.SHIFT_VERDICTS``, keyed by weights fingerprint, config digest and compute
+dtype, not by build or device): a fresh ``$KVBLEND_HOME`` serves at once (issue #40). A
+model with no verdict shipped or stored can be tested in the background
+(``calibrate_later``) while it serves; until the verdict is in, the engine blends without
+the shift, the choice that is never worse than reuse (``Engine.blend_config``).
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE, format_musique_passage
+from kvblend.data import MUSIQUE_RAG, MUSIQUE_SAMPLE, SHIFT_VERDICTS, format_musique_passage
 from kvblend.engine.request import Request
 from kvblend.engine.selfcheck import check_key, read_stored, stored_path, write_atomic
 from kvblend.generation import SamplingParams, collect, stream_from
@@ -177,18 +185,74 @@ def _progress(message: str) -> None:
     print(f"kvblend: {message}", file=sys.stderr, flush=True)
 
 
-def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer]) -> ShiftVerdict | None:
-    """The model's shift verdict: memoised, else read from disk, else measured (on the engine
-    ``private_engine`` builds) and stored. None for a model built in memory, too short a
-    context, or a test that raised (reported, not stored): the shift then stays as configured."""
+def shipped_key(loaded: LoadedModel) -> str:
+    """What a shipped verdict is valid for: the weights, the model config and the compute dtype."""
+    return f"{loaded.fingerprint}:{loaded.config_digest}:{loaded.model.dtype}"
+
+
+def shipped_verdict(loaded: LoadedModel, path: Path = SHIFT_VERDICTS) -> ShiftVerdict | None:
+    """The verdict shipped for this model (``shipped_key``), or None."""
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    entry = table.get(shipped_key(loaded)) if isinstance(table, dict) else None
+    return ShiftVerdict.from_json(json.dumps(entry)) if entry is not None else None
+
+
+_UNKNOWN = object()
+
+
+def known_verdict(loaded: LoadedModel) -> ShiftVerdict | None | object:
+    """The verdict without testing anything: memoised, shipped or stored; ``_UNKNOWN`` when
+    it would have to be measured (``is_known`` tells)."""
     key = check_key(loaded)
     with _memo_lock:
         if key in _memo:
             return _memo[key]
         path = stored_path(loaded, key, "calibration")
-        if path is None:
-            _memo[key] = None
-            return None
+        verdict = None if path is None else shipped_verdict(loaded) or read_stored(path, ShiftVerdict.from_json)
+        if path is None or verdict is not None:
+            _memo[key] = verdict
+            return verdict
+        return _UNKNOWN
+
+
+def is_known(verdict: ShiftVerdict | None | object) -> bool:
+    return verdict is not _UNKNOWN
+
+
+def calibrate_later(loaded: LoadedModel, private_engine: Callable[[], _Preparer],
+                    done: Callable[[ShiftVerdict | None], None]) -> threading.Thread:
+    """Run ``ensure_calibrated`` on a daemon thread and hand its verdict to ``done``. The
+    test runs its own forward passes beside whoever else uses the model (the model holds no
+    state between forwards), at the cost of CPU time while it lasts: a few minutes, once per
+    model and build."""
+    def run() -> None:
+        verdict = None
+        try:
+            verdict = ensure_calibrated(loaded, private_engine)
+        finally:
+            done(verdict)
+
+    thread = threading.Thread(target=run, name="kvblend-shift-test", daemon=True)
+    thread.start()
+    return thread
+
+
+def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer]) -> ShiftVerdict | None:
+    """The model's shift verdict: memoised, else shipped with kvblend, else read from disk,
+    else measured (on the engine ``private_engine`` builds) and stored. None for a model built
+    in memory, too short a context, or a test that raised (reported, not stored): the shift
+    then stays as configured."""
+    known = known_verdict(loaded)
+    if is_known(known):
+        return known  # type: ignore[return-value]
+    key = check_key(loaded)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+        path = stored_path(loaded, key, "calibration")
         verdict = read_stored(path, ShiftVerdict.from_json)
         if verdict is None:
             engine = private_engine()

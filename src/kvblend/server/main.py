@@ -54,7 +54,7 @@ def build_engine(settings: Settings):
     compute = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[settings.dtype]
     store = build_store(settings.store.store_config(compute))
     return Engine(loaded, store=store, prefix_cache=PrefixCache(settings.store.prefix_cache_bytes),
-                  calibrate=settings.blend.calibrate)
+                  calibrate="background" if settings.blend.calibrate else False)  # serve at once
 
 
 class DrainingServer(uvicorn.Server):
