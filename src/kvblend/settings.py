@@ -183,8 +183,8 @@ class BlendOptions(_Section):
     budget: bool | None = None
     sinks: int | None = Field(None, ge=0, le=MAX_SINKS)
     shift: bool | None = None
-    # false: a document no tier holds is computed alone first (stored at once) and blended,
-    # instead of computed exactly in the prompt and written back later by the jobs lane
+    # false (the default): a document no tier holds is computed alone first (stored at once) and
+    # blended; true: computed exactly in the prompt and written back later by the jobs lane
     recompute_misses: bool | None = None
 
     @field_validator("selection")

@@ -41,9 +41,10 @@ class BlendConfig:
     ``ratio``. ``signal`` picks what deviation compares: fresh vs cached V, K, or both.
     ``chunk_prefix``: a document's KV is computed after the prompt's first token ("bos",
     the attention sink) or after the request's whole prefix ("prompt").
-    ``recompute_misses``: a document no tier holds is computed exactly in the prompt and
-    written back later (True), or computed alone first, stored at once and blended (False:
-    one computation instead of two, for a busy server whose write-backs fall behind).
+    ``recompute_misses``: a document no tier holds is computed alone first, stored at once
+    and blended (False, the default: one computation, and the next request carrying it hits
+    at any load), or computed exactly in the prompt and written back later by a second
+    computation that falls behind a busy server's traffic (True; issue #40, docs/results.md).
 
     Strategies (``kvblend.blend.strategies``): ``selection`` (see ``SELECTIONS``);
     ``budget``: each document gets a share of the kept tokens proportional to the score mass
@@ -95,7 +96,7 @@ class BlendConfig:
     schedule: tuple[float, ...] | None = None
     signal: str = "v"
     chunk_prefix: str = "bos"
-    recompute_misses: bool = True
+    recompute_misses: bool = False
     selection: str = "question"
     budget: bool = True
     budget_floor: float = 0.5
