@@ -106,12 +106,15 @@ def test_a_request_whose_replica_dies_before_its_first_token_is_answered_by_anot
     assert (first, again) == ("r0", "r1") and retry.avoid == ("r0",) and retry.call != call.call
     assert retry.request is call.request
     assert remote.ledger.waiting("metered") == 0 and remote.num_running == 0
+    # the response names the replica that answered, not the one lost
+    assert response.headers["X-Kvblend-Replica"] == "r1" and response.json()["kvblend"]["replica"] == "r1"
 
     stream, handle, _ = served({"r0": Started}, {**BODY, "stream": True})
     chunks = _sse(stream)
     assert stream.text.rstrip().endswith("data: [DONE]") and not any("error" in c for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == reference
     assert [rid for rid, _ in handle.sent] == ["r0", "r1"]
+    assert [c["kvblend"]["replica"] for c in chunks if "kvblend" in c] == ["r1"]
 
 
 def test_a_request_that_streamed_a_token_ends_with_a_503_and_is_not_sent_again(served):

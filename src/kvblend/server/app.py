@@ -579,6 +579,9 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
         except Exception:  # noqa: BLE001 - the cancellation goes on whatever the accounting did
             log.exception("accounting for a cancelled request failed")
         raise
+    if handle.replica is not None and handle.replica != shape.replica:  # sent again to another replica after its first was lost
+        shape = dataclasses.replace(shape, replica=handle.replica)
+        headers["X-Kvblend-Replica"] = handle.replica
     finish(out)
     if out.error is not None:
         return _error_response(out.error)

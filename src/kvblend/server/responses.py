@@ -64,16 +64,20 @@ class Shape:
     matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
     replica: str | None = None  # the model replica that served it (Ray Serve; None in one process)
 
-    def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True) -> dict[str, Any]:
+    def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True,
+                replica: str | None = None) -> dict[str, Any]:
         """The response's ``kvblend`` block, with the retrieved sources and the matched
-        spans when there are any and, when asked and ``explain``, the recomputed tokens."""
+        spans when there are any and, when asked and ``explain``, the recomputed tokens.
+        ``replica``: the replica that answered, when it is not the one first sent to (a
+        request sent again after its replica was lost)."""
         block = kvblend_block(stats, queue_s)
+        replica = replica or self.replica
         if self.sources is not None:
             block["sources"] = list(self.sources)
         if self.matches is not None:
             block["matches"] = list(self.matches)
-        if self.replica is not None:
-            block["replica"] = self.replica
+        if replica is not None:
+            block["replica"] = replica
         if explain and self.explain is not None and stats is not None:
             block["explain"] = self.explain(stats)
         return block
@@ -172,11 +176,12 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
                     yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field()})
                 continue
             last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
-                    **usage_field(), "kvblend": shape.kvblend(out.stats, handle.queue_s)}
+                    **usage_field(), "kvblend": shape.kvblend(out.stats, handle.queue_s, replica=handle.replica)}
             yield sse(last)
         if include_usage:  # the explanation went with the last choice chunk already
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),
-                       "kvblend": shape.kvblend(out.stats, handle.queue_s, explain=False)})
+                       "kvblend": shape.kvblend(out.stats, handle.queue_s, explain=False,
+                                                 replica=handle.replica)})
         yield sse("[DONE]")
     except asyncio.CancelledError:
         out.disconnected = True
