@@ -75,7 +75,7 @@ def test_a_verdict_is_stored_and_read_back_without_testing_again(home: Path, tmp
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     folder = saved_model(tmp_path / "model")
     calls: list[str] = []
-    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress: calls.append("run") or HURTS)
+    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress, stop=None: calls.append("run") or HURTS)
     assert Engine(load_hf_folder(folder)).shift_verdict == HURTS and calls == ["run"]
     stored = list((home / "calibration").glob("*.json"))
     assert len(stored) == 1 and json.loads(stored[0].read_text())["plain_ratio"] == 0.4
@@ -92,7 +92,7 @@ def test_no_verdict_where_the_questions_do_not_fit_and_none_when_not_asked(home:
     assert loaded.config.context_length < 1000
     assert calibration.run_calibration(Engine(loaded, calibrate=False)) is None
     assert Engine(loaded).shift_verdict is None and not (home / "calibration").exists()
-    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress: pytest.fail("not asked"))
+    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress, stop=None: pytest.fail("not asked"))
     calibration.forget()
     assert Engine(loaded, calibrate=False).shift_verdict is None
 
@@ -125,7 +125,7 @@ def test_a_test_that_fails_leaves_the_shift_as_configured_and_is_not_stored(home
                                                                             capsys: pytest.CaptureFixture) -> None:
     folder = saved_model(tmp_path / "model")
 
-    def boom(engine, progress):
+    def boom(engine, progress, stop=None):
         raise RuntimeError("out of memory (test)")
 
     monkeypatch.setattr(calibration, "run_calibration", boom)
@@ -149,7 +149,7 @@ def test_without_the_shift_a_blend_recomputes_twice_its_ratio(cfg, want) -> None
 def test_a_fresh_home_reads_the_default_models_shipped_verdict_without_testing(
         smollm2, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The packaged model's verdict ships with kvblend: a fresh $KVBLEND_HOME serves at once."""
-    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress: pytest.fail("tested again"))
+    monkeypatch.setattr(calibration, "run_calibration", lambda engine, progress, stop=None: pytest.fail("tested again"))
     verdict = Engine(smollm2, self_check=False).shift_verdict
     assert verdict == calibration.shipped_verdict(smollm2) and verdict.helps
     assert not (home / "calibration").exists()
@@ -171,7 +171,7 @@ def test_in_the_background_a_model_blends_without_the_shift_until_its_verdict_is
 
     release = threading.Event()
 
-    def slow(engine, progress):
+    def slow(engine, progress, stop=None):
         assert release.wait(60)
         return HELPS
 

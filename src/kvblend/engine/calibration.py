@@ -33,6 +33,7 @@ the shift, the choice that is never worse than reuse (``Engine.blend_config``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import sys
@@ -159,12 +160,20 @@ def _ratios(engine: _Preparer, question: str, docs: tuple[str, ...]) -> tuple[fl
     return kl("blend", replace(blend, shift=True)) / reuse, kl("blend", replace(blend, shift=False)) / reuse
 
 
-def run_calibration(engine: _Preparer, progress: Callable[[str], None] | None = None) -> ShiftVerdict | None:
+class _Stopped(Exception):
+    """The test was asked to stop (its engine is closing) before it finished."""
+
+
+def run_calibration(engine: _Preparer, progress: Callable[[str], None] | None = None,
+                    stop: threading.Event | None = None) -> ShiftVerdict | None:
     """Measure the verdict with ``engine`` (give it a private store: the questions' chunks
-    are computed and kept there). None when fewer than ``MIN_EXAMPLES`` questions fit."""
+    are computed and kept there). None when fewer than ``MIN_EXAMPLES`` questions fit;
+    ``_Stopped`` once ``stop`` is set (checked before each question)."""
     cases = examples()
     rows = []
     for i, (question, docs) in enumerate(cases, 1):
+        if stop is not None and stop.is_set():
+            raise _Stopped
         if progress is not None:
             progress(f"testing the blend's shift on {engine.loaded.name}: question {i} of {len(cases)}")
         got = _ratios(engine, question, docs)
@@ -223,24 +232,33 @@ def is_known(verdict: ShiftVerdict | None | object) -> bool:
 
 
 def calibrate_later(loaded: LoadedModel, private_engine: Callable[[], _Preparer],
-                    done: Callable[[ShiftVerdict | None], None]) -> threading.Thread:
+                    done: Callable[[ShiftVerdict | None], None], stop: threading.Event) -> threading.Thread:
     """Run ``ensure_calibrated`` on a daemon thread and hand its verdict to ``done``. The
     test runs its own forward passes beside whoever else uses the model (the model holds no
     state between forwards), at the cost of CPU time while it lasts: a few minutes, once per
-    model and build."""
+    model and build. Setting ``stop`` ends it before its next question, nothing stored (the
+    owner joins the thread before the process exits: a thread cut inside a forward pass at
+    exit aborts the process)."""
+    def at_exit() -> None:  # a process that exits without closing its engine
+        stop.set()
+        thread.join()
+
     def run() -> None:
         verdict = None
         try:
-            verdict = ensure_calibrated(loaded, private_engine)
+            verdict = ensure_calibrated(loaded, private_engine, stop)
         finally:
+            atexit.unregister(at_exit)
             done(verdict)
 
     thread = threading.Thread(target=run, name="kvblend-shift-test", daemon=True)
+    atexit.register(at_exit)
     thread.start()
     return thread
 
 
-def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer]) -> ShiftVerdict | None:
+def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Preparer],
+                      stop: threading.Event | None = None) -> ShiftVerdict | None:
     """The model's shift verdict: memoised, else shipped with kvblend, else read from disk,
     else measured (on the engine ``private_engine`` builds) and stored. None for a model built
     in memory, too short a context, or a test that raised (reported, not stored): the shift
@@ -257,7 +275,9 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
         if verdict is None:
             engine = private_engine()
             try:
-                verdict = run_calibration(engine, _progress)
+                verdict = run_calibration(engine, _progress, stop)
+            except _Stopped:
+                return None  # neither stored nor memoised: the next engine tests again
             except Exception as exc:  # noqa: BLE001 - a failed test must not stop the model from serving
                 _progress(f"the shift test failed on {loaded.name} ({exc!r}); the shift stays as configured")
                 verdict = None  # not stored: the next process tests again

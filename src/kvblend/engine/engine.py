@@ -235,6 +235,8 @@ class Engine:
         checked = self.self_check is None or self.self_check.passed
         self.shift_verdict: ShiftVerdict | None = None
         self.shift_pending = False  # the shift test runs in the background: blend without the shift meanwhile
+        self._calibration: threading.Thread | None = None
+        self._stop_calibration = threading.Event()
         if calibrate and checked:
             self._calibrate(calibrate == "background")
         self.pipeline = pipeline and hasattr(self.store, "locate")
@@ -262,7 +264,7 @@ class Engine:
             self.shift_verdict = ensure_calibrated(self.loaded, private)
         else:
             self.shift_pending = True
-            calibrate_later(self.loaded, private, self._calibrated)
+            self._calibration = calibrate_later(self.loaded, private, self._calibrated, self._stop_calibration)
 
     def _calibrated(self, verdict: ShiftVerdict | None) -> None:
         self.shift_verdict, self.shift_pending = verdict, False
@@ -466,6 +468,9 @@ class Engine:
         write back what is pending and close the store. Safe to call twice or concurrently."""
         if not self._gate.close():
             return
+        self._stop_calibration.set()
+        if self._calibration is not None:  # ends before its next question
+            self._calibration.join()
         self.writeback.close()
         self.store.close()
 
