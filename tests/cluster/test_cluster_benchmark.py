@@ -88,7 +88,7 @@ def test_dump_writes_each_request_with_its_passages_and_block(tmp_path) -> None:
     assert rows[0]["block"]["queue_s"] == 2.5 and rows[0]["ttft_s"] == 1.0 and rows[1]["sent_s"] is None  # NaN: not sent timed
 
 
-@pytest.mark.parametrize("flag, want", [([], True), (["--recompute-misses", "false"], False),
+@pytest.mark.parametrize("flag, want", [([], False), (["--recompute-misses", "false"], False),
                                         (["--recompute-misses", "TRUE"], True)])
 def test_recompute_misses_reaches_the_replicas_settings(flag: list[str], want: bool) -> None:
     from kvblend.settings import Settings

@@ -39,7 +39,7 @@ def test_repeated_documents_land_on_one_replica_and_hit_its_memory(cluster):
     docs = [{"text": passage("amber")}, {"text": passage("basalt")}]
     with cluster.client() as c:
         first, sources = served(chat(c, docs))
-        assert sources == ["computed", "computed"]
+        assert sources == ["chunk", "chunk"]  # missed: computed alone, stored, blended
         time.sleep(STATS_S)
         again = [served(chat(c, docs, question=f"Question {i}?")) for i in range(3)]
     assert {r for r, _ in again} == {first}
@@ -99,7 +99,7 @@ def test_a_deleted_document_leaves_the_replica_that_held_it(cluster):
             time.sleep(0.5)  # the replica follows the purge log every period, then pushes its metrics
         assert _memory_entries(c, replica) == held - 1  # its memory tier let the chunk go
         _, sources = served(chat(c, [{"text": x}]))
-    assert sources == ["computed"]  # on whichever replica: no tier holds it
+    assert sources == ["chunk"]  # on whichever replica: no tier holds it
 
 
 def _model_replicas() -> dict[str, str]:

@@ -80,8 +80,20 @@ def test_single_document_at_its_computed_position_needs_no_recompute(family: str
 
 def test_all_misses_are_computed_in_full() -> None:
     eng = engine()
-    first = logits(eng, "blend", ratio=0.0)  # nothing cached: every document recomputed
+    first = logits(eng, "blend", ratio=0.0, recompute_misses=True)  # nothing cached: every document recomputed
     assert (first - logits(eng, "full")).abs().max().item() <= 1e-3
+
+
+def test_a_miss_computed_alone_is_the_blend_a_warm_store_gives() -> None:
+    """The default: a missed document is computed alone, stored and blended, so the first
+    request gets exactly the blend every later request gets (and no exact prefix is cached
+    past the first document: the second request reads the store, not the prefix cache)."""
+    eng = engine()
+    first = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend"))
+    assert [d.source for d in first.stats.docs] == ["chunk"] * len(DOCS)
+    again = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend"))
+    assert [d.source for d in again.stats.docs] == ["memory"] * len(DOCS)
+    assert (first.logits - again.logits).abs().max().item() <= 1e-4
 
 
 def test_no_documents_is_a_plain_prefill() -> None:
@@ -148,8 +160,8 @@ def _inline_request(method: str, **blend) -> Request:
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
 def test_documents_between_text_keep_both_invariants(family: str) -> None:
-    eng = engine(**FAMILIES[family])
-    first = eng.prepare(_inline_request("blend", ratio=0.0))
+    eng = Engine(make_loaded(**FAMILIES[family]), prefix_cache=PrefixCache(0))  # the store, not an exact prompt, serves
+    first = eng.prepare(_inline_request("blend", ratio=0.0, recompute_misses=True))
     assert eng.layout(_inline_request("full")).gaps  # text between the documents
     assert [d.source for d in first.stats.docs] == ["computed"] * 3
     eng.flush()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.engine import Engine, Request
+from kvblend.engine import Engine, PrefixCache, Request
 from kvblend.engine.escalation import MIN_SAMPLES, RiskWindows, top_quantile
 from kvblend.metrics import kl_divergence
 from tests.conftest import make_loaded
@@ -46,9 +46,10 @@ def _prepare(eng: Engine, tenant: str = "t", **blend):
 
 
 def _engine() -> Engine:
-    eng = Engine(make_loaded(), self_check=False, calibrate=False)
+    # no prefix cache: the warm-up's exact prompts would serve the blends below whole
+    eng = Engine(make_loaded(), prefix_cache=PrefixCache(0), self_check=False, calibrate=False)
     for tenant in ("t", "calm", "fresh", "shifted"):  # each tenant's store is its own
-        _prepare(eng, tenant=tenant, escalate=None)
+        _prepare(eng, tenant=tenant, escalate=None, recompute_misses=True)
     eng.flush()  # every document stored (the warm-up's blends missed them all: no risk measured)
     assert all(eng.escalation.threshold(t, 0.0) is None for t in ("t", "calm", "fresh", "shifted"))
     return eng

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvblend.blend.chunks import compute_chunk_kv, compute_chunk_steps
+from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
 from kvblend.engine.fair import FairQueue, TenantShare
 from kvblend.engine.scheduler import QueueFullError, Scheduler, SchedulerObserver
@@ -236,7 +237,8 @@ def test_the_jobs_lane_is_bounded_and_write_back_goes_through_it() -> None:
     assert eng.model_owner == sched.run_job
     assert first.result(timeout=10) == 1
     docs = ["the city river is in paris .", "the doctor led the project ."]
-    sched.submit(Request(documents=docs, question="who ?", method="blend"), SamplingParams(max_tokens=2)).result()
+    sched.submit(Request(documents=docs, question="who ?", method="blend", blend=BlendConfig(recompute_misses=True)),
+                 SamplingParams(max_tokens=2)).result()
     sched.drain(10)  # waits for the write-back, whose chunks the worker computed
     assert eng.writeback_stats().written == 2 and sched.job_stats().ok == 3
 

@@ -25,7 +25,7 @@ def test_two_engines_share_chunks_and_survive_redis_going_away() -> None:
         shared = reader.prepare(Request(documents=DOCS[::-1], question=QUESTION))
         assert [d.source for d in shared.stats.docs] == ["redis"] * 3
         server.stop()
-        req = Request(documents=DOCS, question=QUESTION, blend=BlendConfig(ratio=0.0))
+        req = Request(documents=DOCS, question=QUESTION, blend=BlendConfig(ratio=0.0, recompute_misses=True))
         degraded = reader.prepare(req)
         assert [d.source for d in degraded.stats.docs] == ["computed"] * 3
         full = reader.prepare(Request(documents=DOCS, question=QUESTION, method="full"))

@@ -37,7 +37,7 @@ def test_same_document_twice_uses_one_entry(eng: Engine) -> None:
     prepare(eng, [DOCS[0]])
     eng.flush()
     stats = prepare(eng, [DOCS[0], DOCS[1], DOCS[0]]).stats
-    assert [d.source for d in stats.docs] == ["memory", "computed", "request"]
+    assert [d.source for d in stats.docs] == ["memory", "chunk", "request"]
     eng.flush()
     assert eng.store.stats().entries == 2
 

@@ -121,7 +121,7 @@ def test_another_tenants_texts_are_never_found(engine: Engine) -> None:
 def test_matched_documents_hit_the_store_after_a_first_miss(engine: Engine) -> None:
     index, msgs = stored(engine), user(f"context : {DOCS[0]} {DOCS[1]} which city ?")
     first = engine.prepare(shape(engine, Draft(messages=msgs), index=index).request)
-    assert [d.source for d in first.stats.docs] == ["computed", "computed"]
+    assert [d.source for d in first.stats.docs] == ["chunk", "chunk"]
     engine.flush()
     again = engine.prepare(shape(engine, Draft(messages=user(f"{DOCS[1]} or {DOCS[0]} ?")), index=index).request)
     assert [d.source for d in again.stats.docs] == ["memory", "memory"]
@@ -148,7 +148,7 @@ def test_a_discovered_passage_misses_once_then_hits_wherever_it_appears(engine: 
     config, index = ShapeConfig(discover=True, discover_tokens=10), DocumentIndex()
     first = shape(engine, Draft(messages=user(f"context :\n\n{DOCS[0]}\n\nwhich city ?")), config, index=index)
     assert [m.source for m in first.matches] == ["discovered"]
-    assert [d.source for d in engine.prepare(first.request).stats.docs] == ["computed"]
+    assert [d.source for d in engine.prepare(first.request).stats.docs] == ["chunk"]
     engine.flush()
     later = shape(engine, Draft(messages=user(f"see {DOCS[0]} then which river ?")), config, index=index)
     assert [m.source for m in later.matches] == ["stored"]  # indexed when discovered: found inside a paragraph

@@ -11,7 +11,7 @@ import torch
 
 import kvblend.engine.engine as engine_module
 from kvblend.blend.config import BlendConfig
-from kvblend.engine import Engine, Request
+from kvblend.engine import Engine, PrefixCache, Request
 from kvblend.store import StoreConfig, build_store
 from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS, QUESTION
@@ -36,6 +36,11 @@ class CountingCompute:
         return self.real(*args, **kwargs)
 
 
+def _no_prefix() -> PrefixCache:
+    """No prefix cache: a repeated request must reach the store (an exact prompt would serve it whole)."""
+    return PrefixCache(0)
+
+
 @pytest.fixture
 def loaded():
     return make_loaded()
@@ -48,11 +53,12 @@ def _install(monkeypatch: pytest.MonkeyPatch, **kw) -> CountingCompute:
 
 
 def _prepare(eng: Engine, docs=DOCS, **blend):
-    return eng.prepare(Request(documents=docs, question=QUESTION, blend=BlendConfig(**blend)))
+    """Misses computed in the prompt and written back (``recompute_misses``), unless ``blend`` says otherwise."""
+    return eng.prepare(Request(documents=docs, question=QUESTION, blend=BlendConfig(**{"recompute_misses": True, **blend})))
 
 
 def test_admission_is_checked_before_a_chunk_is_computed(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
-    eng = Engine(loaded, store=build_store(StoreConfig(admit_after=3)))
+    eng = Engine(loaded, store=build_store(StoreConfig(admit_after=3)), prefix_cache=_no_prefix())
     spy = _install(monkeypatch)
     for _ in range(2):
         _prepare(eng, DOCS[:1])
@@ -66,7 +72,7 @@ def test_admission_is_checked_before_a_chunk_is_computed(loaded, monkeypatch: py
 
 
 def test_a_pending_document_is_computed_once(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
-    eng = Engine(loaded)
+    eng = Engine(loaded, prefix_cache=_no_prefix())
     gate = threading.Event()
     spy = _install(monkeypatch, gate=gate)
     _prepare(eng)  # three misses; the first computation waits at the gate
@@ -80,7 +86,7 @@ def test_a_pending_document_is_computed_once(loaded, monkeypatch: pytest.MonkeyP
 
 def test_failed_write_backs_are_counted_and_logged(loaded, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    eng = Engine(loaded)
+    eng = Engine(loaded, prefix_cache=_no_prefix())
     _install(monkeypatch, fail=True)
     with caplog.at_level(logging.WARNING, logger="kvblend.store.writeback"):
         _prepare(eng)

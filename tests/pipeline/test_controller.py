@@ -118,8 +118,9 @@ def test_engine_profiles_lazily_once_and_loads_the_profile_at_start(tmp_path: Pa
     loaded = make_loaded()
     eng = Engine(loaded, build_store(StoreConfig(tiers=("memory",))))
     assert eng._profile is None
-    stats = eng.prepare(_auto()).stats  # nothing cached: every document is computed
-    assert stats.controller.ratio == 0.1 and stats.controller.docs == ()
+    stats = eng.prepare(_auto()).stats  # nothing cached: every document computed alone, nothing to load
+    assert stats.controller.ratio == 0.1 and {d.tier for d in stats.controller.docs} == {"chunk"}
+    assert stats.controller.load_layer_s == 0.0
     saved = list((tmp_path / "profiles").glob("*.json"))
     assert len(saved) == 1 and "memory" in Profile.from_json(saved[0].read_text()).tiers
     again = Engine(loaded, build_store(StoreConfig(tiers=("memory",))))

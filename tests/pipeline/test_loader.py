@@ -21,6 +21,10 @@ from tests.conftest import make_loaded
 from tests.engine.test_blend_invariants import DOCS, QUESTION
 
 REQUEST = Request(documents=DOCS, question=QUESTION, system="answer the question .", blend=BlendConfig(ratio=0.3))
+# the reference for a fallback: the same request with its misses computed in the prompt,
+# as a document whose load failed is
+IN_PROMPT = Request(documents=DOCS, question=QUESTION, system="answer the question .",
+                    blend=BlendConfig(ratio=0.3, recompute_misses=True))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def test_a_layer_corrupt_mid_request_falls_back_to_the_document_missed(loaded, t
 
     other = Engine(loaded, TieredStore([DiskStore(tmp_path / "b", 1 << 30, fsync=False)]))
     warm(other, docs=DOCS[:2])  # the same request with document 2 never stored
-    missed = other.prepare(REQUEST)
+    missed = other.prepare(IN_PROMPT)
     assert [d.source for d in missed.stats.docs] == ["disk", "disk", "computed"]
     assert torch.equal(got.logits, missed.logits)
     assert got.stats.recomputed_per_layer == missed.stats.recomputed_per_layer
@@ -113,7 +117,7 @@ def test_a_tier_too_slow_for_the_timeout_falls_back_to_recompute(loaded, tmp_pat
     got = eng.prepare(REQUEST)
     assert [d.source for d in got.stats.docs] == ["fallback"] * 3
     assert {f.reason for f in got.stats.loading.failures} == {"timeout"}
-    nothing = Engine(loaded, build_store(StoreConfig(tiers=("memory",)))).prepare(REQUEST)
+    nothing = Engine(loaded, build_store(StoreConfig(tiers=("memory",)))).prepare(IN_PROMPT)
     assert torch.equal(got.logits, nothing.logits)
 
 
@@ -134,4 +138,4 @@ def test_a_redis_layer_corrupt_mid_request_falls_back_to_the_document_missed(loa
 
     other = Engine(loaded, build_store(StoreConfig(tiers=("memory",))))
     warm(other, docs=DOCS[1:])
-    assert torch.equal(got.logits, other.prepare(REQUEST).logits)
+    assert torch.equal(got.logits, other.prepare(IN_PROMPT).logits)

@@ -281,7 +281,7 @@ def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tm
     b = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
     assert engine.store.stats("default").puts == 3  # second retrieval: written back
     c = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
-    assert all(d.hit for d in c.result.stats.docs) and b.result.stats.docs[0].source == "computed"
+    assert all(d.hit for d in c.result.stats.docs) and b.result.stats.docs[0].source == "chunk"
     retriever.close()
     engine.close()
 

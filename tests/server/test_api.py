@@ -172,7 +172,7 @@ def test_documents_api_warms_then_requests_hit(alice, model_id) -> None:
     alice.delete(f"/v1/documents/{auto['id']}")
     # deleted from the store too: the same text inline is a miss now
     r = alice.post("/v1/chat/completions", json={**chat_body(model_id), "documents": [text]}).json()
-    assert r["kvblend"]["documents"][0]["source"] == "computed"
+    assert r["kvblend"]["documents"][0]["source"] == "chunk"
 
 
 def test_document_listing_says_has_more_only_when_more_remain(alice) -> None:

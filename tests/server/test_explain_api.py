@@ -108,7 +108,7 @@ def test_explain_is_the_requesters_own_and_never_logged(server, alice, bob, mode
     assert mine["documents"][0]["source"] == "memory"
     assert "".join(mine["explain"]["documents"][0]["tokens"]).split() == secret.split()
     bobs = bob.post("/v1/chat/completions", json=body(model_id, documents=[secret], explain=True)).json()["kvblend"]
-    assert bobs["documents"][0]["source"] == "computed"  # the same text is not alice's KV for bob
+    assert bobs["documents"][0]["source"] == "chunk"  # the same text is not alice's KV for bob
     log = server.log()
     assert "explain" not in log and "lisbon" not in log and "alice-only" not in log
 

@@ -35,7 +35,7 @@ def test_documents_are_invisible_to_other_tenants(alice, bob, model_id) -> None:
     assert by_id.status_code == 404 and "budget" not in by_id.json()["error"]["message"].replace("alpha-budget", "")
     # B sending A's text inline computes it afresh: A's KV is never reused for B
     inline = ask(bob, model_id, [SECRET]).json()
-    assert inline["kvblend"]["documents"][0]["source"] == "computed"
+    assert inline["kvblend"]["documents"][0]["source"] == "chunk"
     assert inline["kvblend"]["doc_hits"] == {}
     # A's document is still there and still hits for A
     assert alice.get("/v1/documents/alpha-budget").status_code == 200
