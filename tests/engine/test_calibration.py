@@ -176,10 +176,18 @@ def test_in_the_background_a_model_blends_without_the_shift_until_its_verdict_is
         return HELPS
 
     monkeypatch.setattr(calibration, "run_calibration", slow)
-    engine = Engine(load_hf_folder(saved_model(tmp_path / "model")), calibrate="background")
+    loaded = load_hf_folder(saved_model(tmp_path / "model"))
+    engine = Engine(loaded, calibrate="background")
     assert engine.shift_pending and engine.shift_verdict is None  # built at once, the test still running
     assert not engine.blend_config(BlendConfig()).shift  # meanwhile: without the shift, twice the ratio
     assert engine.blend_config(BlendConfig()).ratio == 0.3
+    # a second engine of the same model is not held up by the test running (it waited for it
+    # while the test held the memo's lock)
+    built: list[Engine] = []
+    second = threading.Thread(target=lambda: built.append(Engine(loaded, self_check=False, calibrate="background")))
+    second.start()
+    second.join(10)
+    assert built and built[0].shift_pending
     release.set()
     for t in [t for t in threading.enumerate() if t.name == "kvblend-shift-test"]:
         t.join(60)

@@ -188,6 +188,7 @@ def run_calibration(engine: _Preparer, progress: Callable[[str], None] | None = 
 
 _memo: dict[str, ShiftVerdict | None] = {}
 _memo_lock = threading.Lock()
+_measure_lock = threading.Lock()  # held while a test runs (minutes), never by a reader
 
 
 def _progress(message: str) -> None:
@@ -266,28 +267,27 @@ def ensure_calibrated(loaded: LoadedModel, private_engine: Callable[[], _Prepare
     known = known_verdict(loaded)
     if is_known(known):
         return known  # type: ignore[return-value]
-    key = check_key(loaded)
-    with _memo_lock:
-        if key in _memo:
-            return _memo[key]
-        path = stored_path(loaded, key, "calibration")
-        verdict = read_stored(path, ShiftVerdict.from_json)
-        if verdict is None:
-            engine = private_engine()
-            try:
-                verdict = run_calibration(engine, _progress, stop)
-            except _Stopped:
-                return None  # neither stored nor memoised: the next engine tests again
-            except Exception as exc:  # noqa: BLE001 - a failed test must not stop the model from serving
-                _progress(f"the shift test failed on {loaded.name} ({exc!r}); the shift stays as configured")
-                verdict = None  # not stored: the next process tests again
-            finally:
-                engine.close()
-            if verdict is not None:
-                write_atomic(path, verdict.to_json())
-                _progress(f"the shift {'helps' if verdict.helps else 'does not help'} {loaded.name}: "
-                          f"KL {verdict.shift_ratio:.2f}x reuse's with it, {verdict.plain_ratio:.2f}x without")
-        _memo[key] = verdict
+    with _measure_lock:  # one test at a time; the memo stays readable meanwhile (``known_verdict``)
+        known = known_verdict(loaded)  # measured meanwhile by another thread or process?
+        if is_known(known):
+            return known  # type: ignore[return-value]
+        key = check_key(loaded)
+        engine = private_engine()
+        try:
+            verdict = run_calibration(engine, _progress, stop)
+        except _Stopped:
+            return None  # neither stored nor memoised: the next engine tests again
+        except Exception as exc:  # noqa: BLE001 - a failed test must not stop the model from serving
+            _progress(f"the shift test failed on {loaded.name} ({exc!r}); the shift stays as configured")
+            verdict = None  # not stored: the next process tests again
+        finally:
+            engine.close()
+        if verdict is not None:
+            write_atomic(stored_path(loaded, key, "calibration"), verdict.to_json())
+            _progress(f"the shift {'helps' if verdict.helps else 'does not help'} {loaded.name}: "
+                      f"KL {verdict.shift_ratio:.2f}x reuse's with it, {verdict.plain_ratio:.2f}x without")
+        with _memo_lock:
+            _memo[key] = verdict
         return verdict
 
 
