@@ -92,3 +92,30 @@ def test_the_answer_after_an_exact_prompt_is_cached_for_the_next_turn() -> None:
     assert tail.shape[0] == len(answer) - 1
     for layer in range(len(hit.keys)):  # the cached answer KV is a full prefill's
         assert torch.allclose(hit.keys[layer], cache_ref.cache.keys[layer][:, : hit.length], atol=1e-4)
+
+
+def test_a_prefix_cache_that_fails_on_the_answer_never_fails_the_request(monkeypatch) -> None:
+    """The answer's entry is an optimisation: a failing insert is logged and the request
+    still returns its answer, in Engine.generate and under the scheduler."""
+    from kvblend.engine.scheduler import Scheduler
+
+    eng = Engine(make_loaded())
+    request = Request(question=f"{CONTEXT} {QUESTION}", system=SYSTEM)
+    expected = eng.generate(request, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+    eng.prefix_cache.clear()
+    real = eng.prefix_cache.insert
+
+    def fails_on_answers(scope, ids, cache, length):
+        if length > len(eng.layout(request)):
+            raise RuntimeError("out of memory (test)")
+        return real(scope, ids, cache, length)
+
+    monkeypatch.setattr(eng.prefix_cache, "insert", fails_on_answers)
+    assert eng.generate(request, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids == expected
+    sched = Scheduler(eng)
+    sched.start()
+    try:
+        out = sched.submit(request, SamplingParams(max_tokens=4, ignore_eos=True)).result()
+        assert out.token_ids == expected
+    finally:
+        sched.drain(10)

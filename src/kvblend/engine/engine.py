@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -50,6 +51,7 @@ from kvblend.store.config import StoreConfig, build_store
 from kvblend.store.keys import ChunkKey, KeyContext, chunk_key
 from kvblend.store.writeback import WriteBack, WriteBackStats
 
+log = logging.getLogger(__name__)
 DEFAULT_WRITEBACK_QUEUE = 64
 
 
@@ -628,12 +630,17 @@ class Engine:
         """After ``prepared`` decoded ``tokens``: when its whole prompt was exact, enter the
         prompt and the generated tokens whose KV ``prepared.cache`` holds (all but the last)
         in the prefix cache, so that a chat's next turn, which repeats them, reuses them.
-        Returns the tokens entered (0 when nothing was)."""
+        Returns the tokens entered (0 when nothing was). Caching is an optimisation: a
+        failure is logged, never raised into the request that finished."""
         n, kept = len(prepared.layout), min(len(tokens), prepared.cache.length - len(prepared.layout))
         if prepared.exact_tokens < n or kept <= 0 or not self._prefix_cache_exact(n + kept):
             return 0
         ids = torch.tensor((*prepared.layout.ids, *tokens[:kept]), dtype=torch.long)
-        self.prefix_cache.insert(self.prefix_scope(request.tenant), ids, prepared.cache, n + kept)
+        try:
+            self.prefix_cache.insert(self.prefix_scope(request.tenant), ids, prepared.cache, n + kept)
+        except Exception:  # noqa: BLE001 - never fail a finished request over its cache entry
+            log.warning("a finished request's prompt and answer did not enter the prefix cache", exc_info=True)
+            return 0
         return n + kept
 
     # ----- generation -------------------------------------------------------------

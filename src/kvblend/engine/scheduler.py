@@ -1017,18 +1017,9 @@ class Scheduler:
                 done = {id(r) for r, _ in finished}
                 self._running = [r for r in self._running if id(r) not in done]
             for r, reason in finished:
-                if reason != "failed":
-                    self._remember(r)
+                if reason != "failed":  # its prompt and answer enter the prefix cache: a chat's next turn reuses both
+                    self.engine.remember_answer(r.handle.request, r.prepared, r.slot.tokens)
                     self._end(r.handle, "ok", reason, None)
-
-    def _remember(self, r: _Running) -> None:
-        """A request that decoded to its end: its prompt and answer enter the prefix cache
-        (``Engine.remember_answer``), so a chat's next turn reuses both. Caching is an
-        optimisation: a failure here is logged and the request still ends normally."""
-        try:
-            self.engine.remember_answer(r.handle.request, r.prepared, r.slot.tokens)
-        except Exception:  # noqa: BLE001 - never fail a finished request over its cache entry
-            log.warning("request %s: its answer did not enter the prefix cache", r.handle.id, exc_info=True)
 
     def _forward(self, members: list[Forward]) -> list[torch.Tensor | Exception]:
         """``forward_batch`` over the members; when it fails, each member alone, so that a
