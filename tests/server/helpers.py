@@ -41,6 +41,29 @@ def uvicorn_thread(app: Any, start_timeout_s: float = 60.0) -> Iterator[str]:
         thread.join(30)
 
 
+def concurrently(client: Any, n: int, timeout_s: float = 600.0) -> dict[int, Any]:
+    """``client(i)`` for i < ``n`` on threads started together: each one's result by i; the
+    first exception any raised is raised here."""
+    got: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = client(i)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert len(got) == n, f"clients still running after {timeout_s} s"
+    return got
+
+
 def save_tiny_model(folder: Path) -> Path:
     """The tests' tiny random Llama with the word-level ChatML tokenizer, as an HF folder
     (2048-token context, so that long generations and over-long prompts are cheap)."""

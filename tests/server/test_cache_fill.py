@@ -6,7 +6,6 @@ its documents on its second request; a repeated plain prompt and a chat's previo
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from kvblend.data import MUSIQUE_RAG, format_musique_passage
 from kvblend.engine import Engine
 from kvblend.server.app import create_app
 from kvblend.settings import Settings
-from tests.server.helpers import uvicorn_thread
+from tests.server.helpers import concurrently, uvicorn_thread
 
 MODEL = "smollm2-135m"
 SYSTEM = "Answer the question from the passages. Give only the answer, in a few words."
@@ -53,31 +52,19 @@ def server(smollm2_calibrated, tmp_path_factory):
 
 def test_each_of_three_concurrent_clients_hits_its_documents_on_its_second_request(server) -> None:
     docs = passages()
-    hits: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
 
-    def client(i: int) -> None:
-        mine = docs[2 * i : 2 * i + 2]
-        try:
-            got = []
-            for _ in range(2):  # back to back, while the other clients prefill theirs
-                reply = ask(server, [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": f"Question {i}: who is named first?"}],
-                            documents=mine)
-                block = reply["kvblend"]
-                got.append((sum(block["doc_hits"].values()), len(block["documents"])))
-            hits[i] = got
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def client(i: int) -> list[tuple[int, int, int]]:  # (hits, misses, chunks) per request
+        got = []
+        for _ in range(2):  # back to back, while the other clients prefill theirs
+            block = ask(server, [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": f"Question {i}: who is named first?"}],
+                        documents=docs[2 * i : 2 * i + 2])["kvblend"]
+            got.append((sum(block["doc_hits"].values()), block["doc_misses"], len(block["documents"])))
+        return got
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    for (first, chunks), (second, again) in hits.values():  # a long passage is stored as chunks, each a hit
-        assert chunks == again >= 2 and (first, second) == (0, chunks), hits
+    for (hits, misses, chunks), again in concurrently(client, 3).values():
+        # a long passage is stored as chunks, each a hit; the first request's are misses it stored
+        assert chunks >= 2 and (hits, misses) == (0, chunks) and again == (chunks, 0, chunks)
 
 
 def test_a_repeated_plain_prompt_is_served_from_the_cache(server) -> None:

@@ -59,7 +59,7 @@ from kvblend.server.index import IndexFeed, open_index
 from kvblend.server.translate import (
     build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
-from kvblend.server.usage import cached_tokens
+from kvblend.server.usage import cached_tokens, reused_docs
 from kvblend.settings import Settings
 from kvblend.store.keys import ChunkKey
 
@@ -643,7 +643,7 @@ def _account(state: ServerState, handle: RequestHandle, tenant: str, shape: Shap
         "status": status, "method": handle.request.method,
         "prompt_tokens": stats.prompt_tokens if stats else None, "completion_tokens": out.tokens,
         "cached_tokens": cached_tokens(stats) if stats else None,
-        "doc_hits": sum(1 for d in stats.docs if d.hit and d.source not in ("computed", "empty")) if stats else None,
+        "doc_hits": len(reused_docs(stats)) if stats else None,
         "docs": len(handle.request.documents), "retrieved": len(shape.sources) if shape.sources is not None else None,
         "recompute_fraction": round(stats.recompute_frac, 4) if stats else None,
         "queue_s": round(handle.queue_s, 4), "ttft_s": round(stats.ttft_s, 4) if stats else None,

@@ -5,16 +5,20 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from kvblend.engine.request import RequestStats
+from kvblend.engine.request import DocStat, RequestStats
 
 _NOT_REUSED = ("computed", "empty")
+_MISSED = ("computed", "chunk")  # no tier held it: computed in the prompt, or alone and blended
+
+
+def reused_docs(stats: RequestStats) -> list[DocStat]:
+    """The documents whose chunk KV came from the store (or from an earlier copy in the same request)."""
+    return [d for d in stats.docs if d.hit and d.source not in _NOT_REUSED]
 
 
 def cached_tokens(stats: RequestStats) -> int:
-    """Prompt tokens whose KV was reused: the exact prefix hit plus every document whose
-    chunk KV came from the store (or from an earlier copy in the same request)."""
-    docs = sum(d.tokens for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
-    return stats.prefix_hit_tokens + docs
+    """Prompt tokens whose KV was reused: the exact prefix hit plus every reused document."""
+    return stats.prefix_hit_tokens + sum(d.tokens for d in reused_docs(stats))
 
 
 def usage(stats: RequestStats | None, completion_tokens: int) -> dict[str, Any]:
@@ -31,14 +35,14 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
     breakdown."""
     if stats is None:
         return {"queue_s": round(queue_s, 6)}
-    hits = Counter(d.source for d in stats.docs if d.hit and d.source not in _NOT_REUSED)
+    hits = Counter(d.source for d in reused_docs(stats))
     return {
         "method": stats.method,
         **({"strategy": stats.strategy} if stats.strategy else {}),
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "documents": [{"index": d.index, "tokens": d.tokens, "source": d.source} for d in stats.docs],
         "doc_hits": dict(hits),
-        "doc_misses": sum(1 for d in stats.docs if d.source == "computed"),
+        "doc_misses": sum(1 for d in stats.docs if d.source in _MISSED),
         "recompute_fraction": round(stats.recompute_frac, 6),
         **({"risk": round(stats.risk, 6), "escalated": bool(getattr(stats, "escalated", False))}
            if getattr(stats, "risk", None) is not None else {}),

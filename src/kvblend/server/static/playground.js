@@ -272,8 +272,9 @@ function baseBody() {
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 async function warm(body, signal) {
-  // A document seen for the first time is computed in the prompt and stored in the
-  // background; send it (1 token) until every document is served from the store.
+  // A document seen for the first time is a miss (computed and stored by that request, or
+  // in the background with recompute_misses); send it (1 token) until every document is
+  // served from the store.
   for (let attempt = 0; attempt < 8; attempt++) {
     const reply = await api("v1/chat/completions", { ...body, max_tokens: 1, kvblend: { method: "blend" } }, signal);
     if (!reply.kvblend.doc_misses) return;
@@ -347,7 +348,7 @@ const pct = (x) => (100 * x).toFixed(1) + " %";
 function hitsText(kv) {
   if (kv.method === "full") return "none: full prefill computes every token";
   const hits = Object.entries(kv.doc_hits || {}).map(([tier, n]) => `${tier} ×${n}`);
-  const misses = kv.doc_misses ? [`computed ×${kv.doc_misses}`] : [];
+  const misses = kv.doc_misses ? [`missed ×${kv.doc_misses}`] : [];
   return [...hits, ...misses].join(", ") || "none (no documents reused)";
 }
 
