@@ -22,7 +22,18 @@ MAIN_CONFIG = {
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+    """A tiny random model's folder, its self-check and shift test done here and stored
+    under $KVBLEND_HOME: a server on it then blends with its verdict from the first
+    request (it would otherwise test the shift on a thread and blend without it until
+    then, so a test's first blends would depend on that thread's timing)."""
+    import torch
+
+    from kvblend.engine import Engine
+    from kvblend.models.loader import load_model
+
+    folder = str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+    Engine(load_model(folder, "cpu", torch.float32)).close()
+    return folder
 
 
 @pytest.fixture(scope="session")
