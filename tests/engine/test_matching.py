@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvblend.engine.matching import (
-    MIN_CHARS, WINDOW, DocumentIndex, IndexedText, best_spans, choose_anchor, code_points, window_hashes,
+    MIN_CHARS, WINDOW, DocumentIndex, IndexedText, best_spans, code_points, text_anchors, window_hashes,
 )
 
 WORDS = "river city north paris blue company doctor alpha novel year green lisbon oslo madrid rome".split()
@@ -97,16 +97,16 @@ def test_tenants_never_see_each_other() -> None:
 def test_short_texts_are_not_indexed_and_fixed_anchors_still_match() -> None:
     index = DocumentIndex()
     assert index.add("t", [text("x" * (MIN_CHARS - 1), "short")]) == 0
-    fixed = next(t for t in (passage(s, 8) for s in range(2000)) if choose_anchor(t)[2])  # no content anchor
+    fixed = next(t for t in (passage(s, 8) for s in range(2000)) if text_anchors(t)[1])  # no content anchor
     index.add("t", [text(fixed, "fixed")])
     assert spans(index, f"see: {fixed}!") == [(5, 5 + len(fixed), "fixed")]
 
 
 def test_memory_is_bounded_and_least_recent_texts_go_first() -> None:
     texts = [passage(s) for s in range(14)]
-    one = DocumentIndex()
-    one.add("t", [text(texts[0], "c0")])
-    index = DocumentIndex(max_bytes=one.nbytes * 10)
+    every = DocumentIndex()
+    every.add("t", [text(t, f"c{i}") for i, t in enumerate(texts)])
+    index = DocumentIndex(max_bytes=every.nbytes * 10 // 14)  # about ten texts (their anchors vary)
     for i, t in enumerate(texts):
         index.add("t", [text(t, f"c{i}")])
         if i == 8:

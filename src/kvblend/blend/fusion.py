@@ -58,6 +58,51 @@ class CachedKV(Protocol):
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
+@dataclass(frozen=True)
+class SlicedKV:
+    """Tokens ``[start, start + n)`` of another cached KV (a run of a stored chunk that a
+    prompt holds without the rest): the same tensors, viewed, never copied. Its keys were
+    rotated in the whole chunk's sequence (``made_length``, which dynamic NTK reads)."""
+
+    inner: CachedKV
+    start: int
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.n < 0 or self.start + self.n > self.inner.n_tokens:
+            raise ValueError(f"tokens [{self.start}, {self.start + self.n}) are outside a chunk of "
+                             f"{self.inner.n_tokens}")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n
+
+    @property
+    def base_position(self) -> int:
+        return self.inner.base_position + self.start
+
+    @property
+    def made_length(self) -> int:
+        return made_length(self.inner)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kv = self.inner.layer(layer)
+        if kv is None:
+            return None
+        k, v = kv
+        return k[:, self.start : self.start + self.n], v[:, self.start : self.start + self.n]
+
+
+def made_length(chunk: CachedKV) -> int:
+    """The length of the sequence ``chunk``'s keys were rotated in."""
+    return getattr(chunk, "made_length", chunk.base_position + chunk.n_tokens)
+
+
+def unsliced(chunk: CachedKV) -> CachedKV:
+    """The cached KV a ``SlicedKV`` views (``chunk`` itself otherwise)."""
+    return chunk.inner if isinstance(chunk, SlicedKV) else chunk
+
+
 class LayerUnavailable(Exception):
     """Layer ``layer`` of the placed chunks at ``indices`` (into ``plan.placed``) could not be
     loaded; raised before that layer is computed, so the caller can fuse again without them."""
@@ -162,7 +207,7 @@ def _rotations(model: Transformer, plan: FusionPlan) -> Rotations:
 
 def _rotation(model: Transformer, plan: FusionPlan, p: PlacedChunk,
               rope: rope_lib.RopeConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
-    made = (p.chunk.base_position, p.chunk.base_position + p.chunk.n_tokens)
+    made = (p.chunk.base_position, made_length(p.chunk))
     return rope_lib.reposition_tables(rope, p.chunk.n_tokens, made, (p.start, plan.ids.shape[0]),
                                       model.dtype, model.device)
 

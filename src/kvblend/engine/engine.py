@@ -25,7 +25,7 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_steps
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, fuse_or_drop_steps
+from kvblend.blend.fusion import FusionOutput, FusionPlan, PlacedChunk, SlicedKV, fuse_or_drop_steps, unsliced
 from kvblend.blend.strategies import fuse_planned_steps, risk_kind
 from kvblend.blend.layout import PromptLayout, render_layout, tokenize_document
 from kvblend.engine.allocator import keep_freed_memory
@@ -135,7 +135,8 @@ class _Chunks:
     misses: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     feed: LayerFeed | None = None  # loads slow-tier chunks layer by layer during fusion
     pending: dict[int, tuple[ChunkKey, PendingChunk]] = field(default_factory=dict)  # by document index
-    alone: list[tuple[int, ChunkKey, tuple[int, ...]]] = field(default_factory=list)  # (start, key, ids) to compute
+    # (start, key, ids, run) to compute alone: a document, or the chunk a run (offset, n) is of
+    alone: list[tuple[int, ChunkKey, tuple[int, ...], tuple[int, int] | None]] = field(default_factory=list)
 
 
 def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats:
@@ -147,7 +148,7 @@ def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats
             continue
         failure = pending.failure() or LoadFailure(pending.slot, pending.source.tier_name, -1, "missing or corrupt")
         failures.append(failure._replace(slot=i))
-        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "fallback")
+        chunks.stats[i] = DocStat(i, chunks.stats[i].tokens, False, "fallback")
         chunks.misses[key] = pending.source.token_ids
     feed = chunks.feed
     if feed is None:
@@ -158,9 +159,9 @@ def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats
 def _skip_loading(chunks: _Chunks) -> None:
     """At ratio 1 every document token is recomputed and the slow tiers' KV would only be
     waited for: do not load it (the documents are computed, like misses, and not written back)."""
-    chunks.placed = [p for p in chunks.placed if not isinstance(p.chunk, PendingChunk)]
-    for i, (_, pending) in chunks.pending.items():
-        chunks.stats[i] = DocStat(i, pending.n_tokens, False, "skipped")
+    chunks.placed = [p for p in chunks.placed if not isinstance(unsliced(p.chunk), PendingChunk)]
+    for i in chunks.pending:
+        chunks.stats[i] = DocStat(i, chunks.stats[i].tokens, False, "skipped")
     chunks.pending.clear()
     chunks.feed = None
 
@@ -375,6 +376,7 @@ class Engine:
         looked up: "prefix", its tokens counted in the prefix hit."""
         ctx = self.key_context(self.chunk_prefix(request, layout), request.tenant)
         out, seen = _Chunks(), {}
+        sources = request.sources  # one per document: the layout's documents are the request's
         t = time.perf_counter()
         for i, (ids, start) in enumerate(zip(layout.docs, layout.doc_starts)):
             if not ids:
@@ -383,25 +385,28 @@ class Engine:
             if start + len(ids) <= covered:
                 out.stats.append(DocStat(i, len(ids), False, "prefix"))
                 continue
-            key = chunk_key(ids, ctx)
+            span = sources[i] if sources is not None else None
+            stored = span.chunk_ids if span is not None else ids  # a run's KV is its chunk's, sliced
+            key = chunk_key(stored, ctx)
             if key in seen:
                 chunk, hit = seen[key]
                 source = "request"
             else:
-                chunk, source = self._get(key, ids, ctx, out)
+                chunk, source = self._get(key, stored, ctx, out)
                 hit = chunk is not None
                 seen[key] = (chunk, hit)
+            run = (span.offset, len(ids)) if span is not None else None
             if chunk is None and not request.blend.recompute_misses:  # computed alone before fusion
-                out.alone.append((start, key, ids))
+                out.alone.append((start, key, stored, run))
                 out.stats.append(DocStat(i, len(ids), False, "request" if source == "request" else "chunk"))
                 continue
             if isinstance(chunk, PendingChunk):
                 out.pending[i] = (key, chunk)
             if chunk is None:
-                out.misses[key] = ids
+                out.misses[key] = stored
                 out.stats.append(DocStat(i, len(ids), False, "computed"))
                 continue
-            out.placed.append(PlacedChunk(start, chunk))
+            out.placed.append(PlacedChunk(start, chunk if run is None else SlicedKV(chunk, *run)))
             out.stats.append(DocStat(i, len(ids), hit, source))
         timer.add("lookup", t)
         return out
@@ -412,11 +417,11 @@ class Engine:
         for the model's owner, as a full prefill's), store it at once, and place it to be
         blended; a document repeated in the request is computed once."""
         t, done = time.perf_counter(), {}
-        for start, key, ids in chunks.alone:
+        for start, key, ids, run in chunks.alone:
             if key not in done:
                 done[key] = yield from compute_chunk_steps(self.model, chunk_prefix, ids, slice_tokens)
                 self.writeback.submit(key, done[key], self._placement(len(ids)))
-            chunks.placed.append(PlacedChunk(start, done[key]))
+            chunks.placed.append(PlacedChunk(start, done[key] if run is None else SlicedKV(done[key], *run)))
         chunks.placed.sort(key=lambda p: p.start)
         timer.add("prefill", t)
 
@@ -555,7 +560,7 @@ class Engine:
         timer.add("prefill", t)
         if moved and out.risk is not None:  # the risk that decided, before any second recompute
             self.escalation.add(request.tenant, out.escalated if out.escalated is not None else out.risk)
-        loading = _fall_back(chunks, {id(p.chunk) for p in dropped}, self.pipeline)
+        loading = _fall_back(chunks, {id(unsliced(p.chunk)) for p in dropped}, self.pipeline)
         fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
         # every position before the first reused document was computed exactly, reading
         # nothing reused: the whole prompt when no document was reused

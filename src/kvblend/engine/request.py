@@ -20,6 +20,14 @@ REQUEST_METHODS = (*METHODS, "auto")  # "auto": a quality guard decides (kvblend
 SELECT_ONCE = ("question", "oracle")
 
 
+class SpanSource(NamedTuple):
+    """A document that is a run of a stored chunk: ``chunk_ids[offset : offset + n]``,
+    reused from that chunk's stored KV (``engine.matching`` finds such runs in a prompt)."""
+
+    chunk_ids: tuple[int, ...]
+    offset: int
+
+
 @dataclass(frozen=True)
 class Request:
     """``system`` (optional) + ``documents`` + a ``question`` or chat ``messages``.
@@ -36,6 +44,8 @@ class Request:
     engine does not render it again; its documents must be the request's (checked for
     documents given as ids). ``template_kwargs``: extra chat-template variables (vLLM's
     ``chat_template_kwargs``; ``generation.stream.validate_template_kwargs``).
+    ``sources``: per document, None or the ``SpanSource`` it is a run of (the document
+    must be given as those ids); its KV is that chunk's, sliced.
     """
 
     documents: Sequence[str | Sequence[int]] = ()
@@ -50,6 +60,7 @@ class Request:
     placement: Sequence[DocPlace] | None = None
     layout: PromptLayout | None = field(default=None, compare=False, repr=False)
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    sources: Sequence[SpanSource | None] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in REQUEST_METHODS:
@@ -69,8 +80,30 @@ class Request:
             places = tuple(DocPlace(*p) for p in self.placement)
             object.__setattr__(self, "placement", places)
             check_placement(conversation(self.system, self.messages, self.question), places, len(self.documents))
+        if self.sources is not None:
+            object.__setattr__(self, "sources", _sources(self.sources, self.documents))
         if self.layout is not None:
             _check_layout(self.layout, self.documents)
+
+
+def _sources(sources: Sequence[SpanSource | None], documents: Sequence[str | tuple[int, ...]],
+             ) -> tuple[SpanSource | None, ...]:
+    """InvalidRequestError unless there is one source (or None) per document, each naming
+    a run of its chunk that is exactly the document's ids."""
+    if len(sources) != len(documents):
+        raise InvalidRequestError(f"sources needs one entry per document: {len(documents)} documents, "
+                                  f"{len(sources)} sources")
+    out: list[SpanSource | None] = []
+    for i, (src, doc) in enumerate(zip(sources, documents)):
+        if src is None:
+            out.append(None)
+            continue
+        src = SpanSource(tuple(src[0]), int(src[1]))
+        if isinstance(doc, str) or not doc or src.offset < 0 \
+                or src.chunk_ids[src.offset : src.offset + len(doc)] != doc:
+            raise InvalidRequestError(f"document {i} is not the run of its source chunk that it names")
+        out.append(src)
+    return tuple(out)
 
 
 def _check_layout(layout: PromptLayout, documents: Sequence[str | tuple[int, ...]]) -> None:

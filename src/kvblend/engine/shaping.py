@@ -27,7 +27,7 @@ from kvblend.blend.config import BlendConfig
 from kvblend.blend.layout import DocPlace, PromptLayout, conversation, tokenize_document
 from kvblend.engine.discovery import DISCOVERED, discover
 from kvblend.engine.matching import DocumentIndex, IndexedText
-from kvblend.engine.request import Request
+from kvblend.engine.request import Request, SpanSource
 from kvblend.errors import ContextLengthError, InvalidRequestError
 
 STORED = "stored"
@@ -128,7 +128,9 @@ class SpanMatch(NamedTuple):
     tokens: int
     chunk: str
     document: str | None
-    source: str  # "stored" (indexed: registered or seen in a documents field) or "discovered"
+    source: str  # "stored" (indexed: registered, ingested or seen in a documents field) or "discovered"
+    chunk_offset: int = 0  # the span's first token in its chunk (a run of it; 0 with ``whole``)
+    whole: bool = True  # the whole stored chunk, else a run of it reused from the chunk's KV
 
     def to_dict(self) -> dict[str, Any]:
         return self._asdict()
@@ -255,19 +257,23 @@ def find_documents(engine: Any, base: Request, config: ShapeConfig, index: Docum
     """``base`` with the stored texts found in its messages (and, ``discovering``, its long
     passages) placed as documents where they stand; the spans found, in prompt order."""
     conv = conversation(base.system, base.messages, base.question)
-    found: list[tuple[SpanMatch, tuple[int, ...]]] = []
+    found: list[tuple[SpanMatch, tuple[int, ...], SpanSource | None]] = []
     if config.match and index is not None:
         for m in index.match(base.tenant, [c.get("content") or "" for c in conv]):
-            found.append((SpanMatch(m.message, m.start, m.end, len(m.token_ids), m.chunk, m.document, STORED),
-                          m.token_ids))
+            span = SpanMatch(m.message, m.start, m.end, len(m.token_ids), m.chunk, m.document, STORED, m.offset,
+                             m.whole)
+            found.append((span, m.token_ids, None if m.whole else SpanSource(m.source_ids, m.offset)))
     if discovering:
-        found += _discovered(engine, base.tenant, conv, config, index, [f for f, _ in found])
+        found += [(f, ids, None) for f, ids in
+                  _discovered(engine, base.tenant, conv, config, index, [f for f, _, _ in found])]
     if not found:
         return base, ()
     found.sort(key=lambda f: (f[0].message, f[0].start))
-    request = dataclasses.replace(base, documents=[ids for _, ids in found],
-                                  placement=[DocPlace(f.message, f.start, f.end) for f, _ in found])
-    return request, tuple(f for f, _ in found)
+    sources = [src for _, _, src in found]
+    request = dataclasses.replace(base, documents=[ids for _, ids, _ in found],
+                                  placement=[DocPlace(f.message, f.start, f.end) for f, _, _ in found],
+                                  sources=sources if any(sources) else None)
+    return request, tuple(f for f, _, _ in found)
 
 
 def _discovered(engine: Any, tenant: str, conv: list[dict[str, str]], config: ShapeConfig,
