@@ -267,3 +267,59 @@ class Catalog:
 
     def close(self) -> None:
         self._db.close()
+
+
+class CatalogReader:
+    """A read-only view of a catalog that ``kvblend ingest`` writes in another process
+    (SQLite's read-only mode: the reader never writes the index folder). Opened by the
+    first read that finds the file; before, there is nothing to read. Thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    def _conn(self) -> sqlite3.Connection | None:
+        if self._db is None and self.path.is_file():
+            self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30)
+        return self._db
+
+    def versions(self) -> dict[str, int]:
+        """Each tenant's version (bumped by every commit that changes its chunks); empty
+        before the catalog exists."""
+        with self._lock:
+            db = self._conn()
+            if db is None:
+                return {}
+            try:
+                return dict(db.execute("SELECT tenant, version FROM versions").fetchall())
+            except sqlite3.OperationalError:  # created, its tables not yet
+                return {}
+
+    def chunk_ids(self, tenant: str) -> set[str]:
+        """Every committed chunk id of ``tenant``."""
+        with self._lock:
+            db = self._conn()
+            if db is None:
+                return set()
+            return {r[0] for r in db.execute("SELECT chunk_id FROM chunks WHERE tenant = ?", (validate_tenant(tenant),))}
+
+    def chunks(self, tenant: str, chunk_ids: Sequence[str]) -> list[ChunkRow]:
+        """The committed chunks among ``chunk_ids`` (unknown ids dropped)."""
+        rows: list[ChunkRow] = []
+        with self._lock:
+            db = self._conn()
+            if db is None:
+                return rows
+            for i in range(0, len(chunk_ids), _MAX_PARAMS):
+                part = list(chunk_ids[i : i + _MAX_PARAMS])
+                rows += [ChunkRow(r[0], r[1], r[2], r[3], _blob_ids(r[4]), r[5], bool(r[6])) for r in db.execute(
+                    "SELECT chunk_id, source, ordinal, text, token_ids, retrievals, kv_ready FROM chunks "
+                    f"WHERE tenant = ? AND chunk_id IN ({','.join('?' * len(part))})", (validate_tenant(tenant), *part))]
+        return rows
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

@@ -55,7 +55,7 @@ from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_en
 from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts
-from kvblend.server.index import IndexFeed, open_index
+from kvblend.server.index import IndexFeed, ingest_catalog, open_index
 from kvblend.server.translate import (
     build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
@@ -183,7 +183,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, 
     async def lifespan(app: FastAPI):
         if not state.scheduler.started:  # a scheduler may be handed in already running
             state.scheduler.start()
-        state.index_feed = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer)
+        state.index_feed = await state.off_loop(open_index, settings, state.registry, state.engine.tokenizer,
+                                                ingest_catalog(settings, state.engine.loaded.tokenizer_fingerprint))
         state.index = state.index_feed.index if state.index_feed is not None else None
         follower = asyncio.create_task(_follow_registry(state)) if state.index_feed is not None else None
         yield
@@ -193,6 +194,8 @@ def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, 
         if not state.scheduler.draining:
             await anyio.to_thread.run_sync(state.scheduler.drain, settings.drain_timeout_s)
         await anyio.to_thread.run_sync(_close_registry, state)  # drain dropped any pending shadow checks (counted)
+        if state.index_feed is not None and state.index_feed.ingested is not None:
+            state.index_feed.ingested.close()
         if state.retriever is not None:
             state.retriever.close()
 

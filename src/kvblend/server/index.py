@@ -1,22 +1,27 @@
 """The server's document index for matching (``kvblend.engine.matching``): built from the
 registry at startup, kept in step with ``/v1/documents`` — this process's directly, other
 processes' sharing the registry file (ingress replicas on one host) through its change log
-(``IndexFeed``)."""
+(``IndexFeed``) — and from the catalog ``kvblend ingest`` writes (``IngestFeed``: what a
+re-ingest drops leaves the index, what it adds enters)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from kvblend.blend.layout import tokenize_document
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.shaping import aligned
+from kvblend.rag.catalog import CatalogReader
+from kvblend.rag.retriever import CATALOG_NAME
 from kvblend.server.documents import DocumentRecord, DocumentRegistry
 from kvblend.settings import Settings
 
 log = logging.getLogger("kvblend.server")
 PAGE = 1000
+INGESTED = "ingest:"  # an ingested chunk's name in the index: ingest:<chunk id> (its document: ingest:<source>)
 
 
 def record_texts(tokenizer: Any, record: DocumentRecord) -> list[IndexedText]:
@@ -46,8 +51,10 @@ class IndexFeed:
     local delete is applied before it. A log that no longer reaches back rebuilds the
     index (texts seen inline in requests are dropped too: they come back when seen again)."""
 
-    def __init__(self, index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any, seq: int) -> None:
+    def __init__(self, index: DocumentIndex, registry: DocumentRegistry, tokenizer: Any, seq: int,
+                 ingested: IngestFeed | None = None) -> None:
         self.index, self.registry, self.tokenizer, self.seq = index, registry, tokenizer, seq
+        self.ingested = ingested
         self._lock = threading.Lock()
 
     def catch_up(self, limit: int | None = None, wait: bool = True) -> int:
@@ -58,9 +65,14 @@ class IndexFeed:
         if not self._lock.acquire(blocking=wait):
             return 0
         try:
-            return self._apply(limit)
+            applied = self._apply(limit)
+            if applied < 0 and self.ingested is not None:  # the rebuild dropped the ingested texts too
+                self.ingested.reset()
         finally:
             self._lock.release()
+        if self.ingested is not None:
+            self.ingested.catch_up(limit, wait)
+        return applied
 
     def _apply(self, limit: int | None) -> int:
         applied, budget = 0, limit
@@ -100,13 +112,79 @@ class IndexFeed:
             self.index.remove_document(tenant, doc_id)
 
 
-def open_index(settings: Settings, registry: DocumentRegistry, tokenizer: Any) -> IndexFeed | None:
-    """The index, rebuilt from every tenant's stored documents, with its feed of later
-    changes (``feed.index``); None with matching off."""
+class IngestFeed:
+    """Keeps ``index`` in step with the catalog ``kvblend ingest`` writes (read-only): each
+    tenant's committed chunks are indexed (named ``INGESTED`` + chunk id). When a tenant's
+    catalog version moves, the chunks no longer committed (a re-ingest dropped or changed
+    their file) leave the index and the new ones enter; a tenant counts as caught up once
+    every new chunk entered (``limit`` bounds one call's additions, so that a request never
+    pays for a bulk ingest: the app's background follower does)."""
+
+    def __init__(self, index: DocumentIndex, reader: CatalogReader) -> None:
+        self.index, self.reader = index, reader
+        self.versions: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Index every tenant's chunks again at the next catch-up (the index was cleared)."""
+        with self._lock:
+            self.versions.clear()
+
+    def catch_up(self, limit: int | None = None, wait: bool = True) -> int:
+        """Apply catalog changes (see the class docstring); how many chunks entered or
+        left. ``wait=False``: nothing when another thread is applying them."""
+        if not self._lock.acquire(blocking=wait):
+            return 0
+        try:
+            changed = 0
+            for tenant, version in self.reader.versions().items():
+                if self.versions.get(tenant) == version:
+                    continue
+                done, n = self._sync(tenant, None if limit is None else max(0, limit - changed))
+                changed += n
+                if done:
+                    self.versions[tenant] = version
+            return changed
+        finally:
+            self._lock.release()
+
+    def _sync(self, tenant: str, limit: int | None) -> tuple[bool, int]:
+        committed = self.reader.chunk_ids(tenant)
+        held = {name[len(INGESTED):] for name in self.index.chunk_names(tenant, INGESTED)}
+        gone = self.index.remove_chunks(tenant, [INGESTED + c for c in held - committed])
+        new = sorted(committed - held)
+        todo = new if limit is None else new[:limit]
+        for i in range(0, len(todo), PAGE):
+            rows = self.reader.chunks(tenant, todo[i : i + PAGE])
+            self.index.add(tenant, [IndexedText(r.text, r.token_ids, INGESTED + r.chunk_id, INGESTED + r.source)
+                                    for r in rows])
+        return len(todo) == len(new), gone + len(todo)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_index(settings: Settings, registry: DocumentRegistry, tokenizer: Any,
+               catalog: Path | None = None) -> IndexFeed | None:
+    """The index, rebuilt from every tenant's stored documents and (``catalog``: the
+    ingest catalog's path) ingested chunks, with its feed of later changes
+    (``feed.index``); None with matching off. Runs of stored texts match on the
+    tokenizer's tokens (``documents.span_tokens`` at least)."""
     if not settings.documents.match:
         return None
-    index = DocumentIndex(settings.documents.index_bytes)
+    index = DocumentIndex(settings.documents.index_bytes, tokenizer, settings.documents.span_tokens)
     seq = registry.last_change()  # first: a change during the build is applied again, harmlessly
     _fill(index, registry, tokenizer)
-    log.info("document index: %d texts, %d bytes", len(index), index.nbytes)
-    return IndexFeed(index, registry, tokenizer, seq)
+    ingested = IngestFeed(index, CatalogReader(catalog)) if catalog is not None else None
+    if ingested is not None:
+        ingested.catch_up()
+    log.info("document index: %d texts, %d bytes (%.0f per token)", len(index), index.nbytes,
+             index.nbytes / max(1, index.tokens()))
+    return IndexFeed(index, registry, tokenizer, seq, ingested)
+
+
+def ingest_catalog(settings: Settings, tokenizer_id: str) -> Path:
+    """The catalog of the folder ``kvblend ingest`` writes for this server's model."""
+    from kvblend.server.retrieval import index_folder
+
+    return index_folder(settings, tokenizer_id) / CATALOG_NAME
