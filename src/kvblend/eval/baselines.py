@@ -231,5 +231,6 @@ def score_baseline(engine: Engine, ex: Example, method: str, ref: Reference,
         map_s=sum(m.elapsed_s for m in run.maps), map_outputs=[m.text.strip() for m in run.maps],
         confidences=[m.confidence for m in run.maps], picked=run.picked,
         match_rate=1.0,  # every call is given its passages as documents, never matched
+        matched_share=sum(map(len, run.final.layout.docs)) / max(1, len(run.final.layout)),  # of the final call
     )
     return scores

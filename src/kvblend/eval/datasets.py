@@ -9,6 +9,7 @@ used by the CacheBlend evaluation: a JSON list of
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,78 @@ MUSIQUE_ANSWER_CUE = (
 
 
 def check_layout(layout: str) -> str:
-    """``layout`` itself, or ValueError naming the choices."""
+    """``layout`` itself, or ValueError naming the choices (``inline:CHARS:OVERLAP`` is
+    ``inline`` with the passages cut as an app cuts them: ``app_chunks``)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        app_chunks(layout)
     return layout
+
+
+def layout_kind(layout: str) -> str:
+    """``after``, ``before`` or ``inline`` (also for ``inline:CHARS:OVERLAP``)."""
+    check_layout(layout)
+    return "inline" if layout.startswith("inline") else layout
+
+
+def app_chunks(layout: str) -> tuple[int, int] | None:
+    """(characters, overlap) of ``inline:CHARS:OVERLAP``; None for the other layouts."""
+    if layout in LAYOUTS:
+        return None
+    kind, _, spec = layout.partition(":")
+    try:
+        size, overlap = (int(x) for x in spec.split(":"))
+    except ValueError:
+        size = overlap = -1
+    if kind != "inline" or not 0 <= overlap < size:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} or inline:CHARS:OVERLAP with "
+                         f"0 <= OVERLAP < CHARS, got {layout!r}")
+    return size, overlap
+
+
+def parse_app_chunks(spec: str) -> tuple[int, int]:
+    """``CHARS[:OVERLAP]`` (``--app-chunks``) as (characters, overlap); overlap 0 by default."""
+    size, _, overlap = spec.partition(":")
+    try:
+        parsed = int(size), int(overlap or 0)
+    except ValueError:
+        raise ValueError(f"app chunks are CHARS[:OVERLAP], got {spec!r}") from None
+    return app_chunks(f"inline:{parsed[0]}:{parsed[1]}") or parsed
 
 
 def question_after(layout: str) -> bool:
     """Whether ``layout`` puts the question after the documents (``after`` and ``inline``)."""
-    return check_layout(layout) != "before"
+    return layout_kind(layout) != "before"
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_like_an_app(text: str, size: int, overlap: int = 0) -> list[str]:
+    """``text`` cut as RAG frameworks cut documents (LangChain's ``RecursiveCharacterTextSplitter``
+    at sentence ends): sentences packed greedily into chunks of at most ``size`` characters,
+    each chunk starting with the last sentences of the one before that fit in ``overlap``
+    characters; a sentence longer than ``size`` is cut at spaces. Each chunk is a slice of
+    ``text`` (its own characters, whitespace included)."""
+    units: list[tuple[int, int]] = []
+    start = 0
+    for end in [m.start() for m in _SENTENCE_END.finditer(text)] + [len(text)]:
+        while end - start > size:  # a sentence longer than a chunk: cut at its last space that fits
+            cut = text.rfind(" ", start + 1, start + size)
+            cut = start + size if cut <= start else cut
+            units.append((start, cut))
+            start = cut + (text[cut : cut + 1] == " ")
+        if end > start:
+            units.append((start, end))
+        start = len(text) if end == len(text) else _SENTENCE_END.match(text, end).end()
+    chunks, current = [], []
+    for unit in units:
+        if current and unit[1] - current[0][0] > size:
+            chunks.append(text[current[0][0] : current[-1][1]])
+            current = [u for u in current if current[-1][1] - u[0] <= overlap and unit[1] - u[0] <= size]
+        current.append(unit)
+    if current:
+        chunks.append(text[current[0][0] : current[-1][1]])
+    return chunks
 
 
 def musique_prompt(question: str, layout: str = "after") -> tuple[str, str]:
@@ -79,9 +143,13 @@ def musique_prompt(question: str, layout: str = "after") -> tuple[str, str]:
     return f"{MUSIQUE_INSTRUCTION_BEFORE}\n\nQuestion: {question}", MUSIQUE_ANSWER_CUE
 
 
-def inline_context(passages: Sequence[str], query: str) -> str:
+def inline_context(passages: Sequence[str], query: str, chunks: tuple[int, int] | None = None) -> str:
     """A user message with the passages pasted into its text the way RAG frameworks
-    stuff a context ("Context:", the passages joined by blank lines, then the query)."""
+    stuff a context ("Context:", the passages joined by blank lines, then the query);
+    with ``chunks`` (characters, overlap) each passage is first cut as an app cuts it
+    (``split_like_an_app``) and its chunks pasted in order, overlaps repeated."""
+    if chunks is not None:
+        passages = [c for p in passages for c in split_like_an_app(p, *chunks)]
     return "Context:\n\n" + "\n\n".join(passages) + "\n\n" + query
 
 

@@ -38,7 +38,7 @@ from kvblend.cliargs import add_model_args, load_from_args
 from kvblend.engine import Engine, Request
 from kvblend.errors import KvblendError
 from kvblend.eval.baselines import BaselineConfig, score_baseline
-from kvblend.eval.datasets import LAYOUTS, Example, check_layout, load_dataset, musique_prompt
+from kvblend.eval.datasets import LAYOUTS, Example, check_layout, load_dataset, musique_prompt, parse_app_chunks
 from kvblend.eval.report import Summary, machine_info, summarize, write_report
 from kvblend.eval.runner import (
     BASELINES, MethodSpec, Reference, parse_method, reference, score_method, split_methods, warm_documents,
@@ -454,6 +454,10 @@ def add_eval_commands(sub: Any) -> None:
                    help="the question after the documents (the paper's prompt), before them, or after them "
                         "with the passages pasted into the message text as RAG frameworks do, found there by "
                         "matching (inline) (default: %(default)s)")
+    p.add_argument("--app-chunks", metavar="CHARS[:OVERLAP]", default=None,
+                   help="with --layout inline: cut each passage as an app cuts it (sentence ends, chunks of at "
+                        "most CHARS characters overlapping by OVERLAP) before pasting; the whole passages are "
+                        "what was stored, so matching reuses runs of them")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--skip-errors", action="store_true",
                    help="an example a method cannot run (a prompt past the context, ...) is recorded as an error "
@@ -466,8 +470,13 @@ def add_eval_commands(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    layout = args.layout
+    if args.app_chunks is not None:
+        if layout != "inline":
+            raise ValueError("--app-chunks cuts the passages pasted into the message: it needs --layout inline")
+        layout = "inline:{}:{}".format(*parse_app_chunks(args.app_chunks))
     config = EvalConfig(tuple(split_methods(args.methods)), args.max_tokens, args.kl_tokens, args.map_tokens,
-                        not args.no_progress, args.layout, args.skip_errors)
+                        not args.no_progress, layout, args.skip_errors)
     if not args.out.strip():
         raise ValueError("--out needs a directory (an empty one would write into the current folder)")
     examples = load_dataset(args.dataset, limit=args.limit, n_docs=args.docs)  # before the model: fails at once

@@ -22,7 +22,7 @@ from kvblend.engine import Engine, Prepared, Request
 from kvblend.engine.calibration import decode_answer, teacher_force
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.shaping import Draft, ShapeConfig, ShapedRequest, shape
-from kvblend.eval.datasets import Example, inline_context, musique_prompt
+from kvblend.eval.datasets import Example, app_chunks, inline_context, layout_kind, musique_prompt
 from kvblend.metrics import (
     best_f1, first_line, first_token_agree, kl_divergence, mean_nll, rouge_l, token_f1,
 )
@@ -176,10 +176,10 @@ def example_request(ex: Example, spec: MethodSpec, layout: str = "after", engine
     is shaped (`kvblend.engine.shaping.shape`, layout rendered once), which ``inline``
     needs: its passages are found in the message by matching (`inline_request`)."""
     system, query = musique_prompt(ex.question, layout)
-    if layout == "inline":
+    if layout_kind(layout) == "inline":
         if engine is None:
             raise ValueError("the inline layout is shaped by an engine: pass engine=")
-        return inline_request(engine, ex, spec, system, query).request
+        return inline_request(engine, ex, spec, system, query, app_chunks(layout)).request
     if engine is None:
         return Request(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
     draft = Draft(documents=ex.documents, question=query, system=system, method=spec.method, blend=spec.blend)
@@ -189,16 +189,19 @@ def example_request(ex: Example, spec: MethodSpec, layout: str = "after", engine
 def example_index(engine: Engine, ex: Example) -> DocumentIndex:
     """An index holding ``ex``'s passages as registered documents (each one chunk, its
     text tokenized alone), as a server holds a tenant's stored documents."""
-    index = DocumentIndex()
+    index = DocumentIndex(tokenizer=engine.tokenizer)
     index.add("default", [IndexedText(d, tokenize_document(engine.tokenizer, d), f"{ex.id}:{i}", f"{ex.id}:{i}")
                           for i, d in enumerate(ex.documents)])
     return index
 
 
-def inline_request(engine: Engine, ex: Example, spec: MethodSpec, system: str, query: str) -> ShapedRequest:
-    """The prompt with ``ex``'s passages pasted into the user turn (`datasets.inline_context`),
-    shaped with matching over an index of them: each passage found becomes a document."""
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": inline_context(ex.documents, query)}]
+def inline_request(engine: Engine, ex: Example, spec: MethodSpec, system: str, query: str,
+                   chunks: tuple[int, int] | None = None) -> ShapedRequest:
+    """The prompt with ``ex``'s passages pasted into the user turn (`datasets.inline_context`;
+    ``chunks``: cut first as an app cuts them, (characters, overlap)), shaped with matching
+    over an index of the whole passages: each passage, or run of one, found becomes a document."""
+    context = inline_context(ex.documents, query, chunks)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": context}]
     draft = Draft(messages=messages, method=spec.method, blend=spec.blend)
     return shape(engine, draft, EVAL_SHAPING, index=example_index(engine, ex))
 
@@ -250,9 +253,13 @@ def score_prepared(engine: Engine, prepared: Prepared, ex: Example, ref: Referen
 
 
 def match_rate(prepared: Prepared, ex: Example) -> dict[str, float]:
-    """The share of the example's passages placed in the prompt as documents (1 when they
-    are given as documents; under the ``inline`` layout, those matching found)."""
-    return {"match_rate": len(prepared.layout.docs) / max(1, len(ex.documents))}
+    """How much of the prompt reuse could cover: documents placed per passage
+    (``match_rate``: 1 when they are given as documents; under the ``inline`` layout, those
+    matching found, runs of app chunks counted one by one) and the share of the prompt's
+    tokens inside them (``matched_share``)."""
+    layout = prepared.layout
+    return {"match_rate": len(layout.docs) / max(1, len(ex.documents)),
+            "matched_share": sum(map(len, layout.docs)) / max(1, len(layout))}
 
 
 def warm_documents(engine: Engine, ex: Example, specs: Sequence[MethodSpec], layout: str = "after") -> None:
