@@ -6,8 +6,8 @@
 
 As a new user meets it, in one process on a fresh ``KVBLEND_HOME`` (empty tiers):
 
-1. ``kvblend ingest`` (the ``Ingestor``, KV precomputed, kvblend's own 512-token chunks, BM25)
-   of the passages of the first ``--ingest-questions`` MuSiQue dev questions, one file each;
+1. ``kvblend ingest`` (the ``Ingestor``, KV precomputed into serve's store: memory, then the
+   disk tier; kvblend's own 512-token chunks, BM25) of the passages of the first ``--ingest-questions`` MuSiQue dev questions, one file each;
 2. ``kvblend serve`` over it (``create_app`` under uvicorn on loopback; matching on, its
    defaults otherwise), started after the ingest: the ingested texts are its matching index;
 3. an app-style client for each ``--chunks`` size: every one of the first ``--questions``
@@ -179,10 +179,10 @@ def main() -> None:
         os.symlink(Path(home) / "models", work / "home" / "models")  # the converted weights only
         os.environ["KVBLEND_HOME"] = str(work / "home")
 
-        from kvblend.engine import Engine
         from kvblend.eval.datasets import load_musique
-        from kvblend.models import DEFAULT_MODEL, load_model
+        from kvblend.models import DEFAULT_MODEL
         from kvblend.server.app import create_app
+        from kvblend.server.main import build_engine
         from kvblend.settings import Settings
         from kvblend.store.localredis import free_port
 
@@ -192,11 +192,12 @@ def main() -> None:
         texts = list(dict.fromkeys(d for ex in examples for d in ex.documents))
         for i, text in enumerate(texts):
             (files / f"passage-{i:04d}.txt").write_text(text)
-        engine = Engine(load_model(DEFAULT_MODEL))
+        settings = Settings(model=DEFAULT_MODEL, api_keys={KEY: TENANT}, state_dir=str(work / "state"),
+                            port=free_port(), retrieval={"index_dir": str(work / "index")},
+                            store={"tiers": ["memory", "disk"]})
+        engine = build_engine(settings)  # serve's: memory, then the disk tier ingest writes (fresh home)
         ingest_s = ingest(engine, work / "index", files)
         print(f"ingested {len(texts)} passages of {len(examples)} questions in {ingest_s:.0f} s", flush=True)
-        settings = Settings(model=DEFAULT_MODEL, api_keys={KEY: TENANT}, state_dir=str(work / "state"),
-                            port=free_port(), retrieval={"index_dir": str(work / "index")})
         import uvicorn
 
         server = uvicorn.Server(uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=settings.port,

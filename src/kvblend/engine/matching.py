@@ -39,8 +39,9 @@ the stored ones, else from decoding prefixes. A run cut at them, placed between 
 tokenized alone, decodes to the message's characters exactly.
 
 Memory is bounded: ``DocumentIndex(max_bytes)`` counts each text's characters, its token
-ids (4 bytes each), its cuts (8 bytes each), ``ANCHOR_BYTES`` per anchor and
-``ENTRY_OVERHEAD``; past the bound it drops the least recently matched or added texts of
+ids (4 bytes each, twice: the content key holds a copy), its cuts (8 bytes each),
+``ANCHOR_BYTES`` per anchor and ``ENTRY_OVERHEAD`` (about what Python holds: 90 bytes per
+stored token of English text, ``benchmarks/dropin.py``); past the bound it drops the least recently matched or added texts of
 the tenant holding the most bytes. Each tenant has its own index: a lookup never reads
 another tenant's texts.
 """
@@ -67,7 +68,7 @@ FILTER_BITS = 16  # bits of the anchor filter per anchor (a power of two)
 MIN_FILTER = 1 << 12
 MAX_BUCKET = 64  # (text, offset) pairs per anchor hash
 ENTRY_OVERHEAD = 400  # bytes per text besides its characters, ids, cuts and anchors
-ANCHOR_BYTES = 72  # one anchor: a dict slot and its packed (serial, offset) int
+ANCHOR_BYTES = 120  # one anchor: its hash and offset, a dict slot, the hash key and packed (serial, offset) ints
 DEFAULT_MAX_BYTES = 256 << 20
 _BASE = np.uint64(0x100000001B3)  # polynomial base (odd)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: top bits of h * _MIX depend on all of h
@@ -110,7 +111,8 @@ class _Entry(NamedTuple):
     ids: array  # token ids, 4 bytes each
     chunk: str
     document: str | None
-    anchors: tuple[tuple[int, int], ...]  # (hash, offset) of each anchor window
+    anchor_hashes: array  # each anchor window's hash (8 bytes) ...
+    anchor_offsets: array  # ... and its start in the text (4 bytes)
     fixed: bool  # anchored at its first window (no content-defined anchor)
     cut_tokens: array  # token indices where a token starts at a known character ...
     cut_chars: array  # ... offset (ascending; the text's end last), empty: whole only
@@ -303,7 +305,7 @@ class _TenantIndex:
         """Index ``entry``; the bytes this frees (texts pushed out of full buckets)."""
         buckets = self.fixed if entry.fixed else self.anchors
         freed = 0
-        for value, offset in entry.anchors:
+        for value, offset in zip(entry.anchor_hashes, entry.anchor_offsets):
             held = buckets.get(value)
             if isinstance(held, list) and len(held) >= MAX_BUCKET:
                 oldest = held[0] >> _OFFSET_BITS
@@ -315,7 +317,7 @@ class _TenantIndex:
         if entry.fixed:
             self._fixed_sorted = None
         else:
-            self._note_anchors([v for v, _ in entry.anchors])
+            self._note_anchors(entry.anchor_hashes)
         self.by_content[(entry.text, entry.ids.tobytes())] = serial
         self.nbytes += entry.nbytes
         return freed
@@ -323,7 +325,7 @@ class _TenantIndex:
     def remove(self, serial: int) -> _Entry:
         entry = self.entries.pop(serial)
         buckets = self.fixed if entry.fixed else self.anchors
-        for value, offset in entry.anchors:
+        for value, offset in zip(entry.anchor_hashes, entry.anchor_offsets):
             held = buckets.get(value)
             item = _packed(serial, offset)
             if isinstance(held, list):
@@ -341,12 +343,12 @@ class _TenantIndex:
             self._fixed_sorted = None
         return entry
 
-    def _note_anchors(self, anchors: list[int]) -> None:
+    def _note_anchors(self, anchors: array) -> None:
         """Put ``anchors`` in the filter, rebuilt twice as large when it holds too few bits per anchor."""
         if FILTER_BITS * len(self.anchors) > self._filter.bits.size * 8:
             self._filter = _BitFilter.of(self.anchors, len(self.anchors))
         else:
-            self._filter.add(np.array(anchors, dtype=np.uint64))
+            self._filter.add(np.frombuffer(anchors, dtype=np.uint64))
 
     def fixed_hashes(self) -> np.ndarray:
         """The sorted anchor hashes of the fixed-anchored texts (cached until they change)."""
@@ -552,9 +554,10 @@ class DocumentIndex:
 
 def _entry(text: IndexedText, tokenizer: Any = None) -> _Entry:
     anchors, fixed = text_anchors(text.text)
+    hashes, offsets = array("Q", [h for h, _ in anchors]), array("I", [o for _, o in anchors])
     ids = array("I", text.token_ids)
     cuts = token_cuts(tokenizer, text.text, text.token_ids) if tokenizer is not None else []
     cut_tokens, cut_chars = array("I", [j for j, _ in cuts]), array("I", [c for _, c in cuts])
-    nbytes = (sys.getsizeof(text.text) + ids.itemsize * len(ids) + 8 * len(cuts) + ANCHOR_BYTES * len(anchors)
-              + ENTRY_OVERHEAD)
-    return _Entry(text.text, ids, text.chunk, text.document, anchors, fixed, cut_tokens, cut_chars, nbytes)
+    nbytes = (sys.getsizeof(text.text) + 2 * ids.itemsize * len(ids) + 8 * len(cuts)  # ids: also the content key
+              + ANCHOR_BYTES * len(anchors) + ENTRY_OVERHEAD)
+    return _Entry(text.text, ids, text.chunk, text.document, hashes, offsets, fixed, cut_tokens, cut_chars, nbytes)
