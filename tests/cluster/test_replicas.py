@@ -158,7 +158,9 @@ def test_killing_a_replica_under_load_leaves_the_other_serving_and_ray_restores_
     threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
+    until = time.monotonic() + 60  # a loaded machine answers slowly: wait for the victim to answer once
+    while not any(r == victim for *_, r in results) and time.monotonic() < until:
+        time.sleep(0.25)
     killed_at = len(results)
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{MODEL_DEPLOYMENT}#{victim}", namespace="serve"))
     time.sleep(6.0)
