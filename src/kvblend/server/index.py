@@ -70,8 +70,8 @@ class IndexFeed:
                 self.ingested.reset()
         finally:
             self._lock.release()
-        if self.ingested is not None:
-            self.ingested.catch_up(limit, wait)
+        if self.ingested is not None and limit is None:  # the follower's call: a request never pays for an ingest
+            self.ingested.catch_up(wait)
         return applied
 
     def _apply(self, limit: int | None) -> int:
@@ -116,9 +116,8 @@ class IngestFeed:
     """Keeps ``index`` in step with the catalog ``kvblend ingest`` writes (read-only): each
     tenant's committed chunks are indexed (named ``INGESTED`` + chunk id). When a tenant's
     catalog version moves, the chunks no longer committed (a re-ingest dropped or changed
-    their file) leave the index and the new ones enter; a tenant counts as caught up once
-    every new chunk entered (``limit`` bounds one call's additions, so that a request never
-    pays for a bulk ingest: the app's background follower does)."""
+    their file) leave the index and the new ones enter. Run by the app's background
+    follower (``IndexFeed.catch_up`` without a limit), never on a request's path."""
 
     def __init__(self, index: DocumentIndex, reader: CatalogReader) -> None:
         self.index, self.reader = index, reader
@@ -130,7 +129,7 @@ class IngestFeed:
         with self._lock:
             self.versions.clear()
 
-    def catch_up(self, limit: int | None = None, wait: bool = True) -> int:
+    def catch_up(self, wait: bool = True) -> int:
         """Apply catalog changes (see the class docstring); how many chunks entered or
         left. ``wait=False``: nothing when another thread is applying them."""
         if not self._lock.acquire(blocking=wait):
@@ -138,27 +137,23 @@ class IngestFeed:
         try:
             changed = 0
             for tenant, version in self.reader.versions().items():
-                if self.versions.get(tenant) == version:
-                    continue
-                done, n = self._sync(tenant, None if limit is None else max(0, limit - changed))
-                changed += n
-                if done:
+                if self.versions.get(tenant) != version:
+                    changed += self._sync(tenant)
                     self.versions[tenant] = version
             return changed
         finally:
             self._lock.release()
 
-    def _sync(self, tenant: str, limit: int | None) -> tuple[bool, int]:
+    def _sync(self, tenant: str) -> int:
         committed = self.reader.chunk_ids(tenant)
         held = {name[len(INGESTED):] for name in self.index.chunk_names(tenant, INGESTED)}
         gone = self.index.remove_chunks(tenant, [INGESTED + c for c in held - committed])
         new = sorted(committed - held)
-        todo = new if limit is None else new[:limit]
-        for i in range(0, len(todo), PAGE):
-            rows = self.reader.chunks(tenant, todo[i : i + PAGE])
+        for i in range(0, len(new), PAGE):
+            rows = self.reader.chunks(tenant, new[i : i + PAGE])
             self.index.add(tenant, [IndexedText(r.text, r.token_ids, INGESTED + r.chunk_id, INGESTED + r.source)
                                     for r in rows])
-        return len(todo) == len(new), gone + len(todo)
+        return gone + len(new)
 
     def close(self) -> None:
         self.reader.close()
