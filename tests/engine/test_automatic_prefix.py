@@ -119,3 +119,66 @@ def test_a_prefix_cache_that_fails_on_the_answer_never_fails_the_request(monkeyp
         assert out.token_ids == expected
     finally:
         sched.drain(10)
+
+
+def finished(eng: Engine, request: Request, max_tokens: int = 4):
+    """Prepare ``request``, decode greedily and remember the answer, as the scheduler does."""
+    prepared = eng.prepare(request, extra_capacity=max_tokens)
+    tokens, cache, logits = [], prepared.cache, prepared.logits
+    for step in range(max_tokens):
+        tokens.append(int(logits.argmax()))
+        if step + 1 < max_tokens:  # the last token's KV is never computed
+            logits = eng.model(torch.tensor(tokens[-1:]), cache)[0]
+    eng.remember_answer(request, prepared, tokens)
+    return prepared, tokens
+
+
+def blended(question: str = QUESTION, tenant: str = "default", **blend) -> Request:
+    return Request(documents=DOCS, question=question, system=SYSTEM, tenant=tenant,
+                   blend=BlendConfig(recompute_misses=False, **blend))
+
+
+def test_a_repeated_blend_is_served_its_first_blend_whole() -> None:
+    """A blended prompt is not exact, so its prefixes never enter the exact tree; but the
+    whole prompt is the same blend again: a repeat reuses it (all but its last token), and
+    gets the first blend's logits and risk without blending again."""
+    eng = Engine(make_loaded())
+    first, _ = finished(eng, blended())
+    assert first.exact_tokens == first.layout.doc_starts[0] and first.blended is not None
+    again = eng.prepare(blended())
+    n = len(again.layout)
+    assert again.stats.prefix_hit_tokens == n - 1
+    assert [d.source for d in again.stats.docs] == ["prefix"] * 3  # nothing looked up, nothing blended
+    assert again.stats.candidates == 0  # no stored KV read: nothing fused
+    assert torch.allclose(again.logits, first.logits, atol=1e-4)
+    assert again.stats.risk == first.stats.risk and again.exact_tokens == 0
+
+
+def test_a_blend_served_whole_only_to_the_same_tenant_config_and_prompt() -> None:
+    eng = Engine(make_loaded())
+    first, _ = finished(eng, blended())
+    exact_prefix = first.layout.doc_starts[0]
+    assert eng.prepare(blended(tenant="globex")).stats.prefix_hit_tokens == 0
+    assert eng.prepare(blended(ratio=0.5)).stats.prefix_hit_tokens == exact_prefix
+    other = eng.prepare(blended(question="what colour is the sky ?"))  # the same documents, another question
+    assert other.stats.prefix_hit_tokens == exact_prefix  # not a part of the earlier blend
+    assert [d.source for d in other.stats.docs] == ["memory"] * 3
+
+
+def test_a_chat_turn_after_a_blend_reuses_the_blended_prompt_and_answer() -> None:
+    eng = Engine(make_loaded())
+    turn1 = blended()
+    first, answer = finished(eng, turn1)
+    probe = torch.tensor([*first.layout.ids, *answer, *eng.tokenizer(" and then ?", add_special_tokens=False)["input_ids"]])
+    hit = eng.prefix_cache.lookup(first.blended.scope, probe, whole_entries=True)
+    assert hit is not None and hit.length == len(first.layout) + len(answer) - 1
+    for layer in range(len(hit.keys)):  # the very KV the answer was decoded from
+        assert torch.allclose(hit.keys[layer][:, : len(first.layout)], first.cache.keys[layer][:, : len(first.layout)])
+
+
+def test_a_request_served_a_whole_blend_remembers_its_own_answer() -> None:
+    eng = Engine(make_loaded())
+    finished(eng, blended())
+    second, _ = finished(eng, blended())
+    assert second.blended is not None and second.exact_tokens == 0
+    assert eng.prepare(blended()).stats.prefix_hit_tokens == len(second.layout) - 1

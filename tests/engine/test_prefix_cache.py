@@ -159,3 +159,35 @@ def test_threads_inserting_looking_up_and_evicting_always_read_exact_kv() -> Non
         t.join()
     assert not errors, errors
     assert pc.stats()["tokens"] <= 60
+
+
+def whole_hit(pc: PrefixCache, ids: list[int], max_len: int | None = None):
+    hit = pc.lookup(A, torch.tensor(ids), max_len, whole_entries=True)
+    return None if hit is None else (hit.length, hit.entry)
+
+
+def test_whole_entries_are_found_only_where_an_insert_ended() -> None:
+    """KV valid only as a whole sequence (a blend's) is served only to a query that holds
+    the whole sequence: never a part of it, wherever the tree's edges happen to be cut."""
+    pc = PrefixCache()
+    pc.insert(A, torch.tensor([1, 2, 3, 4, 5, 6]), cache_of([1, 2, 3, 4, 5, 6]), 6, entry="long")
+    assert whole_hit(pc, [1, 2, 3, 4, 9]) is None  # passes no whole entry
+    assert pc.lookup(A, torch.tensor([1, 2, 3, 4, 9])).length == 4  # a plain lookup still would
+    pc.insert(A, torch.tensor([1, 2, 3, 4, 5, 6]), cache_of([1, 2, 3, 4, 5, 6]), 3, entry="short")  # inside an edge
+    assert whole_hit(pc, [1, 2, 3, 4, 9]) == (3, "short")
+    assert whole_hit(pc, [1, 2, 3, 4, 5, 6, 7]) == (6, "long")
+    assert whole_hit(pc, [1, 2, 3, 4, 5, 6, 7], max_len=5) == (3, "short")  # the cap cuts the long one off
+    put(pc, [1, 2, 8])  # a plain insert splits the edge again: the entries keep their ends
+    assert whole_hit(pc, [1, 2, 9]) is None
+    assert whole_hit(pc, [1, 2, 3, 7]) == (3, "short")
+    hit = pc.lookup(A, torch.tensor([1, 2, 3, 4, 5, 6, 0]), whole_entries=True)
+    ref = cache_of([1, 2, 3, 4, 5, 6])
+    assert all(torch.equal(hit.keys[layer], ref.keys[layer]) for layer in range(2))
+
+
+def test_an_evicted_entry_is_no_longer_found_and_its_shorter_one_is() -> None:
+    pc = PrefixCache(max_tokens=6)
+    pc.insert(A, torch.tensor([1, 2, 3, 4, 5, 6]), cache_of([1, 2, 3, 4, 5, 6]), 6, entry="long")
+    pc.insert(A, torch.tensor([1, 2, 3, 4, 5, 6]), cache_of([1, 2, 3, 4, 5, 6]), 2, entry="short")
+    put(pc, [7, 8])  # over the cap: the least recently used leaf ([3..6]) goes
+    assert whole_hit(pc, [1, 2, 3, 4, 5, 6, 0]) == (2, "short")

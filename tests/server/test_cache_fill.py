@@ -55,9 +55,10 @@ def test_each_of_three_concurrent_clients_hits_its_documents_on_its_second_reque
 
     def client(i: int) -> list[tuple[int, int, int]]:  # (hits, misses, chunks) per request
         got = []
-        for _ in range(2):  # back to back, while the other clients prefill theirs
+        for k in range(2):  # back to back, while the other clients prefill theirs; another question
+            # each time (a repeat of the whole prompt would be served its first blend whole)
             block = ask(server, [{"role": "system", "content": SYSTEM},
-                                 {"role": "user", "content": f"Question {i}: who is named first?"}],
+                                 {"role": "user", "content": f"Question {i}.{k}: who is named first?"}],
                         documents=docs[2 * i : 2 * i + 2])["kvblend"]
             got.append((sum(block["doc_hits"].values()), block["doc_misses"], len(block["documents"])))
         return got
@@ -77,6 +78,25 @@ def test_a_repeated_plain_prompt_is_served_from_the_cache(server) -> None:
     assert cached(first) < 0.1 * first["usage"]["prompt_tokens"]
     assert cached(again) >= 0.9 * again["usage"]["prompt_tokens"]
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_a_repeated_prompt_pasting_stored_passages_is_served_its_first_blend(server) -> None:
+    """A prompt holding runs of stored text is a blend, never exact; its repeat (and the next
+    turn of its chat) is served the first blend's KV whole: cached almost entirely, the same answer."""
+    docs = [passages()[i] for i in (8, 11)]
+    ask(server, [{"role": "user", "content": "Which is first?"}], documents=docs)  # stores them
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "\n\n".join(docs) + "\n\nQuestion: which place is described first?"}]
+    first, again = ask(server, messages), ask(server, messages)
+    assert first["kvblend"]["method"] == "blend" and first["kvblend"]["doc_hits"]  # runs of stored text reused
+    n = first["usage"]["prompt_tokens"]
+    assert first["kvblend"]["prefix_hit_tokens"] < 0.1 * n  # blended: only the text before the first run is exact
+    assert again["kvblend"]["prefix_hit_tokens"] == n - 1 and not again["kvblend"]["doc_hits"]  # nothing blended again
+    assert cached(again) == n - 1
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    answer = first["choices"][0]["message"]["content"]
+    turn2 = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the second?"}]
+    assert cached(ask(server, turn2)) > first["usage"]["prompt_tokens"]
 
 
 def test_a_chats_next_turn_reuses_the_previous_prompt_and_answer(server) -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -58,13 +59,29 @@ DEFAULT_WRITEBACK_QUEUE = 64
 class Prepared(NamedTuple):
     """A prompt ready to decode: its cache, next-token logits, and how it was built.
     ``exact_tokens``: how many leading positions of ``cache`` hold exactly the KV a full
-    prefill computes, and entered the prefix cache (0 for ``full``, which caches nothing)."""
+    prefill computes, and entered the prefix cache (0 for ``full``, which caches nothing).
+    ``blended``: where a blend's prompt (not exact) and answer may be remembered whole
+    (``Engine.remember_answer``), and what a request served from it reports."""
 
     layout: PromptLayout
     cache: KVCache
     logits: torch.Tensor  # (V,)
     stats: RequestStats
     exact_tokens: int = 0
+    blended: BlendedEntry | None = None
+
+
+class BlendedEntry(NamedTuple):
+    """A blended prompt's KV kept whole in the prefix cache (its own scope per blend
+    config): a repeat of the prompt, or a chat's next turn that extends it with the answer,
+    is served the same KV, so it gets the first blend's answer without blending again. The
+    KV is valid only as a whole sequence (its selection read the whole prompt), so it is
+    looked up with ``whole_entries``. ``risk``/``escalated``: the first blend's, reported
+    again by each request served from it."""
+
+    scope: PrefixScope
+    risk: float | None
+    escalated: bool
 
 
 class WarmPlan(NamedTuple):
@@ -92,6 +109,7 @@ class _Built(NamedTuple):
     strategy: str | None = None  # the blend's as run (``Engine.blend_config``)
     escalated: bool = False  # the blend recomputed again at twice its ratio (``engine.escalation``)
     exact: int = 0  # leading positions whose KV is exact and entered the prefix cache
+    blended: BlendedEntry | None = None
 
 
 def _doc_checks(out: FusionOutput, layout: PromptLayout, placed: list[PlacedChunk],
@@ -327,6 +345,13 @@ class Engine:
         """Whose prefix-cache entries a request may see: its tenant's, for this model and dtype."""
         return PrefixScope(tenant, f"{self.loaded.fingerprint}:{self.loaded.config_digest}", str(self.model.dtype))
 
+    def blended_scope(self, tenant: str, cfg: BlendConfig) -> PrefixScope:
+        """Where a tenant's whole blended prompts live (``BlendedEntry``): its prefix scope,
+        qualified by the blend as run, so a blend never reads another config's KV."""
+        own = self.prefix_scope(tenant)
+        digest = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
+        return own._replace(dtype=f"{own.dtype}|blend:{digest}")
+
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         """What a document's chunk KV is computed after: the request's whole prefix
         (``prompt``) or the model's one sink token (``bos``, see ``sink_prefix``)."""
@@ -527,14 +552,24 @@ class Engine:
                        timer: _Timer, slice_tokens: SliceSize = None) -> Generator[Any, Any, _Built]:
         """``reuse`` or ``blend``: exact prefix, then cached chunks fused by selective recompute
         (a step per layer of each fusion pass)."""
-        scope = self.prefix_scope(request.tenant)
+        scope, cfg, choice = self.prefix_scope(request.tenant), self.blend_config(request.blend), None
         fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
+        blended = None if fallback or request.method != "blend" else BlendedEntry(
+            self.blended_scope(request.tenant, cfg), None, False)
         hit = None if fallback else _whole_documents(
             self.prefix_cache.lookup(scope, ids, max_len=ids.shape[0] - 1), layout)
-        covered = hit.length if hit else 0  # documents inside it are exact already: no lookup, no blend
+        earlier = None if blended is None else self.prefix_cache.lookup(
+            blended.scope, ids, max_len=ids.shape[0] - 1, whole_entries=True)
+        if earlier is not None and _whole_documents(earlier, layout) is not earlier:
+            earlier = None  # it ends inside a document here: valid only whole, so not usable
+        if earlier is not None and earlier.length > (hit.length if hit else 0):
+            hit = earlier  # an earlier blend of this prompt (or of its start): not exact, the same blend
+            blended = blended._replace(risk=earlier.entry.risk, escalated=earlier.entry.escalated)
+        else:
+            earlier = None
+        covered = hit.length if hit else 0  # documents inside it are done already: no lookup, no blend
         chunks = self._lookup(request, layout, timer, covered)
         yield from self._compute_alone(chunks, self.chunk_prefix(request, layout), slice_tokens, timer)
-        cfg, choice = self.blend_config(request.blend), None
         if cfg.auto and request.method == "reuse":
             cfg = cfg.with_ratio(0.0)
         elif cfg.auto:
@@ -563,14 +598,22 @@ class Engine:
         loading = _fall_back(chunks, {id(unsliced(p.chunk)) for p in dropped}, self.pipeline)
         fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
         # every position before the first reused document was computed exactly, reading
-        # nothing reused: the whole prompt when no document was reused
-        exact = 0 if fallback else min((p.start for p in fused), default=ids.shape[0])
+        # nothing reused: the whole prompt when no document was reused (after an earlier
+        # blend's prompt, nothing is exact)
+        exact = 0 if fallback or earlier else min((p.start for p in fused), default=ids.shape[0])
         if exact > covered:
             self.prefix_cache.insert(scope, ids, out.cache, exact)
         self._write_back(chunks.misses, self.chunk_prefix(request, layout))
+        risk, escalated = out.risk, out.escalated is not None
+        if earlier is not None and risk is None:  # nothing blended after it: the earlier blend's
+            risk, escalated = blended.risk, blended.escalated
+        if blended is not None and exact < ids.shape[0]:
+            blended = blended._replace(risk=risk, escalated=escalated)
+        else:
+            blended = None
         return _Built(out.cache, out.logits, covered, chunks.stats, out.recomputed, out.candidates,
-                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, out.risk,
-                      cfg.strategy, out.escalated is not None, exact)
+                      fallback, _doc_checks(out, layout, fused, request.explain), loading, choice, risk,
+                      cfg.strategy, escalated, exact, blended)
 
     def blend_config(self, cfg: BlendConfig) -> BlendConfig:
         """``cfg`` as this model runs it. Where the model's test found that the shift does
@@ -629,20 +672,26 @@ class Engine:
                              built.candidates, timer.parts["lookup"], timer.parts["load"], timer.parts["prefill"],
                              elapsed, built.fallback, built.checks, built.loading, built.controller,
                              built.strategy if request.method == "blend" else None, built.risk, built.escalated)
-        return Prepared(layout, built.cache, built.logits, stats, built.exact)
+        return Prepared(layout, built.cache, built.logits, stats, built.exact, built.blended)
 
     def remember_answer(self, request: Request, prepared: Prepared, tokens: Sequence[int]) -> int:
-        """After ``prepared`` decoded ``tokens``: when its whole prompt was exact, enter the
-        prompt and the generated tokens whose KV ``prepared.cache`` holds (all but the last)
-        in the prefix cache, so that a chat's next turn, which repeats them, reuses them.
+        """After ``prepared`` decoded ``tokens``: enter the prompt and the generated tokens
+        whose KV ``prepared.cache`` holds (all but the last) in the prefix cache, so that a
+        repeat, or a chat's next turn, which repeats them, reuses them: as exact prefixes
+        when the whole prompt was exact, else, for a blend, whole (``BlendedEntry``).
         Returns the tokens entered (0 when nothing was). Caching is an optimisation: a
         failure is logged, never raised into the request that finished."""
         n, kept = len(prepared.layout), min(len(tokens), prepared.cache.length - len(prepared.layout))
-        if prepared.exact_tokens < n or kept <= 0 or not self._prefix_cache_exact(n + kept):
+        exact, blended = prepared.exact_tokens >= n, prepared.blended
+        if kept <= 0 or not (exact or blended) or not self._prefix_cache_exact(n + kept):
             return 0
         ids = torch.tensor((*prepared.layout.ids, *tokens[:kept]), dtype=torch.long)
         try:
-            self.prefix_cache.insert(self.prefix_scope(request.tenant), ids, prepared.cache, n + kept)
+            if exact:
+                self.prefix_cache.insert(self.prefix_scope(request.tenant), ids, prepared.cache, n + kept)
+            else:  # whole: the prompt up to its last token (a repeat computes that one), and with the answer
+                self.prefix_cache.insert(blended.scope, ids, prepared.cache, n + kept, entry=blended)
+                self.prefix_cache.insert(blended.scope, ids, prepared.cache, n - 1, entry=blended)
         except Exception:  # noqa: BLE001 - never fail a finished request over its cache entry
             log.warning("a finished request's prompt and answer did not enter the prefix cache", exc_info=True)
             return 0

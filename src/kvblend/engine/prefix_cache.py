@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,12 +37,16 @@ class PrefixHit(NamedTuple):
     length: int
     keys: list[torch.Tensor]  # per layer (Hkv, length, d)
     values: list[torch.Tensor]
+    entry: Any = None  # with ``lookup(whole_entries=True)``: what the entry that ends the hit was inserted with
+
+
+_NO_ENTRY = object()  # a node no insert ended on
 
 
 class _Node:
     """One edge of the tree: token ids and their K/V (per layer (Hkv, len, d))."""
 
-    __slots__ = ("tokens", "keys", "values", "parent", "children", "last", "scope")
+    __slots__ = ("tokens", "keys", "values", "parent", "children", "last", "scope", "entry")
 
     def __init__(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
                  parent: _Node | None, scope: PrefixScope | None) -> None:
@@ -53,6 +57,7 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.last = 0
         self.scope = scope
+        self.entry: Any = _NO_ENTRY  # an ``insert(entry=...)`` ended at this edge's end
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +66,8 @@ class _Node:
     def split(self, at: int) -> _Node:
         """Cut this edge after ``at`` tokens; return the new upper node (this one keeps the rest).
 
-        Both halves are cloned so that each owns only its own memory."""
+        Both halves are cloned so that each owns only its own memory. An entry ending at
+        this edge's end stays with the lower half, which still ends there."""
         upper = _Node(self.tokens[:at], [k[:, :at].clone() for k in self.keys],
                       [v[:, :at].clone() for v in self.values], self.parent, self.scope)
         upper.last = self.last
@@ -104,22 +110,33 @@ class PrefixCache:
         self._lock = threading.Lock()
 
     # ----- reading ---------------------------------------------------------------------
-    def lookup(self, scope: PrefixScope, ids: torch.Tensor, max_len: int | None = None) -> PrefixHit | None:
-        """The longest cached prefix of ``ids`` (at most ``max_len`` tokens) in ``scope``, or None."""
+    def lookup(self, scope: PrefixScope, ids: torch.Tensor, max_len: int | None = None,
+               whole_entries: bool = False) -> PrefixHit | None:
+        """The longest cached prefix of ``ids`` (at most ``max_len`` tokens) in ``scope``, or None.
+
+        ``whole_entries``: only a prefix that some ``insert(entry=...)`` covered exactly, to
+        its last token (the hit's ``entry`` is what that insert passed); for KV that is valid
+        only as a whole sequence, not for every prefix of it."""
         want = tuple(ids.tolist())
         limit = len(want) if max_len is None else max(0, min(max_len, len(want)))
         with self._lock:
-            parts = self._match(scope, want[:limit])
+            parts, ends = self._match(scope, want[:limit])
+        entry = None
+        if whole_entries:
+            if not ends:
+                return None
+            parts, entry = _cut(parts, ends[-1][0]), ends[-1][1]
         if not parts:
             return None
         layers = range(len(parts[0][0]))
         keys = [_join([(k[layer], n) for k, _, n in parts]) for layer in layers]
         values = [_join([(v[layer], n) for _, v, n in parts]) for layer in layers]
-        return PrefixHit(sum(n for _, _, n in parts), keys, values)
+        return PrefixHit(sum(n for _, _, n in parts), keys, values, entry)
 
-    def _match(self, scope: PrefixScope, want: tuple[int, ...]) -> list[tuple[list, list, int]]:
-        """(keys, values, tokens used) of each node on the matched path; touches the path."""
-        node, pos, parts, now = self._roots.get(scope), 0, [], next(self._clock)
+    def _match(self, scope: PrefixScope, want: tuple[int, ...]) -> tuple[list[tuple[list, list, int]], list]:
+        """(keys, values, tokens used) of each node on the matched path, and the (length,
+        entry) of each entry the match passes wholly; touches the path."""
+        node, pos, parts, ends, now = self._roots.get(scope), 0, [], [], next(self._clock)
         while node is not None and pos < len(want):
             child = node.children.get(want[pos])
             if child is None:
@@ -132,18 +149,26 @@ class PrefixCache:
                 self._push_leaf(child)
             if n < len(child.tokens):
                 break
+            if child.entry is not _NO_ENTRY:
+                ends.append((pos, child.entry))
             node = child
-        return parts
+        return parts, ends
 
     # ----- writing ---------------------------------------------------------------------
-    def insert(self, scope: PrefixScope, ids: torch.Tensor, cache: KVCache, length: int) -> None:
-        """Remember the KV of ``ids[:length]`` taken from ``cache`` (positions 0..length-1)."""
+    def insert(self, scope: PrefixScope, ids: torch.Tensor, cache: KVCache, length: int,
+               entry: Any = _NO_ENTRY) -> None:
+        """Remember the KV of ``ids[:length]`` taken from ``cache`` (positions 0..length-1).
+
+        With ``entry``, the sequence is also marked whole, for ``lookup(whole_entries=True)``,
+        which returns ``entry`` with it. Positions already in the tree keep the KV they have."""
         tokens = tuple(ids[:length].tolist())
         if not tokens:
             return
         with self._lock:
-            parent, pos = self._walk_for_insert(scope, tokens)
+            parent, pos = self._walk_for_insert(scope, tokens, split_at_end=entry is not _NO_ENTRY)
             if pos == len(tokens):
+                if entry is not _NO_ENTRY and parent.parent is not None:
+                    parent.entry = entry
                 return
             leaf = _Node(tokens[pos:], [cache.keys[i][:, pos:length].clone() for i in range(cache.num_layers)],
                          [cache.values[i][:, pos:length].clone() for i in range(cache.num_layers)], parent, scope)
@@ -152,13 +177,17 @@ class PrefixCache:
                     del self._roots[scope]
                 return
             leaf.last = next(self._clock)
+            leaf.entry = entry
             parent.children[leaf.tokens[0]] = leaf
             self._account(leaf, +1)
             self._push_leaf(leaf)
             self._evict()
 
-    def _walk_for_insert(self, scope: PrefixScope, tokens: tuple[int, ...]) -> tuple[_Node, int]:
-        """The node under which the rest of ``tokens`` belongs, and how many are already in."""
+    def _walk_for_insert(self, scope: PrefixScope, tokens: tuple[int, ...],
+                         split_at_end: bool = False) -> tuple[_Node, int]:
+        """The node under which the rest of ``tokens`` belongs, and how many are already in.
+        ``split_at_end``: where ``tokens`` end inside an edge, that edge is cut there, so
+        that the node returned ends exactly where ``tokens`` do."""
         node = self._roots.get(scope)
         if node is None:
             node = self._roots[scope] = _Node((), [], [], None, scope)
@@ -168,7 +197,7 @@ class PrefixCache:
             if child is None:
                 break
             n = _common(child.tokens, tokens, pos)
-            if n < len(child.tokens) and pos + n < len(tokens):
+            if n < len(child.tokens) and (pos + n < len(tokens) or split_at_end):
                 child = child.split(n)  # the lower half keeps its own last use
                 self._nodes += 1
             child.last = now
@@ -230,6 +259,17 @@ class PrefixCache:
             self._roots.clear()
             self._leaves.clear()
             self._bytes = self._tokens = self._nodes = 0
+
+
+def _cut(parts: list[tuple[list, list, int]], length: int) -> list[tuple[list, list, int]]:
+    """The matched path's pieces up to its first ``length`` tokens."""
+    out, pos = [], 0
+    for keys, values, n in parts:
+        if pos >= length:
+            break
+        out.append((keys, values, min(n, length - pos)))
+        pos += n
+    return out
 
 
 def _join(pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
