@@ -51,6 +51,7 @@ def kvblend_block(method: str, options: dict) -> dict:
              "queue_s": 0.0, "lookup_s": 0.0, "load_s": 0.0, "prefill_s": 0.01, "ttft_s": 0.02 if method == "full" else 0.01}
     if method == "blend":
         block["strategy"] = "q+budget+sinks4+shift"
+        block.update(risk=0.125, escalated=True)
     if options.get("explain"):
         block["explain"] = {"selection": "question", "score": "question attention", "deviation": "V deviation at layer 1",
                             "sinks": 4, "checks": [], "limits": {"document_tokens": 512, "total_tokens": 4096},
@@ -203,6 +204,9 @@ def test_a_run_shows_both_answers_and_their_numbers(page) -> None:
     assert text(page, "#answer-blend [data-field=text]") == "Paris ."
     assert text(page, "#answer-blend [data-field=recompute]").startswith("15.0 %")
     assert text(page, "#answer-blend [data-field=cached]") == "4 of 20"
+    assert text(page, "#answer-blend [data-field=risk]") == \
+        "0.125 of plain reuse's error left · escalated: recomputed again at twice the ratio"
+    assert text(page, "#answer-full [data-field=risk]") == "none: no KV reused"
     assert page.find_elements(By.CSS_SELECTOR, "#doc-views .tok.kept")
 
 

@@ -352,6 +352,16 @@ function hitsText(kv) {
   return [...hits, ...misses].join(", ") || "none (no documents reused)";
 }
 
+// The blend's own estimate of how much of plain reuse's KV error it left (0: none, 1: all of
+// it), and whether it was in the top of its tenant's recent risks and recomputed again.
+function riskText(kv) {
+  if (kv.risk === undefined || kv.risk === null) {
+    return kv.method === "blend" ? "not measured for this blend" : "none: no KV reused";
+  }
+  const again = kv.escalated ? " · escalated: recomputed again at twice the ratio" : " · not escalated";
+  return `${kv.risk.toFixed(3)} of plain reuse's error left${again}`;
+}
+
 function showMetrics(panel, reply) {
   const kv = reply.kvblend;
   const browser = reply.browserTtft === null ? "" : ` · ${ms(reply.browserTtft)} in the browser`;
@@ -359,6 +369,7 @@ function showMetrics(panel, reply) {
   field(panel, "ttft").textContent = ms(kv.ttft_s) + browser;
   field(panel, "recompute").textContent = pct(kv.recompute_fraction) + " of the prompt's token-layers";
   field(panel, "hits").textContent = hitsText(kv);
+  field(panel, "risk").textContent = riskText(kv);
   const usage = reply.usage;
   field(panel, "cached").textContent = usage
     ? `${usage.prompt_tokens_details.cached_tokens} of ${usage.prompt_tokens}` : "";
