@@ -53,7 +53,10 @@ loop turn:
   piggybacking decodes, Sarathi-Serve; layers: a decode-only step after the layers run in
   place), so a long prompt delays running streams by one turn, never by its whole prefill;
 * samples each running request's next token (``DecodeSlot``: the same rules as
-  ``Engine.stream``).
+  ``Engine.stream``). A request of ``n`` choices is prefilled once and decodes as ``n``
+  rows of the batch (choice 0 in the prepared cache, the others in copies of its prompt
+  positions, ``slot.fork_cache``), each row counting towards ``max_running``; it ends
+  with its last choice, or with the first choice that fails.
 
 Faults stay with their request. Whatever one request raises — preparing (layout,
 lookups, fusion), its part of a batched forward, sampling, stop handling — ends that
@@ -96,6 +99,7 @@ from kvblend.engine.fair import FairQueue, TenantShare
 from kvblend.engine.request import Request, RequestStats, Result, result_of
 from kvblend.errors import InvalidRequestError, KvblendError
 from kvblend.generation.batch import DecodeSlot, forward_batch
+from kvblend.generation.slot import fork_cache
 from kvblend.generation.chunked import Forward, InPlace, Steps
 from kvblend.generation.sampling import SamplingParams
 from kvblend.generation.stream import StreamEvent
@@ -229,7 +233,8 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self.deadline = None if deadline_s is None else self.submitted + deadline_s
         self.queue_s = 0.0  # set when the worker admits it
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # every choice's tokens
+        self.choices_left = sampling.n  # choices still decoding (the worker's count)
         self.charged_prefill = 0.0
         self.charged_decode = 0
         self.stats: RequestStats | None = None
@@ -727,8 +732,8 @@ class Scheduler:
             self._end_dropped(prefill.handle, started=True)
         for h in gone:
             self._end_dropped(h, started=False)
-        for r in left:
-            self._end_dropped(r.handle, started=True)
+        for h in dict.fromkeys(r.handle for r in left):  # a request's choices end once
+            self._end_dropped(h, started=True)
 
     def _end_dropped(self, h: RequestHandle, started: bool) -> None:
         if h.cancelled:
@@ -963,21 +968,33 @@ class Scheduler:
         with self._cond:
             self._prefill = None
         try:
-            slot = DecodeSlot(self.engine.tokenizer, prepared.cache, handle.sampling, self.engine.loaded.eos_token_ids,
-                              self.engine.model.cfg.context_length)
-            event = slot.next_event(prepared.logits)
+            slots = self._choices(handle, prepared)
+            events = [slot.next_event(prepared.logits) for slot in slots]
         except Exception as exc:  # noqa: BLE001 - this request's sampling failed: it alone ends
             self._end_failed(handle, exc, "sample", started=True)
             return
         handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted)
         handle._push(handle.stats)  # before the first token: its sender knows the usage
-        self._emit(handle, event)
+        for event in events:
+            self._emit(handle, event)
         self._notify("on_first_token", handle, handle.stats)
-        if event.finish_reason is not None:
-            self._end(handle, "ok", event.finish_reason, None)
+        going = [_Running(handle, slot, prepared) for slot, event in zip(slots, events) if event.finish_reason is None]
+        handle.choices_left = len(going)
+        if not going:
+            self._end(handle, "ok", events[0].finish_reason, None)
         else:
             with self._cond:
-                self._running.append(_Running(handle, slot, prepared))
+                self._running.extend(going)
+
+    def _choices(self, handle: RequestHandle, prepared: Any) -> list[DecodeSlot]:
+        """One ``DecodeSlot`` per choice of the request (``sampling.n``) after its one
+        prefill: choice 0 decodes in the prepared cache, each other in a copy of its prompt
+        positions (``fork_cache``: the prompt's KV bytes once per extra choice)."""
+        sampling, ids = handle.sampling, prepared.layout.ids
+        room = sampling.max_tokens + 1
+        caches = [prepared.cache] + [fork_cache(prepared.cache, room) for _ in range(sampling.n - 1)]
+        return [DecodeSlot(self.engine.tokenizer, cache, sampling, self.engine.loaded.eos_token_ids,
+                           self.engine.model.cfg.context_length, ids, index=i) for i, cache in enumerate(caches)]
 
     def _job_done(self, job: _Job, outcome: str, value: Any) -> None:
         lane = self._jobs if job.lane == "jobs" else self._background
@@ -1015,10 +1032,15 @@ class Scheduler:
         if finished:
             with self._cond:
                 done = {id(r) for r, _ in finished}
-                self._running = [r for r in self._running if id(r) not in done]
+                self._running = [r for r in self._running if id(r) not in done and not r.handle.done]
+                self._parked = [r for r in self._parked if not r.handle.done]  # a failed choice's siblings
             for r, reason in finished:
-                if reason != "failed":  # its prompt and answer enter the prefix cache: a chat's next turn reuses both
+                if reason == "failed" or r.handle.done:
+                    continue
+                if r.slot.index == 0:  # its prompt and answer enter the prefix cache: a chat's next turn reuses both
                     self.engine.remember_answer(r.handle.request, r.prepared, r.slot.tokens)
+                r.handle.choices_left -= 1
+                if r.handle.choices_left == 0:  # the request ends with its last choice
                     self._end(r.handle, "ok", reason, None)
 
     def _forward(self, members: list[Forward]) -> list[torch.Tensor | Exception]:
@@ -1181,7 +1203,7 @@ class Scheduler:
     def _take_in_flight(self) -> list[RequestHandle]:
         """Remove and return the requests running or being prefilled (their generator closed)."""
         with self._cond:
-            handles = [r.handle for r in (*self._running, *self._parked)]
+            handles = list(dict.fromkeys(r.handle for r in (*self._running, *self._parked)))  # choices: once
             prefills = [p for p in (self._prefill, *self._paused) if p is not None]
             self._prefill, self._paused, self._running, self._parked = None, [], [], []
         for prefill in prefills:

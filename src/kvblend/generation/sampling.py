@@ -1,4 +1,14 @@
-"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p, seed).
+"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p, seed,
+``logit_bias``, presence/frequency/repetition penalties) and the logprobs of a token.
+
+The logits a token is drawn from are adjusted in vLLM's order: ``logit_bias`` added
+(OpenAI: token id -> bias in [-100, 100]), then the repetition penalty (vLLM's, after
+CTRL: a positive logit of a token seen in the prompt or the output divided by it, a
+negative one multiplied), then ``logit -= frequency_penalty * count + presence_penalty *
+(count > 0)`` over the output's counts (OpenAI's), then temperature and top-k/top-p.
+Logprobs (``token_logprobs``) are of the model's raw distribution, before any of these
+(vLLM's default, ``raw_logprobs``): a client sees what the model thought, whatever the
+request did to the draw.
 
 Sampling is numerically safe for every finite logit vector at every allowed temperature:
 temperatures below ``MIN_TEMPERATURE`` sample greedily (dividing by less overflows, and
@@ -11,7 +21,10 @@ overflows and no probability is NaN. Logits that are not finite raise
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,11 +33,21 @@ from kvblend.errors import InvalidRequestError, NonFiniteLogitsError
 MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy
 MAX_TOKENS_LIMIT = 1 << 20  # no model context comes near; larger values are client errors
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_CHOICES = 16  # n: each choice decodes in its own row of the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias is in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature`` below ``MIN_TEMPERATURE`` (0 included) means greedy."""
+    """How to pick tokens. ``temperature`` below ``MIN_TEMPERATURE`` (0 included) means greedy.
+
+    ``n``: choices decoded from one prompt (a scheduler forks the decode after one
+    prefill; choice i's sampler is seeded with ``seed + i``). ``logprobs``: how many top
+    alternatives each token's ``TokenLogprobs`` lists (0 to ``MAX_TOP_LOGPROBS``; None:
+    no logprobs). ``logit_bias``: (token id, bias) pairs, ids checked against the
+    vocabulary by whoever knows it (the server)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -33,6 +56,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -47,27 +76,85 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # what a torch generator takes
             raise InvalidRequestError(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
+        self._check_choices()
+        self._check_adjustments()
         object.__setattr__(self, "stop", tuple(self.stop))
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS
                                                     for s in self.stop):
             raise InvalidRequestError(
                 f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
 
+    def _check_choices(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}", "n")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs")
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}", name)
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and math.isfinite(rp) and rp > 0):
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {rp!r}",
+                                      "repetition_penalty")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias has at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
+        for token, value in bias:
+            if token < 0 or not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100]; got {token}: {value}", "logit_bias")
+        object.__setattr__(self, "logit_bias", bias)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits change before the draw (bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
+
+
+class TokenLogprobs(NamedTuple):
+    """A drawn token's logprob and the ``top`` alternatives' (id, logprob), best first,
+    all of the model's raw distribution (see the module docstring)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-softmax under the (V,) raw ``logits`` (float64 on the CPU), and the
+    ``top`` most likely tokens' (0: none)."""
+    lp = torch.log_softmax(logits.detach().reshape(-1).to("cpu", torch.float64), dim=-1)  # (V,)
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.shape[0]))
+        best = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(lp[token]), best)
+
 
 class Sampler:
-    """Picks the next token from (V,) logits; owns the request's random generator and
-    counts the tokens drawn (``drawn``), so that an error can say which one failed."""
+    """Picks the next token from (V,) logits; owns one choice's random generator (seeded
+    with ``seed + choice``), counts the tokens drawn (``drawn``, so that an error can say
+    which one failed) and, for the penalties, how often each was drawn (``counts``);
+    ``prompt_ids`` are what the repetition penalty counts as seen besides the output."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0) -> None:
         self.params = params
         self.drawn = 0
+        self.counts: Counter[int] = Counter()
+        self.prompt_ids = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed + choice)
         else:
             self.generator.seed()
 
@@ -78,10 +165,36 @@ class Sampler:
             raise NonFiniteLogitsError(
                 f"the model produced non-finite logits (NaN or inf) at generated token {self.drawn}")
         p = self.params
+        if p.adjusts:
+            logits = adjusted_logits(logits, p, self.prompt_ids, self.counts)  # (V,) float64
         if p.greedy:
-            return int(logits.argmax())
-        probs = filtered_probs(scaled_logits(logits, p.temperature), p.top_k, p.top_p)  # (V,)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(logits.argmax())
+        else:
+            probs = filtered_probs(scaled_logits(logits, p.temperature), p.top_k, p.top_p)  # (V,)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.counts[token] += 1
+        return token
+
+
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: frozenset[int],
+                    counts: Counter[int]) -> torch.Tensor:
+    """(V,) logits in float64 on the CPU with ``logit_bias``, the repetition penalty (over
+    ``prompt_ids`` and the output's tokens) and the presence/frequency penalties (over the
+    output's ``counts``) applied, in that order (the module docstring). Bias ids past the
+    vocabulary are the caller's error (an IndexError here)."""
+    x = logits.detach().reshape(-1).to("cpu", torch.float64).clone()  # (V,)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        x.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64))
+    if params.repetition_penalty != 1 and (prompt_ids or counts):
+        seen = torch.tensor(sorted(prompt_ids | counts.keys()), dtype=torch.long)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if counts and (params.frequency_penalty or params.presence_penalty):
+        ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+        c = torch.tensor(list(counts.values()), dtype=torch.float64)
+        x[ids] -= params.frequency_penalty * c + params.presence_penalty
+    return x
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

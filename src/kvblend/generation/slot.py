@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend.errors import ContextLengthError
-from kvblend.generation.sampling import Sampler, SamplingParams
+from kvblend.generation.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from kvblend.generation.text import TextStream
 from kvblend.models.kv_cache import KVCache
 
@@ -25,12 +25,15 @@ class StreamEvent(NamedTuple):
     """One generated token and the text it made safe to show.
 
     ``finish_reason`` is set on the last event: "stop" (EOS or a stop string) or
-    "length" (max_tokens or the context limit).
+    "length" (max_tokens or the context limit). ``index``: the choice it belongs to (a
+    request of ``n`` choices); ``logprobs``: the token's, when the request asked for them.
     """
 
     token_id: int
     text: str
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: TokenLogprobs | None = None
 
 
 def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingParams:
@@ -39,6 +42,20 @@ def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingP
     if room < 1:
         raise ContextLengthError(f"the prompt has {used} tokens; the model's context is {context} tokens")
     return params if params.max_tokens <= room else replace(params, max_tokens=room)
+
+
+def fork_cache(cache: KVCache, extra: int) -> KVCache:
+    """A copy of ``cache``'s ``length`` positions with room for ``extra`` more: another
+    choice's cache after one prefill. ``KVCache`` keeps each layer contiguous and the
+    decode writes in place, so a choice cannot share the prompt's buffers; the copy costs
+    the prompt's KV bytes once per extra choice (a memory copy, no model work)."""
+    keys = cache.keys[0]
+    fork = KVCache(cache.num_layers, keys.shape[0], keys.shape[2], cache.length + extra, keys.dtype, keys.device)
+    for mine, theirs in ((fork.keys, cache.keys), (fork.values, cache.values)):
+        for layer, buffer in enumerate(theirs):
+            mine[layer][:, : cache.length] = buffer[:, : cache.length]
+    fork.length = cache.length
+    return fork
 
 
 class DecodeSlot:
@@ -57,15 +74,21 @@ class DecodeSlot:
     more logits. The slot never touches ``cache``: the caller appends ``last_token`` to
     it before asking for the next event. With ``tokenizer=None`` the events carry no
     text (token ids only), and stop strings are refused.
+
+    ``index`` is the choice this slot decodes (of ``params.n``; its sampler is seeded with
+    ``seed + index``); ``prompt_ids`` what the repetition penalty counts besides the
+    output. With ``params.logprobs`` set, each event carries the drawn token's logprobs
+    from the raw logits given (``sampling.token_logprobs``).
     """
 
     def __init__(self, tokenizer: Any, cache: KVCache, params: SamplingParams, eos_ids: Sequence[int],
-                 context_length: int) -> None:
+                 context_length: int, prompt_ids: Sequence[int] = (), index: int = 0) -> None:
         if tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer")
         self.cache = cache
+        self.index = index
         self.params = cap_new_tokens(params, cache.length, context_length)
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, prompt_ids, index)
         self.text = TextStream(tokenizer, self.params.stop) if tokenizer is not None else None
         self.eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
         self.count = 0
@@ -81,14 +104,15 @@ class DecodeSlot:
         self.count += 1
         self.tokens.append(token)
         self.last_token = token
+        lp = None if self.params.logprobs is None else token_logprobs(logits, token, self.params.logprobs)
         if token in self.eos:
-            return self._finish(token, self._flush(), "stop")
+            return self._finish(token, self._flush(), "stop", lp)
         delta = self._push(token)
         if self.text is not None and self.text.stopped:
-            return self._finish(token, delta, "stop")
+            return self._finish(token, delta, "stop", lp)
         if self.count == self.params.max_tokens:
-            return self._finish(token, delta + self._flush(), "length")
-        return StreamEvent(token, delta)
+            return self._finish(token, delta + self._flush(), "length", lp)
+        return StreamEvent(token, delta, None, self.index, lp)
 
     def _push(self, token: int) -> str:
         return self.text.push(token) if self.text is not None else ""
@@ -96,6 +120,6 @@ class DecodeSlot:
     def _flush(self) -> str:
         return self.text.finish() if self.text is not None else ""
 
-    def _finish(self, token: int, text: str, reason: str) -> StreamEvent:
+    def _finish(self, token: int, text: str, reason: str, lp: TokenLogprobs | None) -> StreamEvent:
         self.finished = True
-        return StreamEvent(token, text, reason)
+        return StreamEvent(token, text, reason, self.index, lp)

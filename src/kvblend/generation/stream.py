@@ -181,11 +181,15 @@ def stream_from(
     first_logits: torch.Tensor,
     params: SamplingParams,
     eos_ids: Sequence[int],
+    prompt_ids: Sequence[int] = (),
 ) -> Iterator[StreamEvent]:
     """Stream text from a prefilled cache (ours or a fused one); the cache grows in place.
     The tokens follow ``DecodeSlot``'s rules (stop strings, EOS, max_tokens capped to the
-    context left)."""
-    slot = DecodeSlot(tokenizer, cache, params, eos_ids, model.cfg.context_length)
+    context left; ``prompt_ids`` for the repetition penalty). One choice: ``n`` > 1 is the
+    scheduler's (one prefill, the decode forked), a ValueError here."""
+    if params.n != 1:
+        raise ValueError("stream_from decodes one choice; n > 1 is served by the scheduler")
+    slot = DecodeSlot(tokenizer, cache, params, eos_ids, model.cfg.context_length, prompt_ids)
     for event, _ in slot_steps(model, slot, first_logits):
         yield event
 
@@ -196,7 +200,7 @@ def stream(
     """Full prefill of ``prompt_ids`` then streaming decode."""
     params = cap_new_tokens(params, len(prompt_ids), model.cfg.context_length)
     cache, logits = prefill(model, prompt_ids, params.max_tokens)  # sized by the capped count
-    yield from stream_from(model, tokenizer, cache, logits, params, eos_ids)
+    yield from stream_from(model, tokenizer, cache, logits, params, eos_ids, prompt_ids)
 
 
 def collect(events: Iterator[StreamEvent], prompt_tokens: int) -> Completion:

@@ -56,6 +56,7 @@ from kvblend.server.storeview import documents_summary, store_summary
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts
 from kvblend.server.index import IndexFeed, ingest_catalog, open_index
+from kvblend.server.logprobs import token_text
 from kvblend.server.translate import (
     build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
@@ -548,14 +549,16 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     if request.explain:  # shape expanded and cut every document given: one piece each from here
         explains = explainer(request, state.engine.tokenizer, shaped.pieces, [1] * len(request.documents),
                              settings.limits)
-    sampling = sampling_params(body, settings, prompt_tokens, state.context_length)
+    sampling = sampling_params(body, settings, prompt_tokens, state.context_length,
+                               state.engine.loaded.config.vocab_size)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
         request = routing.request
     handle = await _submit(state, request, sampling)
     matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
     shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
-                  explain=explains.block if explains is not None else None, replica=handle.replica)
+                  explain=explains.block if explains is not None else None, replica=handle.replica, n=sampling.n,
+                  token_text=token_text(state.engine.tokenizer) if sampling.logprobs is not None else None)
     headers = {"X-Request-Id": shape.object_id} if state.request_id_header else {}
     if handle.replica is not None:
         headers["X-Kvblend-Replica"] = handle.replica

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvblend.generation.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS
 from kvblend.rag.retriever import MAX_TOP_K
 from kvblend.settings import BlendOptions
 
@@ -113,12 +114,13 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None  # a chat's is a flag, a completion's a count
-    top_logprobs: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices: one prefill, the decode forked
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's extension (1: none)
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]; ids checked by translate
+    logprobs: bool | int | None = None  # a chat's is a flag, a completion's a count (translate.logprob_count)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool = False  # vLLM's extension: decode up to max_tokens even past EOS (load tests)
 
     def stop_list(self) -> list[str]:
@@ -195,7 +197,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "audio": (None,), "prediction": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "logits_processors": (None,), "vllm_xargs": (None,),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+    "min_p": (None, 0), "min_tokens": (None, 0),
     "length_penalty": (None, 1), "use_beam_search": (None, False), "best_of": (None, 1),
     "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False),
@@ -220,19 +222,12 @@ def _refusal(name: str, neutral: tuple[Any, ...]) -> str:
 
 def unsupported(body: _Common) -> tuple[str, str] | None:
     """(field, reason) of the first option that would change the answer and is not
-    implemented, or None. Default-valued options (n=1, penalties 0, ...) are accepted."""
+    implemented, or None. Default-valued options (``min_p`` 0, ``best_of`` 1, ...) are
+    accepted. ``n``, logprobs, the penalties and ``logit_bias`` are implemented (their
+    values are checked by ``translate.sampling_params``)."""
     extra = body.model_extra or {}
     completion = isinstance(body, CompletionRequest)
-    checks: list[tuple[str, bool, str]] = [
-        ("n", body.n not in (None, 1), "only n=1 is supported"),
-        # a completion's logprobs is a count (0: the sampled tokens' own); a chat's a flag
-        ("logprobs", not _neutral(body.logprobs, (None, False) if completion else (None, False, 0)),
-         "logprobs are not supported"),
-        ("top_logprobs", body.top_logprobs not in (None, 0), "top_logprobs are not supported"),
-        ("presence_penalty", body.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported"),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
-    ]
+    checks: list[tuple[str, bool, str]] = []
     for name in ("tools", "functions"):
         checks.append((name, bool(extra.get(name)), f"{name} (function calling) are not supported"))
     for name in ("tool_choice", "function_call"):

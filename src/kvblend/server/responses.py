@@ -22,33 +22,65 @@ from starlette.responses import StreamingResponse
 from kvblend.engine import RequestStats
 from kvblend.engine.scheduler import RequestHandle
 from kvblend.generation import StreamEvent
+from kvblend.generation.sampling import TokenLogprobs
 from kvblend.server.errors import APIError, from_exception
+from kvblend.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvblend.server.usage import kvblend_block, usage
 
 
 @dataclass
-class StreamResult:
-    """What the HTTP layer collected of one request's stream (text, tokens, stats, error or
-    disconnect), for its response and log line (the scheduler's ``Outcome`` is another thing:
-    how the request ended for the worker)."""
+class ChoiceResult:
+    """One choice's text, tokens, finish reason and (when asked) logprobs, as collected."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    offset: int = 0  # characters of the token strings already sent (a completion's text_offset)
+
+
+@dataclass
+class StreamResult:
+    """What the HTTP layer collected of one request's stream (each choice's text and
+    tokens, stats, error or disconnect), for its response and log line (the scheduler's
+    ``Outcome`` is another thing: how the request ended for the worker). ``text``,
+    ``token_ids`` and ``finish_reason`` are choice 0's; ``tokens`` counts every choice's."""
+
+    choices: list[ChoiceResult] = field(default_factory=lambda: [ChoiceResult()])
+    tokens: int = 0
+    finished: int = 0  # choices that have ended
     stats: RequestStats | None = None
     error: APIError | None = None
     disconnected: bool = False
     ended: bool = False  # set once the request was accounted for
 
+    @property
+    def text(self) -> list[str]:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
     def add(self, item: StreamEvent | RequestStats) -> None:
         if isinstance(item, RequestStats):
             self.stats = item
             return
+        while len(self.choices) <= item.index:
+            self.choices.append(ChoiceResult())
+        choice = self.choices[item.index]
         self.tokens += 1
-        self.token_ids.append(item.token_id)
-        self.text.append(item.text)
-        self.finish_reason = item.finish_reason or self.finish_reason
+        choice.token_ids.append(item.token_id)
+        choice.text.append(item.text)
+        if item.logprobs is not None:
+            choice.logprobs.append(item.logprobs)
+        if item.finish_reason is not None:
+            choice.finish_reason = item.finish_reason
+            self.finished += 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +95,8 @@ class Shape:
     explain: Callable[[RequestStats], dict[str, Any]] | None = None  # when the request asked (server/explain.py)
     matches: tuple[dict[str, Any], ...] | None = None  # spans of the messages that became documents
     replica: str | None = None  # the model replica that served it (Ray Serve; None in one process)
+    n: int = 1  # choices
+    token_text: TokenText | None = None  # a token's string, when the request asked for logprobs
 
     def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True,
                 replica: str | None = None) -> dict[str, Any]:
@@ -90,20 +124,34 @@ class Shape:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.object_id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
+    def choice(self, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if not chunk:
-            return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, choice: ChoiceResult, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """``entries`` (the choice's tokens of one chunk, or all of them) in this route's
+        shape, None when the request asked for no logprobs; advances the choice's offset."""
+        if self.token_text is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.token_text)
+        shaped = completion_logprobs(entries, self.token_text, choice.offset)
+        choice.offset += sum(len(t) for t in shaped["tokens"])
+        return shaped
 
     def completion(self, out: StreamResult, queue_s: float) -> dict[str, Any]:
         body = self.base(chunk=False)
-        body["choices"] = [self.choice("".join(out.text), out.finish_reason or "stop", chunk=False)]
+        body["choices"] = [self.choice("".join(c.text), c.finish_reason or "stop", chunk=False, index=i,
+                                       logprobs=self.logprobs(c, c.logprobs))
+                           for i, c in enumerate(out.choices)]
         body["usage"] = usage(out.stats, out.tokens)
         body["system_fingerprint"] = None
         body["kvblend"] = self.kvblend(out.stats, queue_s)
@@ -166,17 +214,23 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
         return {"usage": None} if include_usage else {}
 
     try:
-        yield sse({**shape.base(True), "choices": [shape.choice("", None, True, first=True)], **usage_field()})
+        yield sse({**shape.base(True), "choices": [shape.choice("", None, True, first=True, index=i)
+                                                   for i in range(shape.n)], **usage_field()})
         async for item in handle.aevents():
             out.add(item)
             if isinstance(item, RequestStats):
                 continue
+            choice = out.choices[item.index]
+            lps = None if item.logprobs is None else shape.logprobs(choice, [item.logprobs])
             if item.finish_reason is None:
-                if item.text or continuous:
-                    yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True)], **usage_field()})
+                if item.text or continuous or lps is not None:  # a token's logprobs get their chunk
+                    yield sse({**shape.base(True), "choices": [shape.choice(item.text, None, True, index=item.index,
+                                                                            logprobs=lps)], **usage_field()})
                 continue
-            last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True)],
-                    **usage_field(), "kvblend": shape.kvblend(out.stats, handle.queue_s, replica=handle.replica)}
+            last = {**shape.base(True), "choices": [shape.choice(item.text, item.finish_reason, True,
+                                                                 index=item.index, logprobs=lps)], **usage_field()}
+            if out.finished == shape.n:  # the request's last chunk of choices
+                last["kvblend"] = shape.kvblend(out.stats, handle.queue_s, replica=handle.replica)
             yield sse(last)
         if include_usage:  # the explanation went with the last choice chunk already
             yield sse({**shape.base(True), "choices": [], "usage": usage(out.stats, out.tokens),

@@ -18,6 +18,7 @@ from kvblend.engine.shaping import (
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
+from kvblend.generation.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from kvblend.generation.stream import validate_template_kwargs
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
 from kvblend.server.documents import DocumentRegistry
@@ -206,9 +207,12 @@ def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: Docum
         raise bad_request(str(exc), exc.field or param) from None
 
 
-def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int) -> SamplingParams:
+def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int,
+                    vocab_size: int) -> SamplingParams:
     """OpenAI defaults (temperature 1) with the server's cap on max_tokens; a requested
-    max_tokens that does not fit the context is a 400 (vLLM's behaviour)."""
+    max_tokens that does not fit the context is a 400 (vLLM's behaviour); ``n``, logprobs,
+    penalties and ``logit_bias`` (ids below ``vocab_size``, the logits' width) checked, a
+    400 naming the field."""
     asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
     param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     cap = settings.limits.max_tokens
@@ -224,6 +228,44 @@ def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, conte
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-                              stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos)
+                              stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos, n=body.n or 1,
+                              logprobs=logprob_count(body), presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                              logit_bias=logit_bias(body, vocab_size))
     except InvalidRequestError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), exc.field) from None
+
+
+def logprob_count(body: _Common) -> int | None:
+    """How many top alternatives each token's logprobs list, None for no logprobs. A
+    chat's ``logprobs`` is a flag and ``top_logprobs`` the count (which needs the flag,
+    as OpenAI says); a completion's ``logprobs`` is the count itself (0 to 20) and it has
+    no ``top_logprobs``. A 400 naming the field otherwise."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise bad_request("logprobs is a boolean in chat completions (the count is top_logprobs)", "logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None:
+        raise bad_request("top_logprobs is a chat option; a completion's logprobs is the count", "top_logprobs")
+    if isinstance(body.logprobs, bool):
+        raise bad_request("logprobs is an integer count in completions", "logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
+    return body.logprobs
+
+
+def logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: each key a token id of the model's
+    vocabulary written as a decimal string, each bias in [-100, 100] (OpenAI); a 400
+    naming the entry otherwise."""
+    pairs = []
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or not int(key) < vocab_size:
+            raise bad_request(f"logit_bias keys are token ids in [0, {vocab_size}); got {key!r}", f"logit_bias.{key}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise bad_request(f"a logit_bias value is in [-100, 100]; got {value}", f"logit_bias.{key}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
