@@ -40,7 +40,11 @@ CASES = [
     ("presence_penalty past 2", lambda m: chat(m, presence_penalty=-2.5), 400, "presence_penalty"),
     ("repetition_penalty 0", lambda m: chat(m, repetition_penalty=0), 400, "repetition_penalty"),
     ("tools", lambda m: chat(m, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("response_format", lambda m: chat(m, response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format of an unknown type", lambda m: chat(m, response_format={"type": "xml"}), 400,
+     "response_format"),
+    # the tiny word-level vocabulary has no "{": the format cannot be followed, said at the first token
+    ("response_format the vocabulary cannot spell", lambda m: chat(m, response_format={"type": "json_object"}), 400,
+     "response_format"),
     ("frequency_penalty past 2", lambda m: chat(m, frequency_penalty=3), 400, "frequency_penalty"),
     ("bad kvblend method", lambda m: chat(m, kvblend={"method": "magic"}), 400, "kvblend.method"),
     ("unknown kvblend option", lambda m: chat(m, kvblend={"ratoi": 0.1}), 400, "kvblend.ratoi"),

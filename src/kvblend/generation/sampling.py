@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kvblend.errors import InvalidRequestError, NonFiniteLogitsError
+from kvblend.generation.grammar import ResponseFormat
 
 MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy
 MAX_TOKENS_LIMIT = 1 << 20  # no model context comes near; larger values are client errors
@@ -62,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: ResponseFormat | None = None  # structured output: a grammar masks each step (grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -158,13 +160,17 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """The next token id; ``NonFiniteLogitsError`` if any logit is NaN or ±inf."""
+    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+        """The next token id; ``NonFiniteLogitsError`` if any logit is NaN or ±inf.
+        ``allowed``: (V,) bool, the only tokens that may be drawn (a grammar's mask,
+        applied before the bias and penalties, as vLLM does)."""
         self.drawn += 1
         if not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(
                 f"the model produced non-finite logits (NaN or inf) at generated token {self.drawn}")
         p = self.params
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))  # (V,)
         if p.adjusts:
             logits = adjusted_logits(logits, p, self.prompt_ids, self.counts)  # (V,) float64
         if p.greedy:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend.errors import ContextLengthError
+from kvblend.generation.grammar import Constraint, grammars
 from kvblend.generation.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from kvblend.generation.text import TextStream
 from kvblend.models.kv_cache import KVCache
@@ -78,14 +79,20 @@ class DecodeSlot:
     ``index`` is the choice this slot decodes (of ``params.n``; its sampler is seeded with
     ``seed + index``); ``prompt_ids`` what the repetition penalty counts besides the
     output. With ``params.logprobs`` set, each event carries the drawn token's logprobs
-    from the raw logits given (``sampling.token_logprobs``).
+    from the raw logits given (``sampling.token_logprobs``). With
+    ``params.response_format``, a grammar (``grammar.Constraint``) masks each step's
+    logits before the draw, and the answer ends ("stop") when the grammar does, at a
+    stop token, even with ``ignore_eos``.
     """
 
     def __init__(self, tokenizer: Any, cache: KVCache, params: SamplingParams, eos_ids: Sequence[int],
                  context_length: int, prompt_ids: Sequence[int] = (), index: int = 0) -> None:
-        if tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer")
+        if tokenizer is None and (params.stop or params.response_format is not None):
+            raise ValueError("stop strings and response formats need a tokenizer")
         self.cache = cache
+        self.tokenizer = tokenizer
+        self.stop_ids = tuple(eos_ids)  # a grammar's end, even with ignore_eos
+        self.constraint: Constraint | None = None  # made at the first logits (their width is the vocabulary)
         self.index = index
         self.params = cap_new_tokens(params, cache.length, context_length)
         self.sampler = Sampler(self.params, prompt_ids, index)
@@ -100,12 +107,15 @@ class DecodeSlot:
         """Sample from the (V,) logits of the next position and account for the token."""
         if self.finished:
             raise RuntimeError("this request has already finished decoding")
-        token = self.sampler(logits.reshape(-1))  # (V,)
+        allowed = self._allowed(logits)
+        token = self.sampler(logits.reshape(-1)) if allowed is None else self.sampler(logits.reshape(-1), allowed)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.count += 1
         self.tokens.append(token)
         self.last_token = token
         lp = None if self.params.logprobs is None else token_logprobs(logits, token, self.params.logprobs)
-        if token in self.eos:
+        if token in self.eos or (self.constraint is not None and self.constraint.terminated):
             return self._finish(token, self._flush(), "stop", lp)
         delta = self._push(token)
         if self.text is not None and self.text.stopped:
@@ -113,6 +123,15 @@ class DecodeSlot:
         if self.count == self.params.max_tokens:
             return self._finish(token, delta + self._flush(), "length", lp)
         return StreamEvent(token, delta, None, self.index, lp)
+
+    def _allowed(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """(V,) bool of the tokens the request's response format allows next, or None."""
+        fmt = self.params.response_format
+        if fmt is None:
+            return None
+        if self.constraint is None:
+            self.constraint = grammars(self.tokenizer, logits.shape[-1], self.stop_ids).constraint(fmt)
+        return self.constraint.allowed()
 
     def _push(self, token: int) -> str:
         return self.text.push(token) if self.text is not None else ""

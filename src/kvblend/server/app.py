@@ -58,7 +58,7 @@ from kvblend.engine.shaping import chunk_texts
 from kvblend.server.index import IndexFeed, ingest_catalog, open_index
 from kvblend.server.logprobs import token_text
 from kvblend.server.translate import (
-    build_draft, check_common, document_chunks, parse, sampling_params, shape_body, utf8_len,
+    build_draft, check_common, check_format, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
 from kvblend.server.usage import cached_tokens, reused_docs
 from kvblend.settings import Settings
@@ -551,6 +551,7 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
                              settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length,
                                state.engine.loaded.config.vocab_size)
+    await anyio.to_thread.run_sync(check_format, state.engine, sampling)  # a schema that does not compile: 400
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
         request = routing.request

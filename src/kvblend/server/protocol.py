@@ -207,6 +207,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+FORMATS = ("text", "json_object", "json_schema")  # response_format types (translate.response_format)
 CHAT_ONLY = ("chat_template_kwargs",)  # implemented for chats (``ChatCompletionRequest``)
 
 
@@ -233,8 +234,8 @@ def unsupported(body: _Common) -> tuple[str, str] | None:
     for name in ("tool_choice", "function_call"):
         checks.append((name, extra.get(name) not in (None, "none"), f"{name} is not supported"))
     fmt = extra.get("response_format")
-    checks.append(("response_format", fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"),
-                   "only response_format type 'text' is supported"))
+    checks.append(("response_format", fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in FORMATS),
+                   f"response_format's type is one of {', '.join(FORMATS)}"))
     checks.append(("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"))
     for name, neutral in NEUTRAL.items():  # sent as unknown fields, or typed (a completion's echo, best_of)
         if name in CHAT_ONLY and not completion:

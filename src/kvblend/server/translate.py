@@ -6,6 +6,7 @@ in ``shape``), and ``shape``'s refusals as API errors."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 
 from pydantic import BaseModel, ValidationError
@@ -18,6 +19,7 @@ from kvblend.engine.shaping import (
 )
 from kvblend.errors import ContextLengthError, InvalidRequestError
 from kvblend.generation import SamplingParams
+from kvblend.generation.grammar import ResponseFormat, grammars
 from kvblend.generation.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from kvblend.generation.stream import validate_template_kwargs
 from kvblend.rag.chunking import Chunk, ChunkerConfig, chunk_text
@@ -30,6 +32,7 @@ from kvblend.settings import DEVIATION_KNOBS, BlendSettings, Settings, deviation
 
 log = logging.getLogger("kvblend.server")
 MAX_STOP_CHARS = 256
+MAX_SCHEMA_CHARS = 65536  # a response_format's JSON Schema, as JSON text
 
 
 def parse(model: type[BaseModel], data: dict) -> BaseModel:
@@ -232,7 +235,7 @@ def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, conte
                               logprobs=logprob_count(body), presence_penalty=body.presence_penalty or 0.0,
                               frequency_penalty=body.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                              logit_bias=logit_bias(body, vocab_size))
+                              logit_bias=logit_bias(body, vocab_size), response_format=response_format(body))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.field) from None
 
@@ -255,6 +258,42 @@ def logprob_count(body: _Common) -> int | None:
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
     return body.logprobs
+
+
+def response_format(body: _Common) -> ResponseFormat | None:
+    """OpenAI's ``response_format`` (an unknown field of the body; its type was checked by
+    ``unsupported``): None for text, else the grammar's ``ResponseFormat``. A json_schema
+    needs ``json_schema.schema`` as an object (``name`` and ``strict`` optional); a 400
+    naming the field otherwise. Whether the schema compiles is ``check_format``'s."""
+    fmt = (body.model_extra or {}).get("response_format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return ResponseFormat("json_object")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request("a json_schema response_format needs json_schema.schema, a JSON Schema object",
+                          "response_format.json_schema.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("json_schema.strict is a boolean", "response_format.json_schema.strict")
+    if len(json.dumps(spec["schema"])) > MAX_SCHEMA_CHARS:
+        raise bad_request(f"the schema is over {MAX_SCHEMA_CHARS} characters of JSON",
+                          "response_format.json_schema.schema")
+    return ResponseFormat.json_schema(spec["schema"], bool(strict))
+
+
+def check_format(engine: Engine, sampling: SamplingParams) -> None:
+    """Compile the request's response format now (cached per schema: the decode slots find
+    it compiled), so that a schema the grammar engine cannot compile is a 400 naming the
+    construct before the request is queued. Compiles: call it off the event loop."""
+    if sampling.response_format is None:
+        return
+    try:
+        grammars(engine.tokenizer, engine.loaded.config.vocab_size, engine.loaded.eos_token_ids).compiled(
+            sampling.response_format)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.field) from None
 
 
 def logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]:

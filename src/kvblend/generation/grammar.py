@@ -1,0 +1,136 @@
+"""Structured outputs: a grammar masks the logits at each decode step (xgrammar).
+
+A request's ``ResponseFormat`` (OpenAI's ``response_format``: ``json_object``, or
+``json_schema`` with its ``strict``) is compiled once per tokenizer and format
+(``Grammars``: an LRU of compiled grammars, shared by the server's check and the decode
+slots); each choice gets its own ``Constraint`` (an xgrammar matcher) that says which
+tokens may come next and follows the tokens drawn. The mask only touches decode, so it
+serves whatever built the prompt's KV (every method).
+
+JSON is compact (``any_whitespace`` off: xgrammar's separators, no free whitespace), so a
+small model cannot wander in whitespace until max_tokens, a known failure of free-
+whitespace grammars. xgrammar 0.2.8 lets a string with ``maxLength`` hold raw control
+characters (its bounded-string rule lacks the escapes; plain strings are right). xgrammar was chosen over llguidance as vLLM's and SGLang's default
+and for its JSON Schema coverage; a schema it cannot compile is a ``GrammarError`` naming
+the construct (a 400 at the server), never a failure in the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from kvblend.errors import InvalidRequestError
+
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per tokenizer
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class ResponseFormat(NamedTuple):
+    """What the answer must be: ``kind`` "json_object" (any JSON object) or "json_schema"
+    (``schema``: the schema as compact JSON text, so equal schemas share a grammar;
+    ``strict``: properties not listed are refused, OpenAI's strict mode)."""
+
+    kind: str
+    schema: str = ""
+    strict: bool = False
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any], strict: bool) -> ResponseFormat:
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), bool(strict))  # key order kept: it orders the answer
+
+
+class GrammarError(InvalidRequestError):
+    """A response format the grammar engine cannot compile (its message names the construct)."""
+
+
+class Constraint:
+    """One choice's grammar state: ``allowed`` tokens next (``GrammarError`` when none
+    is), ``accept`` the one drawn; ``terminated`` once a stop token ended the grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V/32)) int32
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar accepts next."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        allowed = ((self.bitmask[0].unsqueeze(-1) >> _BITS) & 1).bool().flatten()[: self.vocab_size]  # (V,)
+        if not bool(allowed.any()):  # a vocabulary that cannot spell what the grammar needs next
+            raise GrammarError("no token of the model's vocabulary continues the response format here",
+                               "response_format")
+        return allowed
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class Grammars:
+    """Compiled grammars of one tokenizer (``vocab_size``: the logits' width; ``stop_ids``:
+    the tokens that end an answer), cached per ``ResponseFormat``. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # ours is the cache
+        self.cache: OrderedDict[ResponseFormat, Any] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def compiled(self, fmt: ResponseFormat) -> Any:
+        """The compiled grammar of ``fmt`` (cached); ``GrammarError`` when it does not compile."""
+        with self.lock:
+            if fmt in self.cache:
+                self.cache.move_to_end(fmt)
+                return self.cache[fmt]
+        grammar = self._compile(fmt)
+        with self.lock:
+            self.cache[fmt] = grammar
+            while len(self.cache) > GRAMMAR_CACHE_SIZE:
+                self.cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, fmt: ResponseFormat) -> Any:
+        try:
+            if fmt.kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                         any_whitespace=False)
+            return self.compiler.compile_json_schema(fmt.schema, strict_mode=fmt.strict, any_whitespace=False)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the construct
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(f"the schema cannot be compiled: {reason.split('] ', 1)[-1]}",
+                               "response_format.json_schema.schema") from None
+
+    def constraint(self, fmt: ResponseFormat) -> Constraint:
+        import xgrammar as xgr
+
+        return Constraint(xgr.GrammarMatcher(self.compiled(fmt)), self.vocab_size)
+
+
+_registry: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Grammars]] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def grammars(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
+    """The process's ``Grammars`` for ``tokenizer`` (made once, kept while it lives)."""
+    key = (vocab_size, tuple(sorted(stop_ids)))
+    with _registry_lock:
+        per = _registry.setdefault(tokenizer, {})
+        if key not in per:
+            per[key] = Grammars(tokenizer, vocab_size, stop_ids)
+        return per[key]
