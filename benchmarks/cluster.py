@@ -253,15 +253,16 @@ def run_phase(router: str, settings_overrides: dict, bodies: list[dict], passage
 
 # ----- sizing --------------------------------------------------------------------------------
 def pool_kv_bytes(model: str, docs: list[str]) -> tuple[int, list[int]]:
-    """(KV bytes of the pool at fp32 with entry headers, each passage's tokens), from the
-    model's config and tokenizer."""
+    """(KV bytes of the pool in the default storage dtype (what the replicas store) with entry
+    headers, each passage's tokens), from the model's config and tokenizer."""
     from kvblend.models import load_model
+    from kvblend.store.config import StoreConfig
     from kvblend.store.plan import kv_bytes_per_token
 
     loaded = load_model(model)
     c = loaded.config
     tokens = [len(loaded.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs]
-    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, "fp32")
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, StoreConfig.kv_dtype)
     return math.ceil(sum(tokens) * per_token * ENTRY_OVERHEAD), tokens
 
 

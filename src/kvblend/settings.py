@@ -98,7 +98,7 @@ class StoreSettings(_Section):
     redis_groups: int = Field(16, ge=1, le=256)  # a cluster tier's hash-tag groups: caps hold per group
     redis_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False)  # per call: then a miss
     redis_retry_s: float = Field(5.0, ge=0, le=3600, allow_inf_nan=False)  # a failed node is skipped this long
-    kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # fp32: the exact reference
     tenant_bytes: Size | None = None
     prefix_cache_bytes: Size = 512 * MiB
 

@@ -11,6 +11,7 @@ import torch
 from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
 from kvblend.engine import Engine, PrefixCache, Request
 from kvblend.errors import ContextLengthError, InvalidRequestError
+from kvblend.store import StoreConfig, build_store
 from tests.conftest import make_loaded
 
 DOCS = [
@@ -30,8 +31,10 @@ FAMILIES = {
 }
 
 
-def engine(**kw) -> Engine:
-    return Engine(make_loaded(**kw))
+def engine(kv_dtype: str | None = None, **kw) -> Engine:
+    """An engine on a tiny model; ``kv_dtype``: its memory store's storage dtype (None: the default, fp16)."""
+    store = None if kv_dtype is None else build_store(StoreConfig(tiers=("memory",), kv_dtype=kv_dtype))
+    return Engine(make_loaded(**kw), store=store)
 
 
 def logits(eng: Engine, method: str, docs=DOCS, **blend) -> torch.Tensor:
@@ -48,10 +51,22 @@ def warmed(eng: Engine, docs=DOCS, **blend) -> Engine:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_ratio_one_reproduces_full_prefill(family: str) -> None:
-    eng = warmed(engine(**FAMILIES[family]))
+    eng = warmed(engine(**FAMILIES[family]))  # KV stored in the default dtype, fp16
+    assert eng.kv_dtype == "fp16"
     full = logits(eng, "full")
     blended = logits(eng, "blend", ratio=1.0)
     assert (blended - full).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8"])
+def test_ratio_one_reproduces_full_prefill_whatever_the_storage_dtype(kv_dtype: str) -> None:
+    """Every token recomputed: what the stored KV lost to rounding never reaches the logits,
+    while reuse of the same stored KV does differ from full prefill."""
+    eng = warmed(engine(kv_dtype))
+    assert [d.source for d in eng.prepare(Request(documents=DOCS, question=QUESTION)).stats.docs] == ["memory"] * 3
+    full = logits(eng, "full")
+    assert (logits(eng, "blend", ratio=1.0) - full).abs().max().item() <= 1e-3
+    assert (logits(eng, "reuse") - full).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -72,7 +87,7 @@ def test_progressive_schedule_at_ratio_one_is_still_exact() -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_single_document_at_its_computed_position_needs_no_recompute(family: str) -> None:
-    eng = warmed(engine(**FAMILIES[family]), docs=DOCS[:1], chunk_prefix="prompt")
+    eng = warmed(engine("fp32", **FAMILIES[family]), docs=DOCS[:1], chunk_prefix="prompt")  # exact storage
     full = logits(eng, "full", docs=DOCS[:1])
     reused = logits(eng, "blend", docs=DOCS[:1], ratio=0.0, chunk_prefix="prompt")
     assert (reused - full).abs().max().item() <= 1e-3
@@ -84,16 +99,19 @@ def test_all_misses_are_computed_in_full() -> None:
     assert (first - logits(eng, "full")).abs().max().item() <= 1e-3
 
 
-def test_a_miss_computed_alone_is_the_blend_a_warm_store_gives() -> None:
+@pytest.mark.parametrize("kv_dtype,tol", [("fp32", 1e-4), ("fp16", 3e-3)])
+def test_a_miss_computed_alone_is_the_blend_a_warm_store_gives(kv_dtype: str, tol: float) -> None:
     """The default: a missed document is computed alone, stored and blended, so the first
-    request gets exactly the blend every later request gets (and no exact prefix is cached
-    past the first document: the second request reads the store, not the prefix cache)."""
-    eng = engine()
+    request gets the blend every later request gets (and no exact prefix is cached past the
+    first document: the second request reads the store, not the prefix cache): exactly with
+    fp32 storage; with fp16 (the default) up to the stored KV's rounding, which the first
+    request, blending the KV it just computed, does not see."""
+    eng = engine(kv_dtype)
     first = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend"))
     assert [d.source for d in first.stats.docs] == ["chunk"] * len(DOCS)
     again = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend"))
     assert [d.source for d in again.stats.docs] == ["memory"] * len(DOCS)
-    assert (first.logits - again.logits).abs().max().item() <= 1e-4
+    assert (first.logits - again.logits).abs().max().item() <= tol
 
 
 def test_no_documents_is_a_plain_prefill() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine import Engine, Request
+from kvblend.store import StoreConfig, build_store
 
 DOCS = [
     "Hannibal and Scipio is a tragedy by Thomas Nabbes, first performed in 1635 by Queen Henrietta's Men.",
@@ -15,13 +16,26 @@ DOCS = [
 QUESTION = "Where was the author of Hannibal and Scipio educated?"
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2):
-    eng = Engine(smollm2)
+def warm_engine(loaded, kv_dtype: str | None) -> Engine:
+    """An engine whose memory store holds DOCS' chunks, after both chunk prefixes
+    (``kv_dtype`` None: the default storage, fp16)."""
+    store = None if kv_dtype is None else build_store(StoreConfig(tiers=("memory",), kv_dtype=kv_dtype))
+    eng = Engine(loaded, store=store)
     for prefix_mode in ("bos", "prompt"):
         eng.prepare(Request(documents=DOCS, question=QUESTION, blend=BlendConfig(chunk_prefix=prefix_mode)))
     eng.flush()
     return eng
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    """fp32 storage: the invariants below are exact up to float arithmetic only."""
+    return warm_engine(smollm2, "fp32")
+
+
+@pytest.fixture(scope="module")
+def default_engine(smollm2):
+    return warm_engine(smollm2, None)
 
 
 def logits(engine: Engine, method: str, docs=DOCS, **blend):
@@ -33,6 +47,16 @@ def test_ratio_one_is_full_prefill(engine: Engine) -> None:
     blended = logits(engine, "blend", ratio=1.0)
     assert all(d.hit for d in blended.stats.docs)
     assert (blended.logits - full).abs().max().item() <= 1e-3
+
+
+def test_ratio_one_is_full_prefill_with_kv_stored_in_fp16(default_engine: Engine) -> None:
+    """The default storage (fp16) loses nothing a full recompute needs."""
+    assert default_engine.kv_dtype == "fp16"
+    full = logits(default_engine, "full").logits
+    blended = logits(default_engine, "blend", ratio=1.0)
+    assert all(d.source == "memory" for d in blended.stats.docs)
+    assert (blended.logits - full).abs().max().item() <= 1e-3
+    assert (logits(default_engine, "reuse").logits - full).abs().max().item() > 1e-2  # the stored KV is used
 
 
 def test_ratio_zero_is_full_reuse(engine: Engine) -> None:

@@ -440,3 +440,34 @@ def test_strategy_sweep_lines_and_pareto_frontier(loaded, tmp_path: Path) -> Non
     front = pareto(summary)
     assert [(r["method"], r["ttft_over_full"], r["frontier"]) for r in front] == [
         ("d", 0.2, True), ("b", 0.25, True), ("a", 0.5, True), ("c", 0.6, False)]
+
+
+def test_the_storage_dtype_is_a_flag_recorded_in_run_json_and_a_resume_key(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    """``--kv-dtype`` (default: ``store.kv_dtype``, fp16) decides the reused KV, so a run
+    records it and refuses to mix dtypes; a run.json written before the key was stored in
+    fp32 and resumes only as such. The reuse KL differs with the dtype: the flag reaches the store."""
+    import kvblend.cli
+
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"documents": list(DOCS[:2]), "question": "q ?", "answers": ["a"], "id": "a"}))
+    tiny = make_loaded(seed=1)
+    monkeypatch.setattr(kvblend.cli, "_load", lambda args: tiny)
+    argv = ["eval", "--dataset", str(data), "--methods", "reuse", "--max-tokens", "3", "--no-progress"]
+    kl = {}
+    for dtype in ("default", "fp32", "int8"):
+        out = tmp_path / dtype
+        flag = [] if dtype == "default" else ["--kv-dtype", dtype]
+        assert kvblend.cli.main([*argv, "--out", str(out), *flag]) == 0
+        expected = "fp16" if dtype == "default" else dtype
+        assert json.loads((out / "run.json").read_text())["store"] == f"memory, KV {expected}"
+        kl[expected] = next(r["kl"] for r in _lines(out / EXAMPLES_FILE) if r["method"] == "reuse")
+    assert len(set(kl.values())) == 3
+    monkeypatch.setenv("KVBLEND_STORE__KV_DTYPE", "int8")
+    assert kvblend.cli.main([*argv, "--out", str(tmp_path / "int8")]) == 0  # the setting: the same run, resumed
+    assert "0 runs computed" in capsys.readouterr().out
+    assert kvblend.cli.main([*argv, "--out", str(tmp_path / "fp32"), "--kv-dtype", "fp16"]) == 2
+    assert "store: 'memory, KV fp32' -> 'memory, KV fp16'" in capsys.readouterr().err
+    run = tmp_path / "fp32" / "run.json"
+    run.write_text(json.dumps({k: v for k, v in json.loads(run.read_text()).items() if k != "store"}))
+    assert kvblend.cli.main([*argv, "--out", str(tmp_path / "fp32"), "--kv-dtype", "fp32"]) == 0  # older run.json

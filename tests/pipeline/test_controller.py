@@ -13,9 +13,10 @@ from kvblend.engine import Engine, Request
 from kvblend.errors import InvalidRequestError
 from kvblend.models.config import ModelConfig
 from kvblend.pipeline.controller import DocLoad, choose_ratio, choose_tier
-from kvblend.pipeline.profile import Profile, TierSpeed, layer_bytes
+from kvblend.pipeline.profile import Profile, TierSpeed, layer_bytes, synthetic_chunk
 from kvblend.store import StoreConfig, build_store
 from kvblend.store.disk import DiskStore
+from kvblend.store.entry import encode_chunk
 from kvblend.store.memory import MemoryStore
 from kvblend.store.throttle import ThrottledDisk
 from kvblend.store.tiered import TieredStore
@@ -62,7 +63,11 @@ def test_smaller_storage_dtypes_need_less_recompute_to_hide(cfg: ModelConfig) ->
     docs = [DocLoad(0, "redis", 800)]
     r = {dt: choose_ratio(profile(tiers=slow), cfg, docs, 20, 900, dt, 0.0, 1.0).r_hide for dt in ("fp32", "fp16", "int8")}
     assert r["fp32"] > r["fp16"] > r["int8"] > 0
-    assert layer_bytes(cfg, 800, "int8") == layer_bytes(cfg, 800, "fp32") // 4 + 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4 // 2
+    for dt in ("fp32", "fp16", "int8"):  # what an encoded entry's layer really holds, int8 scales included
+        key, chunk = synthetic_chunk(cfg, 800, dt)
+        entry = encode_chunk(key, chunk, dt)
+        assert layer_bytes(cfg, 800, dt) == sum(entry.tensors[n].nbytes for n in entry.header.tensor_names(0))
+    assert layer_bytes(cfg, 800, "int8") == layer_bytes(cfg, 800, "fp32") // 4 + 2 * cfg.num_kv_heads * 800 * 4
 
 
 def test_placement_picks_the_cheapest_tier_that_hides(cfg: ModelConfig) -> None:

@@ -37,8 +37,12 @@ def filled(tmp_path: Path, redis_server: LocalRedis, redis_prefix: str) -> list[
 
 
 def test_plan_prints_smollm2_numbers(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run(capsys, "plan", "--budget", "10GiB", "--chunk-tokens", "512")
+    code, out = run(capsys, "plan", "--budget", "10GiB", "--chunk-tokens", "512")  # the default: fp16
+    assert code == 0 and "KV per token: 23040 bytes" in out and "x fp16)" in out and "910 chunks" in out
+    code, out = run(capsys, "plan", "--budget", "10GiB", "--chunk-tokens", "512", "--dtype", "fp32")
     assert code == 0 and "KV per token: 46080 bytes" in out and "455 chunks" in out
+    code, out = run(capsys, "plan", "--budget", "10GiB", "--chunk-tokens", "512", "--dtype", "int8")
+    assert code == 0 and "KV per token: 12240 bytes" in out and "fp32 scales" in out and "1713 chunks" in out
 
 
 def test_stats_and_ls_are_tenant_scoped(capsys: pytest.CaptureFixture[str], filled: list[str]) -> None:

@@ -7,7 +7,8 @@ from kvblend.store.plan import format_size, kv_bytes_per_token, parse_size, plan
 
 def test_smollm2_kv_bytes_per_token() -> None:
     assert kv_bytes_per_token(30, 3, 64, "fp32") == 2 * 30 * 3 * 64 * 4 == 46080
-    assert kv_bytes_per_token(30, 3, 64, "bf16") == 23040 and kv_bytes_per_token(30, 3, 64, "int8") == 11520
+    assert kv_bytes_per_token(30, 3, 64, "bf16") == kv_bytes_per_token(30, 3, 64, "fp16") == 23040
+    assert kv_bytes_per_token(30, 3, 64, "int8") == 11520 + 2 * 30 * 3 * 4 == 12240  # one fp32 scale per token and head
 
 
 def test_chunks_that_fit_a_budget() -> None:
@@ -15,7 +16,7 @@ def test_chunks_that_fit_a_budget() -> None:
     assert plan.chunk_bytes == 46080 * 512 and plan.chunks == 10 * 1024**3 // (46080 * 512) == 455
     assert plan.tokens == 455 * 512
     int8 = plan_capacity(30, 3, 64, "int8", 10 * 1024**3, 512)
-    assert int8.chunk_bytes == 11520 * 512 + 2 * 30 * 3 * 64 * 4  # plus the per-channel scales
+    assert int8.chunk_bytes == 12240 * 512 and int8.chunks == 10 * 1024**3 // (12240 * 512)
 
 
 @pytest.mark.parametrize("text,value", [("10GiB", 10 * 1024**3), ("512MB", 512 * 10**6), ("1.5k", 1500),

@@ -149,7 +149,7 @@ def test_build_store_selects_the_cluster_client(redis_cluster: LocalRedisCluster
         assert isinstance(tier, RedisStore) and tier.cluster and len(tier.bases) == 8
         key, chunk = keyed(3)
         assert store.put(key, chunk)
-        assert_same_chunk(store.get(key, chunk.token_ids), chunk)  # type: ignore[arg-type]
+        assert_same_chunk(store.get(key, chunk.token_ids), chunk, atol=4e-3)  # type: ignore[arg-type]  # fp16, the default
     finally:
         store.close()
     with pytest.raises(ValueError, match="redis_cluster"):

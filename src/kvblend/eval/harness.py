@@ -43,6 +43,8 @@ from kvblend.eval.report import Summary, machine_info, summarize, write_report
 from kvblend.eval.runner import (
     BASELINES, MethodSpec, Reference, parse_method, reference, score_method, split_methods, warm_documents,
 )
+from kvblend.store.codec import STORAGE_DTYPES
+from kvblend.store.config import StoreConfig, build_store
 
 EXAMPLES_FILE = "examples.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -51,7 +53,8 @@ DEFAULT_METHODS = ("full", "prefix", "reuse", "blend:0.15")
 # must not change when a run resumes
 RESUME_KEYS = ("dataset", "model", "dtype", "device", "shift", "n_docs", "store", "max_tokens", "kl_tokens",
                "map_tokens", "layout")
-RESUME_DEFAULTS = {"layout": "after"}  # what a run.json written before the key existed was computed with
+# what a run.json written before the key existed was computed with (`kvblend eval` stored KV in fp32 then)
+RESUME_DEFAULTS = {"layout": "after", "store": "memory, KV fp32"}
 
 Record = dict[str, Any]
 
@@ -465,6 +468,8 @@ def add_eval_commands(sub: Any) -> None:
     p.add_argument("--no-calibrate", action="store_true",
                    help="run +shift as asked on every model (default: dropped on a model whose test "
                         "found it does not help, as the server does)")
+    p.add_argument("--kv-dtype", choices=sorted(STORAGE_DTYPES), default=None,
+                   help="how the chunk KV is stored (memory tier) (default: store.kv_dtype, as the server)")
     add_model_args(p)
     p.set_defaults(func=cmd_eval)
 
@@ -480,14 +485,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not args.out.strip():
         raise ValueError("--out needs a directory (an empty one would write into the current folder)")
     examples = load_dataset(args.dataset, limit=args.limit, n_docs=args.docs)  # before the model: fails at once
-    engine = Engine(load_from_args(args), calibrate=not args.no_calibrate)
+    store = eval_store(args.kv_dtype)
+    engine = Engine(load_from_args(args), store=build_store(store), calibrate=not args.no_calibrate)
     start = time.perf_counter()
+    meta = {**dataset_meta(args.dataset, args.docs), "store": f"memory, KV {store.kv_dtype}"}
     try:
-        result = evaluate_examples(engine, examples, args.out, config, dataset_meta(args.dataset, args.docs))
+        result = evaluate_examples(engine, examples, args.out, config, meta)
     finally:
         engine.close()
     _print_summary(result, time.perf_counter() - start)
     return 0
+
+
+def eval_store(kv_dtype: str | None) -> StoreConfig:
+    """The evaluation's chunk store: the memory tier alone (nothing read from or left on
+    disk), KV stored in ``kv_dtype`` (None: the settings' ``store.kv_dtype``, what
+    ``kvblend serve`` stores)."""
+    from kvblend.settings import Settings
+
+    return StoreConfig(tiers=("memory",), kv_dtype=kv_dtype or Settings.load().store.kv_dtype)
 
 
 def _print_summary(result: EvalResult, elapsed: float) -> None:

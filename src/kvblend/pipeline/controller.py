@@ -13,7 +13,7 @@ recompute. Per request, with a profile (``kvblend.pipeline.profile``):
 Below r_hide the worker would idle while loading, so recomputing more costs no time and
 only improves quality; ``r_min`` is the quality floor. The loader reads documents one
 after another, hence the sum. Layer bytes depend on the storage dtype (int8 is a quarter
-of fp32 plus per-channel scales).
+of fp32 plus a 4-byte scale per token and KV head).
 
 Placement: a chunk of n tokens goes to the cheapest tier (cost per GB) whose layer load
 hides behind recomputing ``r_min × n`` of its tokens over a context of n; when none does,

@@ -226,10 +226,10 @@ def measure_layer(model: Transformer, actives: Sequence[int] = LAYER_ACTIVE,
 
 
 def layer_bytes(cfg: ModelConfig, tokens: int, kv_dtype: str) -> int:
-    """Stored bytes of one layer (K and V) of a chunk of ``tokens`` tokens."""
-    per = 2 * cfg.num_kv_heads * cfg.head_dim
-    scales = per * codec.SCALE_DTYPE.itemsize if kv_dtype == "int8" else 0
-    return per * tokens * codec.bytes_per_element(kv_dtype) + scales
+    """Stored bytes of one layer (K and V) of a chunk of ``tokens`` tokens (int8: with its
+    per-token scales, ``codec.int8_scale_shape``)."""
+    scale = codec.SCALE_DTYPE.itemsize if kv_dtype == "int8" else 0
+    return 2 * cfg.num_kv_heads * tokens * (cfg.head_dim * codec.bytes_per_element(kv_dtype) + scale)
 
 
 def synthetic_chunk(cfg: ModelConfig, tokens: int, kv_dtype: str) -> tuple[object, ChunkKV]:

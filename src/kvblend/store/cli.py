@@ -149,14 +149,15 @@ def _clear(store: TieredStore, args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    args.dtype = args.dtype or "fp32"
+    args.dtype = args.dtype or StoreConfig.kv_dtype
     try:
         p = plan_capacity(args.layers, args.kv_heads, args.head_dim, args.dtype, args.budget, args.chunk_tokens)
     except ValueError as exc:
         print(f"kvblend store plan: {exc}", file=sys.stderr)
         return 2
+    scales = f" + 2 x {args.layers} x {args.kv_heads} fp32 scales" if args.dtype == "int8" else ""
     print(f"KV per token: {p.bytes_per_token} bytes "
-          f"(2 x {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} head dim x {args.dtype})")
+          f"(2 x {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} head dim x {args.dtype}{scales})")
     print(f"one {p.chunk_tokens}-token chunk: {p.chunk_bytes} bytes ({format_size(p.chunk_bytes)})")
     print(f"budget {format_size(p.budget_bytes)}: {p.chunks} chunks ({p.tokens} tokens)")
     return 0

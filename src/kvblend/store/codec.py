@@ -1,7 +1,11 @@
-"""Storage encodings of KV tensors (fp32, fp16, bf16, int8 with per-channel scales) and checksums.
+"""Storage encodings of KV tensors (fp32, fp16, bf16, int8 with per-token scales) and checksums.
 
 A stored layer is one K and one V tensor of shape (heads, tokens, head_dim) in the storage
-dtype; int8 adds one fp32 scale per (head, channel) for each, of shape (heads, 1, head_dim).
+dtype; int8 adds one fp32 scale per (head, token) for each, of shape (heads, tokens, 1):
+a token's vector is quantized against its own range, so one token with large values
+(an attention sink) costs no other token its precision. Entries written before that
+carry one scale per (head, channel), shape (heads, 1, head_dim) (``LEGACY_INT8_SCALES``);
+they still decode, the scale broadcasting either way (``legacy_int8_scale_shape``).
 Checksums are xxh3-128 over the raw bytes: fast enough (~20 GB/s) to verify every hit
 without halving load bandwidth.
 """
@@ -52,23 +56,35 @@ def bytes_per_element(kv_dtype: str) -> int:
     return torch.empty((), dtype=storage_dtype(kv_dtype)).element_size()
 
 
+def int8_scale_shape(heads: int, tokens: int, head_dim: int) -> tuple[int, int, int]:
+    """Shape of an int8 tensor's scales: one per (head, token)."""
+    return (heads, tokens, 1)
+
+
+def legacy_int8_scale_shape(heads: int, tokens: int, head_dim: int) -> tuple[int, int, int]:
+    """Shape of the scales of int8 entries written before per-token scales: one per (head, channel)."""
+    return (heads, 1, head_dim)
+
+
 def encode_tensor(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Own a contiguous copy of ``x`` (heads, tokens, head_dim) in the storage dtype.
 
-    Returns (data, scale); scale is None except for int8, where it is the per-channel
-    absmax over tokens / 127, shape (heads, 1, head_dim).
+    Returns (data, scale); scale is None except for int8, where it is each (head, token)
+    vector's absmax / 127, shape (heads, tokens, 1). Values round to the nearest step, so
+    a decoded element is within half a step (scale / 2) of ``x``.
     """
     if kv_dtype != "int8":
         return x.detach().to(storage_dtype(kv_dtype), copy=True).contiguous(), None
     xf = x.detach().to(torch.float32)
-    amax = xf.abs().amax(dim=1, keepdim=True)  # (H, 1, D)
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # (H, T, 1)
     scale = (amax / _INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(xf / scale).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
 def decode_into(dest: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Write ``data`` (× ``scale`` for int8) into ``dest``, converting to its dtype."""
+    """Write ``data`` (× ``scale`` for int8, per token or, in older entries, per channel:
+    it broadcasts) into ``dest``, converting to its dtype."""
     dest.copy_(data)
     if scale is not None:
         dest.mul_(scale.to(dest.dtype))

@@ -31,8 +31,9 @@ class StoreConfig:
     whose entries and caps are split into ``redis_groups`` hash-tag groups (caps and fair
     shares hold per group: ``kvblend.store.remote``); every client of one prefix must use
     the same ``redis_groups``. ``eviction`` names the policy (lru, lfu).
-    ``kv_dtype`` is how KV is stored; loaded KV comes back as CPU tensors in
-    ``compute_dtype``. ``tenant_bytes`` optionally caps each tenant in every tier.
+    ``kv_dtype`` is how KV is stored (fp16 by default: half fp32's bytes, for a next-token
+    KL to fp32 storage measured in docs/results.md; fp32 is exact); loaded KV comes back
+    as CPU tensors in ``compute_dtype``. ``tenant_bytes`` optionally caps each tenant in every tier.
     ``admit_after``: store a chunk on its N-th sighting (a miss or a put attempt); the
     engine computes a missed chunk's KV only once it is admitted. ``writeback_queue``:
     how many chunks the engine's background write-back holds pending at most.
@@ -54,7 +55,7 @@ class StoreConfig:
     redis_cluster: bool = False
     redis_groups: int = 16
     tenant_bytes: int | None = None
-    kv_dtype: str = "fp32"
+    kv_dtype: str = "fp16"
     compute_dtype: str = "fp32"
     eviction: str = "lru"
     admit_after: int = 1

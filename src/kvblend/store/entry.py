@@ -4,7 +4,14 @@ The header carries the key's inputs (tenant, model/tokenizer fingerprints, model
 digest, RoPE, compute and KV dtypes, prefix digest, token ids), so a reader can recompute the digest and reject an entry that
 was written for another model, tokenizer, tenant or text, plus ``base_position``, shapes
 and an xxh3 checksum per tensor. The header itself is checksummed. Tensor names:
-``k.{layer}``, ``v.{layer}`` and, for int8, ``k.{layer}.scale``, ``v.{layer}.scale``.
+``k.{layer}``, ``v.{layer}`` and, for int8, ``k.{layer}.scale``, ``v.{layer}.scale``,
+per token (``int8_scales: "token"`` in the header) or, in int8 entries written before
+per-token scales (no such field), per channel: both decode as their header says.
+
+An entry is read back in whatever dtype its header names, whatever the reader stores new
+chunks in; which entries a server finds at all is the key's business (``keys``: the
+storage dtype is hashed into it, so a server storing fp16 misses an fp32 store's entries
+and recomputes them).
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ from kvblend.store.codec import (
     checksum_bytes,
     decode_into,
     encode_tensor,
+    int8_scale_shape,
+    legacy_int8_scale_shape,
     storage_dtype,
 )
 from kvblend.store.keys import ChunkKey, canonical_rope, digest_of, token_bytes
 
 FORMAT = "kvblend-chunk/2"
+TOKEN_SCALES = "token"  # EntryHeader.int8_scales of an int8 entry written now
 
 
 class CorruptEntry(Exception):
@@ -56,13 +66,19 @@ class EntryHeader:
     head_dim: int
     checksums: Mapping[str, str] = field(default_factory=dict)
     created: float = 0.0
+    int8_scales: str = ""  # "token" in an int8 entry written now; "" elsewhere and in older int8 ones (per channel)
 
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """The header as stored; ``int8_scales`` only when set (an int8 entry), so that
+        other entries' headers stay what earlier versions read."""
+        fields = asdict(self)
+        if not self.int8_scales:
+            del fields["int8_scales"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @cached_property
     def recomputed_digest(self) -> str:
@@ -83,10 +99,12 @@ class EntryHeader:
         return layer_tensor_names(layer, self.kv_dtype)
 
     def tensor_spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Expected (dtype, shape) of a named tensor."""
+        """Expected (dtype, shape) of a named tensor; an int8 scale's shape follows ``int8_scales``."""
+        dims = (self.n_heads, self.n_tokens, self.head_dim)
         if name.endswith(".scale"):
-            return SCALE_DTYPE, (self.n_heads, 1, self.head_dim)
-        return storage_dtype(self.kv_dtype), (self.n_heads, self.n_tokens, self.head_dim)
+            shape = int8_scale_shape if self.int8_scales == TOKEN_SCALES else legacy_int8_scale_shape
+            return SCALE_DTYPE, shape(*dims)
+        return storage_dtype(self.kv_dtype), dims
 
 
 def layer_tensor_names(layer: int, kv_dtype: str) -> tuple[str, ...]:
@@ -114,6 +132,8 @@ def _check_header_types(h: EntryHeader) -> None:
     if not all(isinstance(v, int) and v >= 0 for v in ints):
         raise ValueError("header sizes must be non-negative integers")
     storage_dtype(h.kv_dtype)
+    if h.int8_scales not in ("", TOKEN_SCALES) or (h.int8_scales and h.kv_dtype != "int8"):
+        raise ValueError(f"unknown int8 scale layout {h.int8_scales!r}")
     expected = {n for layer in range(h.n_layers) for n in h.tensor_names(layer)}
     if set(h.checksums) != expected:
         raise ValueError("header checksums do not name exactly the tensors of the entry")
@@ -230,6 +250,7 @@ def _header_for(key: ChunkKey, chunk: ChunkKV, kv_dtype: str) -> EntryHeader:
         key_compute_dtype=ctx.compute_dtype, model_config=ctx.model_config, prefix_sha256=ctx.prefix_sha256, token_ids=tuple(int(t) for t in chunk.token_ids),
         base_position=int(chunk.base_position), kv_dtype=kv_dtype, n_layers=chunk.n_layers,
         n_heads=int(heads), head_dim=int(head_dim), created=time.time(),
+        int8_scales=TOKEN_SCALES if kv_dtype == "int8" else "",
     )
     if header.recomputed_digest != key.digest:
         raise ValueError(f"chunk token ids do not hash to key {key}")
