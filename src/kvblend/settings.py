@@ -269,7 +269,9 @@ class DocumentSettings(_Section):
     of texts and ids, all tenants together (least recently matched go first, from the
     tenant holding the most), and is rebuilt from the registry at startup. ``discover``:
     also treat a prompt's passages (split at blank lines and markdown headings) of at
-    least ``discover_tokens`` tokens as documents, stored on their first sighting.
+    least ``discover_tokens`` tokens as documents from the ``discover_after``-th time the
+    tenant sends them (admission: a passage pasted once is never stored; the counts are
+    kept per server, bounded), each then stored and reused wherever a run of it appears.
     ``span_tokens``: a prompt's run of a stored chunk (the chunk cut elsewhere, or only
     part of it pasted) is reused from the chunk's KV when it holds at least this many of
     the chunk's tokens; texts ``kvblend ingest`` stored are matched too."""
@@ -277,8 +279,9 @@ class DocumentSettings(_Section):
     chunk_tokens: int = Field(ChunkerConfig().size, ge=1, le=MAX_CHUNK_TOKENS)
     match: bool = True
     span_tokens: int = Field(32, ge=1, le=MAX_CHUNK_TOKENS)
-    discover: bool = False
+    discover: bool = True
     discover_tokens: int = Field(64, ge=1, le=MAX_CHUNK_TOKENS)
+    discover_after: int = Field(2, ge=1, le=1000)
     index_bytes: Size = 256 * MiB
 
 

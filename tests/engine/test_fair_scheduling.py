@@ -71,7 +71,9 @@ def test_a_long_prefill_lets_a_running_stream_decode_and_keeps_its_answer(method
     eng = Engine(loaded)
     eng.generate(request, sampling)  # stores the documents (blend then hits them)
     eng.flush()
+    eng.prefix_cache.clear()  # a blend's prompt remembered whole would serve the repeats: fuse each time
     want = eng.generate(request, sampling).token_ids
+    eng.prefix_cache.clear()
     timeline = Timeline()
     sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8, interleave=interleave)
     sched.start()

@@ -3,11 +3,13 @@ discovered, the layout rendered once and carried to the engine; on the tiny mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvblend.engine import Engine
 from kvblend.engine import engine as engine_module
-from kvblend.engine.discovery import discover, paragraphs
+from kvblend.engine.discovery import Passage, Sightings, discover, paragraphs
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.shaping import (
     DocRef, DocumentTooLargeError, Draft, ShapeConfig, UnknownDocumentError, shape,
@@ -155,3 +157,25 @@ def test_a_discovered_passage_misses_once_then_hits_wherever_it_appears(engine: 
     assert [d.source for d in engine.prepare(later.request).stats.docs] == ["memory"]
     off = shape(engine, Draft(messages=user(f"context :\n\n{DOCS[1]}\n\nq ?")), ShapeConfig(discover=False), index=index)
     assert off.matches == ()
+
+
+def test_discovery_admits_a_passage_only_from_its_second_sighting_per_tenant(engine: Engine) -> None:
+    """Admission: text pasted once is never a document (never stored); the second time the
+    same tenant sends it, it is; another tenant's count is its own."""
+    config, index, seen = ShapeConfig(discover=True, discover_tokens=10), DocumentIndex(), Sightings(after=2)
+    ask = Draft(messages=user(f"context :\n\n{DOCS[2]}\n\nwhich city ?"))
+    assert shape(engine, ask, config, index=index, sightings=seen).matches == ()
+    assert shape(engine, dataclasses.replace(ask, tenant="globex"), config, index=index, sightings=seen).matches == ()
+    assert [m.source for m in shape(engine, ask, config, index=index, sightings=seen).matches] == ["discovered"]
+    assert index.match("globex", [f"see {DOCS[2]}"]) == []  # indexed for the tenant that sent it twice only
+
+
+def test_sightings_forget_the_least_recently_seen_first() -> None:
+    seen = Sightings(after=2, max_tracked=2)
+    a, b, c = (Passage(0, 0, 1, (i,) * 12) for i in range(3))
+    assert not seen.admit("t", a) and not seen.admit("t", b) and not seen.admit("t", c)
+    assert len(seen) == 2
+    assert not seen.admit("t", a)  # forgotten: counted from one again
+    assert seen.admit("t", c)
+    with pytest.raises(ValueError):
+        Sightings(after=0)

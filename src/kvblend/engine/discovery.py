@@ -5,12 +5,18 @@ the spans already matched is cut at blank lines and markdown headings; each pass
 least ``min_tokens`` tokens (tokenized alone, the way it becomes a document) is placed in
 the layout as a document where it stands. The first time it misses the store and the
 engine's write-back stores its chunk KV; wherever the same passage appears again it hits.
+
+``Sightings`` is the admission: a passage becomes a document only on its ``after``-th
+sighting by the same tenant, so text a client pastes once (user text, one-off context) is
+never stored; until then the prompt is computed as it is (exact, and prefix-cached).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +39,36 @@ class Passage(NamedTuple):
     def chunk(self) -> str:
         """A stable name for the passage: a digest of its ids."""
         return "passage-" + hashlib.sha256(repr(self.token_ids).encode()).hexdigest()[:24]
+
+
+class Sightings:
+    """How many times each tenant sent each passage: a bounded, thread-safe count (the
+    least recently seen passage is forgotten first, so a flood of one-off text costs at most
+    ``max_tracked`` entries of ~200 bytes, and is never admitted)."""
+
+    def __init__(self, after: int = 2, max_tracked: int = 50_000) -> None:
+        if after < 1 or max_tracked < 1:
+            raise ValueError("after and max_tracked must be >= 1")
+        self.after = after
+        self.max_tracked = max_tracked
+        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: str, passage: Passage) -> bool:
+        """Record a sighting of ``passage`` by ``tenant``; True from its ``after``-th on."""
+        if self.after == 1:
+            return True
+        key = (tenant, passage.chunk)
+        with self._lock:
+            count = min(self._counts.pop(key, 0) + 1, self.after)
+            self._counts[key] = count
+            while len(self._counts) > self.max_tracked:
+                self._counts.popitem(last=False)
+        return count >= self.after
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)
 
 
 def paragraphs(text: str) -> list[tuple[int, int]]:

@@ -352,6 +352,22 @@ class Engine:
         digest = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
         return own._replace(dtype=f"{own.dtype}|blend:{digest}")
 
+    def cached_prefix(self, request: Request) -> int:
+        """How many leading tokens of ``request``'s prompt the prefix cache would serve it:
+        the longer of its exact prefix and, for a blend, an earlier blend's whole prompt
+        (``BlendedEntry``). No model work; ``request``'s layout is rendered if it carries none."""
+        layout = self.layout(request)
+        ids, n = torch.tensor(layout.ids, dtype=torch.long), len(layout)
+        if n < 2 or not self._prefix_cache_exact(n):
+            return 0
+        hit = self.prefix_cache.lookup(self.prefix_scope(request.tenant), ids, max_len=n - 1)
+        best = hit.length if hit else 0
+        if request.method in ("blend", "auto"):
+            scope = self.blended_scope(request.tenant, self.blend_config(request.blend))
+            whole = self.prefix_cache.lookup(scope, ids, max_len=n - 1, whole_entries=True)
+            best = max(best, whole.length if whole else 0)
+        return best
+
     def chunk_prefix(self, request: Request, layout: PromptLayout) -> tuple[int, ...]:
         """What a document's chunk KV is computed after: the request's whole prefix
         (``prompt``) or the model's one sink token (``bos``, see ``sink_prefix``)."""

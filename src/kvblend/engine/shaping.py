@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.layout import DocPlace, PromptLayout, conversation, tokenize_document
-from kvblend.engine.discovery import DISCOVERED, discover
+from kvblend.engine.discovery import DISCOVERED, Sightings, discover
 from kvblend.engine.matching import DocumentIndex, IndexedText
 from kvblend.engine.request import Request, SpanSource
 from kvblend.errors import ContextLengthError, InvalidRequestError
@@ -152,9 +152,10 @@ class ShapedRequest(NamedTuple):
 
 
 def shape(engine: Any, draft: Draft, config: ShapeConfig = ShapeConfig(), *, index: DocumentIndex | None = None,
-          lookup: Lookup | None = None, cut: Cut | None = None) -> ShapedRequest:
+          lookup: Lookup | None = None, cut: Cut | None = None, sightings: Sightings | None = None) -> ShapedRequest:
     """Shape ``draft`` for ``engine`` (see the module docstring); without ``cut`` a text
-    document stays one document, tokenized alone. Raises
+    document stays one document, tokenized alone; with ``sightings``, a discovered passage
+    is a document only once they admit it (without: on its first sighting). Raises
     ``UnknownDocumentError``, ``DocumentTooLargeError``, ``InvalidRequestError`` (a bad
     placement or template) or ``ContextLengthError``; no model work."""
     base = draft.base()
@@ -167,7 +168,7 @@ def shape(engine: Any, draft: Draft, config: ShapeConfig = ShapeConfig(), *, ind
         request = dataclasses.replace(base, documents=docs)
     else:
         request, matches = find_documents(engine, base, config, index if draft.match else None,
-                                          draft.match and config.discover)
+                                          draft.match and config.discover, sightings)
     layout = engine.layout(request)
     check_context(engine, len(layout))
     return ShapedRequest(dataclasses.replace(request, layout=layout), layout, matches, pieces)
@@ -253,7 +254,7 @@ def _stored(ref: DocRef, i: int, lookup: Lookup | None) -> Sequence[str | Sequen
 
 # ----- documents found in the text ----------------------------------------------------------
 def find_documents(engine: Any, base: Request, config: ShapeConfig, index: DocumentIndex | None,
-                   discovering: bool) -> tuple[Request, tuple[SpanMatch, ...]]:
+                   discovering: bool, sightings: Sightings | None = None) -> tuple[Request, tuple[SpanMatch, ...]]:
     """``base`` with the stored texts found in its messages (and, ``discovering``, its long
     passages) placed as documents where they stand; the spans found, in prompt order."""
     conv = conversation(base.system, base.messages, base.question)
@@ -264,23 +265,53 @@ def find_documents(engine: Any, base: Request, config: ShapeConfig, index: Docum
                              m.whole)
             found.append((span, m.token_ids, None if m.whole else SpanSource(m.source_ids, m.offset)))
     if discovering:
-        found += [(f, ids, None) for f, ids in
-                  _discovered(engine, base.tenant, conv, config, index, [f for f, _, _ in found])]
+        new = [(f, ids, None) for f, ids in
+               _discovered(engine, base.tenant, conv, config, index, [f for f, _, _ in found], sightings)]
+        found += _after_cached_prefix(engine, base, found, new) if new and sightings is not None else new
     if not found:
         return base, ()
     found.sort(key=lambda f: (f[0].message, f[0].start))
+    return _placed(base, found), tuple(f for f, _, _ in found)
+
+
+def _placed(base: Request, found: list[tuple[SpanMatch, tuple[int, ...], SpanSource | None]]) -> Request:
+    """``base`` with the ``found`` spans (in prompt order) as documents where they stand."""
+    if not found:
+        return base
     sources = [src for _, _, src in found]
-    request = dataclasses.replace(base, documents=[ids for _, ids, _ in found],
-                                  placement=[DocPlace(f.message, f.start, f.end) for f, _, _ in found],
-                                  sources=sources if any(sources) else None)
-    return request, tuple(f for f, _, _ in found)
+    return dataclasses.replace(base, documents=[ids for _, ids, _ in found],
+                               placement=[DocPlace(f.message, f.start, f.end) for f, _, _ in found],
+                               sources=sources if any(sources) else None)
+
+
+def _after_cached_prefix(engine: Any, base: Request, found: list, new: list) -> list:
+    """The ``new`` (discovered) spans that do not lie inside what the engine already has
+    cached for the prompt as it was sent before (``Engine.cached_prefix``). A passage
+    admitted on its second sighting was text the first time; a repeat of that prompt, or a
+    chat's next turn repeating it, is served from the cache only if it is rendered as it
+    was then, so a passage inside the cached prefix stays text."""
+    cached_prefix = getattr(engine, "cached_prefix", None)
+    if cached_prefix is None:
+        return new
+    before = _placed(base, sorted(found, key=lambda f: (f[0].message, f[0].start)))
+    covered = cached_prefix(before)
+    if covered == 0:
+        return new
+    both = sorted([*found, *new], key=lambda f: (f[0].message, f[0].start))
+    layout = engine.layout(_placed(base, both))
+    ends = {id(f): start + len(doc) for f, start, doc in zip(both, layout.doc_starts, layout.docs)}
+    return [f for f in new if ends[id(f)] > covered]
 
 
 def _discovered(engine: Any, tenant: str, conv: list[dict[str, str]], config: ShapeConfig,
-                index: DocumentIndex | None, taken: list[SpanMatch]) -> list[tuple[SpanMatch, tuple[int, ...]]]:
-    """Long passages outside the ``taken`` spans, as spans; indexed so that they are found
-    later wherever they stand, not only between blank lines."""
+                index: DocumentIndex | None, taken: list[SpanMatch],
+                sightings: Sightings | None = None) -> list[tuple[SpanMatch, tuple[int, ...]]]:
+    """Long passages outside the ``taken`` spans that ``sightings`` admit (every one
+    without), as spans; indexed so that they are found later wherever they stand, not only
+    between blank lines."""
     passages = discover(engine.tokenizer, conv, config.discover_tokens, [(t.message, t.start, t.end) for t in taken])
+    if sightings is not None:
+        passages = [p for p in passages if sightings.admit(tenant, p)]
     if index is not None and passages:
         index.add(tenant, [IndexedText(conv[p.message]["content"][p.start : p.end], p.token_ids, p.chunk)
                            for p in passages])

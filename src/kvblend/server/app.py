@@ -53,6 +53,7 @@ from kvblend.server.quality import ServerGuard, open_guard
 from kvblend.server.retrieval import check_retrieval, open_retriever, query_text, search, sources
 from kvblend.server.responses import Shape, SSEResponse, StreamResult, run_to_end, sse_stream
 from kvblend.server.storeview import documents_summary, store_summary
+from kvblend.engine.discovery import Sightings
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts
 from kvblend.server.index import IndexFeed, ingest_catalog, open_index
@@ -85,6 +86,8 @@ class ServerState:
     guard: ServerGuard | None = None  # when settings.guard.enabled
     index: DocumentIndex | None = None  # stored texts found in messages (settings.documents.match), set at startup
     index_feed: IndexFeed | None = None  # other processes' document changes, applied to ``index`` before shaping
+    # passages pasted before, per tenant (settings.documents.discover_after): discovery's admission
+    sightings: Sightings = field(default_factory=Sightings)
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     exposition: Callable[[], bytes] | None = None  # /metrics body; None: this app's registry (Ray Serve: cluster.metrics)
@@ -167,7 +170,8 @@ def build_state(target: Engine | Scheduler, settings: Settings, scheduler: Any =
     ids = tuple(dict.fromkeys([model_id, settings.model, engine.loaded.name]))
     retriever = open_retriever(settings, engine.loaded.tokenizer_fingerprint)
     guard = open_guard(settings.guard, metrics.registry, model_id, engine.loaded.name, scheduler)
-    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard)
+    return ServerState(settings, engine, scheduler, metrics, registry, model_id, ids, retriever, guard,
+                       sightings=Sightings(settings.documents.discover_after))
 
 
 def create_app(target: Engine | Scheduler, settings: Settings | None = None, *, scheduler: Any = None) -> FastAPI:
@@ -620,7 +624,7 @@ def _shape(state: ServerState, draft: Any, param: str) -> Any:
     through another ingress is indexed by ``_follow_registry``, not by one request)."""
     if state.index_feed is not None:
         state.index_feed.catch_up(REQUEST_CATCH_UP, wait=False)
-    return shape_body(state.engine, draft, state.settings, state.registry, state.index, param)
+    return shape_body(state.engine, draft, state.settings, state.registry, state.index, param, state.sightings)
 
 
 MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id kept in the log line

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvblend.blend.config import BlendConfig, check_layers_fit
 from kvblend.engine import Engine
+from kvblend.engine.discovery import Sightings
 from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import (
     DocRef, DocumentTooLargeError, Draft, Lookup, ShapeConfig, ShapedRequest, UnknownDocumentError, shape,
@@ -194,12 +195,13 @@ def registry_lookup(registry: DocumentRegistry, tenant: str) -> Lookup:
 
 
 def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: DocumentRegistry,
-               index: DocumentIndex | None, param: str) -> ShapedRequest:
+               index: DocumentIndex | None, param: str, sightings: Sightings | None = None) -> ShapedRequest:
     """``shape`` for the server, its refusals as API errors (``param`` names the field of
     the messages). Reads the registry and tokenizes: call it off the event loop."""
     try:
         return shape(engine, draft, shape_config(settings), index=index, lookup=registry_lookup(registry, draft.tenant),
-                     cut=functools.partial(document_chunks, engine, chunk_tokens=settings.documents.chunk_tokens))
+                     cut=functools.partial(document_chunks, engine, chunk_tokens=settings.documents.chunk_tokens),
+                     sightings=sightings)
     except UnknownDocumentError as exc:
         raise APIError(404, str(exc), f"documents.{exc.index}.id", "NotFoundError") from None
     except DocumentTooLargeError as exc:
