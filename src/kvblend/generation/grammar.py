@@ -24,12 +24,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvblend.errors import InvalidRequestError
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per tokenizer
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class ResponseFormat(NamedTuple):
@@ -64,11 +64,11 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens the grammar accepts next."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        allowed = ((self.bitmask[0].unsqueeze(-1) >> _BITS) & 1).bool().flatten()[: self.vocab_size]  # (V,)
-        if not bool(allowed.any()):  # a vocabulary that cannot spell what the grammar needs next
+        bits = np.unpackbits(self.bitmask[0].numpy().view(np.uint8), bitorder="little")[: self.vocab_size]  # token i: bit i
+        if not bits.any():  # a vocabulary that cannot spell what the grammar needs next
             raise GrammarError("no token of the model's vocabulary continues the response format here",
                                "response_format")
-        return allowed
+        return torch.from_numpy(bits.astype(bool))  # (V,); in numpy: torch's shifts over the words took ~25 ms
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):
