@@ -66,6 +66,8 @@ def test_ratio_one_reproduces_full_prefill_whatever_the_storage_dtype(kv_dtype: 
     assert [d.source for d in eng.prepare(Request(documents=DOCS, question=QUESTION)).stats.docs] == ["memory"] * 3
     full = logits(eng, "full")
     assert (logits(eng, "blend", ratio=1.0) - full).abs().max().item() <= 1e-3
+    # the paper's selection too: its layer 0 reads no stored K/V that rounding changed
+    assert (logits(eng, "blend", ratio=1.0, selection="deviation") - full).abs().max().item() <= 1e-4
     assert (logits(eng, "reuse") - full).abs().max().item() > 1e-3
 
 

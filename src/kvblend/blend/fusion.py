@@ -4,8 +4,9 @@ Layer by layer over the prompt positions not covered by the exact prefix cache:
 
 * every document's cached KV is re-rotated to its new position and written in;
 * before the first check layer every token runs; at layer 0 cached tokens project only
-  their queries (layer 0's K/V equal the re-rotated cache's), but the layer's outputs
-  are the real inputs of layer 1;
+  their queries where the cache is lossless (layer 0's K/V equal the re-rotated cache's;
+  KV stored in fp16 or int8 is projected again), and the layer's outputs are the real
+  inputs of layer 1;
 * at each check layer, fresh K/V of the still-active document tokens are compared with
   the cached ones and only the top fraction by deviation stays active (nested sets);
 * active tokens' fresh K/V replace the cached ones; only active tokens run attention
@@ -149,6 +150,10 @@ class FusionPlan:
     # with ``reuse_cache``: positions below it hold their final K/V there (a first pass computed
     # the prompt before the first placed chunk exactly: nothing there reads reused K/V)
     exact_upto: int = 0
+    # the placed chunks' K/V are what the model computes from their tokens (stored without
+    # loss, e.g. fp32 for an fp32 model): layer 0 then projects only their queries; False
+    # (fp16/int8 storage): layer 0 projects their K/V too, so ratio 1 stays a full prefill
+    lossless: bool = True
     # a question-selected blend without the shift whose moved risk is above this recomputes
     # again at twice its ratio (``strategies.escalated_keep``; the engine's per-request threshold)
     escalate_at: float | None = None
@@ -321,7 +326,7 @@ def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, Fus
             attn_plans, active_ropes = {}, {}
         active_rope = _active_rope(active_ropes, tables[layer_idx], active)
         recomputed.append(int(active.shape[0]))
-        if layer_idx == 0 and n_cand and not plan.select_from_start:
+        if layer_idx == 0 and n_cand and not plan.select_from_start and plan.lossless:
             fresh = (~is_cand_all[active]).nonzero().squeeze(1)  # tokens without cached KV
             q, k, v = layer.project_known_kv(h, *active_rope, fresh)
             written = active[fresh]

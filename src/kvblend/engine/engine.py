@@ -599,7 +599,8 @@ class Engine:
                           strategy=None if request.method == "reuse" or cfg.plain else cfg,
                           doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs)
                                           if d and a >= covered),
-                          escalate_at=self.escalation.threshold(request.tenant, cfg.escalate) if moved else None)
+                          escalate_at=self.escalation.threshold(request.tenant, cfg.escalate) if moved else None,
+                          lossless=self.kv_dtype == compute_dtype_name(self.model.dtype))
         t = time.perf_counter()
         try:
             if chunks.feed is not None:
