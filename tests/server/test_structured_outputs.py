@@ -43,12 +43,12 @@ def byte_level_tokenizer():
     return tok
 
 
-def byte_level_model():
+def byte_level_model(**overrides):
     from kvblend.models.config import ModelConfig
     from kvblend.models.loader import LoadedModel, build_model
 
     tok = byte_level_tokenizer()
-    hf = make_hf_model("llama", seed=1, vocab_size=len(tok), bos_token_id=1, eos_token_id=2)
+    hf = make_hf_model("llama", seed=1, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, **overrides)
     cfg = ModelConfig.from_hf(hf.config)
     model = build_model(cfg, {k: v.clone() for k, v in hf.state_dict().items()}, "cpu", torch.float32)
     return LoadedModel("tiny-bytes", Path("."), cfg, model, tok, "tiny-bytes-1")

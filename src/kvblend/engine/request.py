@@ -70,7 +70,7 @@ class Request:
             raise InvalidRequestError("give exactly one of question or messages")
         if self.messages is not None:
             object.__setattr__(self, "messages", validate_messages(self.messages))
-        object.__setattr__(self, "template_kwargs", validate_template_kwargs(self.template_kwargs))
+        object.__setattr__(self, "template_kwargs", validate_template_kwargs(self.template_kwargs, tools=True))
         for name in ("question", "system"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidRequestError(f"{name} must be text")

@@ -40,10 +40,13 @@ class ResponseFormat(NamedTuple):
     kind: str
     schema: str = ""
     strict: bool = False
+    prefix: str = ""  # literal text before the JSON (a tool call's opening tag)
+    suffix: str = ""  # and after it
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any], strict: bool) -> ResponseFormat:
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")), bool(strict))  # key order kept: it orders the answer
+    def json_schema(cls, schema: dict[str, Any], strict: bool, prefix: str = "", suffix: str = "") -> ResponseFormat:
+        # key order kept: it orders the answer
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), bool(strict), prefix, suffix)
 
 
 class GrammarError(InvalidRequestError):
@@ -110,7 +113,9 @@ class Grammars:
             if fmt.kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
                                                          any_whitespace=False)
-            return self.compiler.compile_json_schema(fmt.schema, strict_mode=fmt.strict, any_whitespace=False)
+            if not (fmt.prefix or fmt.suffix):
+                return self.compiler.compile_json_schema(fmt.schema, strict_mode=fmt.strict, any_whitespace=False)
+            return self.compiler.compile_grammar(_framed(fmt))
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the construct
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"the schema cannot be compiled: {reason.split('] ', 1)[-1]}",
@@ -120,6 +125,18 @@ class Grammars:
         import xgrammar as xgr
 
         return Constraint(xgr.GrammarMatcher(self.compiled(fmt)), self.vocab_size)
+
+
+def _framed(fmt: ResponseFormat) -> Any:
+    """``fmt``'s JSON Schema between its literal prefix and suffix, as one grammar."""
+    import xgrammar as xgr
+
+    parts = [xgr.Grammar.from_json_schema(fmt.schema, strict_mode=fmt.strict, any_whitespace=False)]
+    if fmt.prefix:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.prefix)}"))
+    if fmt.suffix:
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.suffix)}"))
+    return xgr.Grammar.concat(*parts)
 
 
 _registry: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Grammars]] = weakref.WeakKeyDictionary()

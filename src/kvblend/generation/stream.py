@@ -58,14 +58,18 @@ MAX_TEMPLATE_KWARGS_DEPTH = 16  # lists and objects within each other (a deep on
 TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
 
 
-def validate_template_kwargs(kwargs: Any) -> dict[str, Any]:
+def validate_template_kwargs(kwargs: Any, tools: bool = False) -> dict[str, Any]:
     """A copy of a client's extra chat-template variables (vLLM's ``chat_template_kwargs``,
     e.g. ``{"enable_thinking": false}``), or InvalidRequestError naming the field: a mapping
     of at most 32 identifiers, none of them one kvblend sets (``RESERVED_TEMPLATE_KWARGS``),
     to JSON values of at most 16 KiB in all. A variable the template does not read changes
-    nothing, as in vLLM."""
+    nothing, as in vLLM. ``tools``: the variables may also hold ``tools``, the request's
+    tool definitions the server put there (checked by ``server.tools``, not here)."""
     if kwargs is None:
         return {}
+    if tools and isinstance(kwargs, Mapping) and "tools" in kwargs:
+        rest = validate_template_kwargs({k: v for k, v in kwargs.items() if k != "tools"})
+        return {**rest, "tools": copy.deepcopy(kwargs["tools"])}
     if not isinstance(kwargs, Mapping):
         raise InvalidRequestError("chat_template_kwargs must be an object", TEMPLATE_KWARGS_FIELD)
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
@@ -129,7 +133,9 @@ def chat_text(tokenizer: Any, conversation: list[dict[str, str]], template_kwarg
     internal error."""
     from jinja2 import TemplateError  # transformers' templates are jinja2
 
-    taken = sorted(set(template_kwargs) & _own_arguments(tokenizer)) if template_kwargs else []
+    # ``tools``: the request's tool definitions, set by the server (a client's
+    # chat_template_kwargs may not: ``validate_template_kwargs``)
+    taken = sorted(set(template_kwargs) & (_own_arguments(tokenizer) - {"tools"})) if template_kwargs else []
     if taken:
         raise InvalidRequestError(f"chat_template_kwargs may not set {taken[0]!r}: kvblend sets it",
                                   TEMPLATE_KWARGS_FIELD)

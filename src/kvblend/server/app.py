@@ -42,7 +42,7 @@ from kvblend.server.documents import (
     DocumentRecord, DocumentRegistry, KeyedLocks, RegistryConflictError, RegistryFullError, StoredChunk, default_id,
     new_record, text_sha256,
 )
-from kvblend.server.errors import APIError, from_exception, from_validation
+from kvblend.server.errors import APIError, bad_request, from_exception, from_validation
 from kvblend.server.auth import ApiKeyAuth, read_json, tenant_of
 from kvblend.server.explain import explainer
 from kvblend.server.metrics import ServerMetrics, kv_cache_usage
@@ -58,6 +58,7 @@ from kvblend.engine.matching import DocumentIndex
 from kvblend.engine.shaping import chunk_texts
 from kvblend.server.index import IndexFeed, ingest_catalog, open_index
 from kvblend.server.logprobs import token_text
+from kvblend.server.tools import tool_plan
 from kvblend.server.translate import (
     build_draft, check_common, check_format, document_chunks, parse, sampling_params, shape_body, utf8_len,
 )
@@ -541,7 +542,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     body = parse(model, await read_json(http, settings.limits.max_body_bytes))
     check_common(body, settings, state.model_ids)
     top_k = check_retrieval(body, settings, state.retriever)
-    draft, used = build_draft(body, settings, tenant, state.num_layers), None
+    plan = tool_plan(body, state.engine.tokenizer) if model is ChatCompletionRequest else None
+    draft, used = build_draft(body, settings, tenant, state.num_layers, plan.tools if plan else None), None
     if top_k is not None:  # the caller's own tenant's chunks, as the token ids they were indexed with
         hits = await anyio.to_thread.run_sync(search, state.retriever, tenant, query_text(body), top_k)
         draft = dataclasses.replace(draft, documents=[h.token_ids for h in hits])
@@ -555,7 +557,17 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
                              settings.limits)
     sampling = sampling_params(body, settings, prompt_tokens, state.context_length,
                                state.engine.loaded.config.vocab_size)
-    await anyio.to_thread.run_sync(check_format, state.engine, sampling)  # a schema that does not compile: 400
+    if plan is not None and plan.parses and body.stream and sampling.logprobs is not None:
+        raise bad_request("logprobs are not streamed with tools (a held-back call's tokens have none); "
+                          "ask without stream", "logprobs")
+    forced = plan.forced() if plan is not None else None
+    if forced is not None:  # required or a named function: the grammar writes one call
+        if sampling.response_format is not None:
+            raise bad_request("a forced tool_choice and a response_format cannot both shape the answer",
+                              "tool_choice")
+        sampling = dataclasses.replace(sampling, response_format=forced)
+    # a schema that does not compile: 400
+    await anyio.to_thread.run_sync(check_format, state.engine, sampling, "tools" if forced else None)
     routing = state.guard.route(request) if state.guard is not None else None
     if routing is not None:
         request = routing.request
@@ -563,7 +575,8 @@ async def _complete(http: HTTPRequest, state: ServerState, model: type) -> Respo
     matches = tuple(m.to_dict() for m in shaped.matches) if shaped.matches else None
     shape = Shape(chat=model is ChatCompletionRequest, model=state.model_id, sources=used, matches=matches,
                   explain=explains.block if explains is not None else None, replica=handle.replica, n=sampling.n,
-                  token_text=token_text(state.engine.tokenizer) if sampling.logprobs is not None else None)
+                  token_text=token_text(state.engine.tokenizer) if sampling.logprobs is not None else None,
+                  tools=plan if plan is not None and plan.parses else None)
     headers = {"X-Request-Id": shape.object_id} if state.request_id_header else {}
     if handle.replica is not None:
         headers["X-Kvblend-Replica"] = handle.replica

@@ -154,6 +154,10 @@ class ChatCompletionRequest(_Common):
     # vLLM's extra chat-template variables (``{"enable_thinking": false}``); checked by
     # ``generation.stream.validate_template_kwargs``
     chat_template_kwargs: Any = None
+    # function calling (``server.tools`` checks them); a completion's are refused
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common):

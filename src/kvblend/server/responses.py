@@ -25,6 +25,7 @@ from kvblend.generation import StreamEvent
 from kvblend.generation.sampling import TokenLogprobs
 from kvblend.server.errors import APIError, from_exception
 from kvblend.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from kvblend.server.tools import ToolPlan, ToolStream, parse_calls
 from kvblend.server.usage import kvblend_block, usage
 
 
@@ -37,6 +38,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     offset: int = 0  # characters of the token strings already sent (a completion's text_offset)
+    tools: ToolStream | None = None  # a streamed chat's held-back tool calls (Shape.tools)
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Shape:
     replica: str | None = None  # the model replica that served it (Ray Serve; None in one process)
     n: int = 1  # choices
     token_text: TokenText | None = None  # a token's string, when the request asked for logprobs
+    tools: ToolPlan | None = None  # a chat whose answer may hold tool calls (server/tools.py)
 
     def kvblend(self, stats: RequestStats | None, queue_s: float, explain: bool = True,
                 replica: str | None = None) -> dict[str, Any]:
@@ -115,6 +118,35 @@ class Shape:
         if explain and self.explain is not None and stats is not None:
             block["explain"] = self.explain(stats)
         return block
+
+    def _whole(self, index: int, c: ChoiceResult) -> dict[str, Any]:
+        """One choice of a whole response; a chat's tool calls parsed out of its text."""
+        text = "".join(c.text)
+        choice = self.choice(text, c.finish_reason or "stop", chunk=False, index=index,
+                             logprobs=self.logprobs(c, c.logprobs))
+        if self.tools is not None:
+            content, calls = parse_calls(text, self.tools)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+        return choice
+
+    def tool_chunks(self, index: int, choice: ChoiceResult, text: str, reason: str | None) -> list[dict[str, Any]]:
+        """A streamed chat choice's ``text`` through its tool-call holdback: the choices of
+        the chunks to send (at its end, the held content and one delta per call)."""
+        if choice.tools is None:
+            choice.tools = ToolStream(self.tools)
+        shown = choice.tools.feed(text)
+        if reason is None:
+            return [self.choice(shown, None, True, index=index)] if shown else []
+        rest, calls = choice.tools.finish()
+        out = [self.choice(shown + rest, None if calls else reason, True, index=index)]
+        for k, call in enumerate(calls):
+            out.append({"index": index, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                        "finish_reason": None})
+        if calls:
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"})
+        return out
 
     @property
     def object_id(self) -> str:
@@ -149,9 +181,7 @@ class Shape:
 
     def completion(self, out: StreamResult, queue_s: float) -> dict[str, Any]:
         body = self.base(chunk=False)
-        body["choices"] = [self.choice("".join(c.text), c.finish_reason or "stop", chunk=False, index=i,
-                                       logprobs=self.logprobs(c, c.logprobs))
-                           for i, c in enumerate(out.choices)]
+        body["choices"] = [self._whole(i, c) for i, c in enumerate(out.choices)]
         body["usage"] = usage(out.stats, out.tokens)
         body["system_fingerprint"] = None
         body["kvblend"] = self.kvblend(out.stats, queue_s)
@@ -221,6 +251,13 @@ async def sse_stream(handle: RequestHandle, shape: Shape, include_usage: bool, o
             if isinstance(item, RequestStats):
                 continue
             choice = out.choices[item.index]
+            if shape.tools is not None:  # tool calls held back, sent whole at the choice's end
+                for part in shape.tool_chunks(item.index, choice, item.text, item.finish_reason):
+                    chunk = {**shape.base(True), "choices": [part], **usage_field()}
+                    if part["finish_reason"] is not None and out.finished == shape.n:
+                        chunk["kvblend"] = shape.kvblend(out.stats, handle.queue_s, replica=handle.replica)
+                    yield sse(chunk)
+                continue
             lps = None if item.logprobs is None else shape.logprobs(choice, [item.logprobs])
             if item.finish_reason is None:
                 if item.text or continuous or lps is not None:  # a token's logprobs get their chunk

@@ -143,9 +143,11 @@ def chat_messages(body: ChatCompletionRequest, settings: Settings) -> list[dict[
     return out
 
 
-def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int) -> Draft:
+def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int,
+                tools: list[dict] | None = None) -> Draft:
     """The ``Draft`` of a body (a 400/413 ``APIError`` when it is refused): what ``shape``
-    turns into the engine's request. No registry, no tokenizer: call it on the loop."""
+    turns into the engine's request; a chat's ``tools`` (``server.tools``: checked) become
+    its template's ``tools`` variable. No registry, no tokenizer: call it on the loop."""
     documents = documents_of(body, settings)
     method, blend = blend_options(body, settings, num_layers)
     match = body.kvblend is None or body.kvblend.match is not False
@@ -155,6 +157,8 @@ def build_draft(body: _Common, settings: Settings, tenant: str, num_layers: int)
             template_kwargs = validate_template_kwargs(body.chat_template_kwargs)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.field) from None
+        if tools:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         return Draft(documents=documents, messages=chat_messages(body, settings), method=method, blend=blend,
                      tenant=tenant, match=match, explain=explain, template_kwargs=template_kwargs)
     assert isinstance(body, CompletionRequest)
@@ -285,17 +289,18 @@ def response_format(body: _Common) -> ResponseFormat | None:
     return ResponseFormat.json_schema(spec["schema"], bool(strict))
 
 
-def check_format(engine: Engine, sampling: SamplingParams) -> None:
+def check_format(engine: Engine, sampling: SamplingParams, param: str | None = None) -> None:
     """Compile the request's response format now (cached per schema: the decode slots find
     it compiled), so that a schema the grammar engine cannot compile is a 400 naming the
-    construct before the request is queued. Compiles: call it off the event loop."""
+    construct (and ``param``, when the schema came from another field: ``tools``) before
+    the request is queued. Compiles: call it off the event loop."""
     if sampling.response_format is None:
         return
     try:
         grammars(engine.tokenizer, engine.loaded.config.vocab_size, engine.loaded.eos_token_ids).compiled(
             sampling.response_format)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.field) from None
+        raise bad_request(str(exc), param or exc.field) from None
 
 
 def logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]:
