@@ -4,6 +4,8 @@
         [--methods "reuse,blend:0.15:q+budget+sinks4+shift,..."] [--model qwen2.5-coder-0.5b] [--threads 1]
         [--only "0.5"]  # only the questions whose default ratio (an earlier run in --out) is >= 0.5
     PYTHONPATH=src .venv/bin/python benchmarks/tail.py --out runs/tail/smol --report [--start S --limit N]
+    PYTHONPATH=src .venv/bin/python benchmarks/tail.py --out runs/tail/smol --report --limit 100 --folds 5 \
+        [--choose "blend:0.15:q+budget+sinks4+shift,..."] [--quantiles none,0.9]
 
 KL is `kvblend eval`'s (`eval.runner`): full prefill's greedy answer, stopped at a newline,
 is teacher-forced for its first ``--kl-tokens`` tokens through each method's prepared
@@ -28,6 +30,11 @@ the engine serves then (tests/engine/test_escalation.py).
 over questions divided by reuse's mean, median / p90 / max of per-question ratios, the
 number of questions worse than reuse, the mean recomputed fraction), and the risk signal's AUC at separating questions
 whose ratio is above 0.5 (`--risk-method`, default the engine's default blend).
+
+``--report --folds K`` gives the figures to quote (issue #44): the questions cut into K
+folds; per fold, the policy (a method of ``--choose``, with an escalation quantile of
+``--quantiles``) with the lowest mean ratio on the other folds is scored on that fold alone,
+and the held-out folds are pooled (mean, median, p90, max ratio, worse than reuse).
 """
 
 from __future__ import annotations
@@ -351,6 +358,75 @@ def first_token_bound(records: list[dict], ids: set[str] | None, methods: list[s
                           "auc_0_25": auc(first, [x > 0.25 for x in ratios]), "rho": spearman(first, ratios)}))
 
 
+def served_under(policy: tuple[str, float | None], rows: dict[str, dict],
+                 window: dict[str, dict] | None = None) -> dict[str, dict]:
+    """What each question of ``rows`` ({id: {method: record}}) is served under ``policy``
+    (a blend method, and an escalation quantile or None): the escalation's threshold is the
+    quantile of the risks of ``window``'s questions (default ``rows``), as of a tenant's
+    recent requests; a question above it takes the record at twice the ratio. Questions
+    lacking a record the policy needs are left out."""
+    method, quantile = policy
+    have = {i: m for i, m in rows.items() if "reuse" in m and method in m}
+    if quantile is None:
+        return {i: m[method] for i, m in have.items()}
+    risks = [m[method]["risk"] for m in (window if window is not None else rows).values()
+             if method in m and m[method].get("risk") is not None]
+    bar = top_quantile(risks, quantile, MIN_SAMPLES)
+    wide, out = doubled(method), {}
+    for i, m in have.items():
+        up = bar is not None and m[method].get("risk") is not None and m[method]["risk"] > bar
+        if up and wide not in m:
+            continue
+        out[i] = m[wide] if up else m[method]
+    return out
+
+
+def policy_name(policy: tuple[str, float | None]) -> str:
+    return policy[0] if policy[1] is None else f"{policy[0]} escalate@{policy[1]:g}"
+
+
+def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantiles: list[float | None],
+          k: int, seed: int = 0) -> dict:
+    """Figures that generalise: the questions are cut into ``k`` folds (a seeded shuffle);
+    for each fold the policy (a method of ``methods`` with an escalation quantile of
+    ``quantiles``, None: none) with the lowest mean KL ratio to reuse on the other k-1 folds
+    is chosen, and scored on the held-out fold only; the held-out questions of every fold are
+    pooled. A fixed default is a choice too: pass it alone to score it the same way. Prints
+    and returns the pooled mean ratio (mean KL over mean reuse KL), the median, p90 and max
+    of per-question ratios, the questions worse than reuse, the mean recompute fraction and
+    the policy chosen per fold."""
+    by: dict[str, dict] = {}
+    for r in records:
+        if ids is None or r["id"] in ids:
+            by.setdefault(r["id"], {})[r["method"]] = with_risk(r)
+    qids = sorted((i for i, m in by.items() if "reuse" in m), key=lambda i: int(i.rsplit("-", 1)[-1]))
+    order = torch.randperm(len(qids), generator=torch.Generator().manual_seed(seed)).tolist()
+    parts = [[qids[j] for j in order[f::k]] for f in range(k)]
+    policies = [(m, q) for m in methods for q in quantiles]
+
+    def mean_ratio(served: dict[str, dict], rows: dict[str, dict]) -> float:
+        if not served:
+            return float("inf")
+        return statistics.mean(r["kl"] for r in served.values()) / statistics.mean(rows[i]["reuse"]["kl"] for i in served)
+
+    held: dict[str, dict] = {}
+    chosen = []
+    for f, part in enumerate(parts):
+        train = {i: by[i] for g, other in enumerate(parts) if g != f for i in other}
+        best = min(policies, key=lambda p: mean_ratio(served_under(p, train), train))
+        chosen.append(policy_name(best))
+        held.update(served_under(best, {i: by[i] for i in part}, window=train))  # the threshold from the past
+    ratios = sorted(held[i]["kl"] / max(by[i]["reuse"]["kl"], 1e-12) for i in held)
+    line = {"folds": k, "n": len(ratios), "chosen": chosen}
+    if ratios:
+        line.update({"mean_ratio": round(mean_ratio(held, by), 3), "median_ratio": round(statistics.median(ratios), 3),
+                     "p90_ratio": round(ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))], 3),
+                     "max_ratio": round(ratios[-1], 3), "worse_than_reuse": sum(x > 1 for x in ratios),
+                     "recompute_frac": round(statistics.mean(r["recompute_frac"] for r in held.values()), 3)})
+    print(json.dumps(line))
+    return line
+
+
 def per_question(records: list[dict], ids: set[str] | None, methods: list[str]) -> None:
     by = {}
     for r in records:
@@ -392,6 +468,12 @@ def main() -> None:
     ap.add_argument("--pool", default=None, help="with --report: methods whose requests the risk's AUC pools")
     ap.add_argument("--escalate", type=float, default=None,
                     help="with --report: the engine's escalation at this quantile, on --risk-method (see escalation)")
+    ap.add_argument("--folds", type=int, default=None,
+                    help="with --report: pooled held-out figures over K folds, choosing among --choose (see folds)")
+    ap.add_argument("--choose", default=DEFAULT,
+                    help="with --folds: the blend methods to choose among (comma-separated; default: the default alone)")
+    ap.add_argument("--quantiles", default="none",
+                    help="with --folds: escalation quantiles to choose among, 'none' for no escalation (e.g. none,0.9)")
     args = ap.parse_args()
     out = Path(args.out)
     records_path = out / "records.jsonl"
@@ -404,6 +486,9 @@ def main() -> None:
             pooled(records, ids, args.pool.split(","))
         if args.escalate is not None:
             escalation(records, ids, args.risk_method, args.escalate)
+        if args.folds:
+            quantiles = [None if q == "none" else float(q) for q in args.quantiles.split(",")]
+            folds(records, ids, args.choose.split(","), quantiles, args.folds)
         if args.table:
             per_question(records, ids, args.table.split(","))
         if args.converge:
