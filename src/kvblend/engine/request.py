@@ -260,11 +260,14 @@ class Result(NamedTuple):
 def result_of(items: Iterable[StreamEvent | RequestStats], on_text: Callable[[str], Any] | None = None) -> Result:
     """The whole ``Result`` of a stream of token events with its ``RequestStats`` among
     them (as ``Engine.stream`` and the scheduler yield them); ``on_text`` sees each piece
-    of text as it arrives."""
+    of text as it arrives. Of a request of several choices, choice 0's (the others' events
+    are skipped)."""
     stats, events = None, []
     for item in items:
         if isinstance(item, RequestStats):
             stats = item
+            continue
+        if item.index != 0:
             continue
         events.append(item)
         if on_text is not None:
