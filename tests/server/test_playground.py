@@ -112,6 +112,9 @@ def test_blend_and_full_prefill_answer_side_by_side_with_the_recomputed_tokens(s
     assert "of" in text(driver, "#answer-blend [data-field=cached]")
     assert percent(driver) < 100 and text(driver, "#answer-full [data-field=recompute]").startswith("100.0 %")
     assert "token F1" in text(driver, "#agreement")
+    # the real server's logprobs reach the page: KL to full at the positions both answers share
+    assert re.fullmatch(r"[\d.]+( · [\d.]+)*( · …)? \(mean [\d.]+ over \d+ tokens?\)",
+                        text(driver, "#answer-blend [data-field=kl]"))
     views = driver.find_elements(By.CSS_SELECTOR, "#doc-views .docview")
     assert len(views) == 2
     for view in views:  # each document shows its tokens, some of them highlighted with their numbers

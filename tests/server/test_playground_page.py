@@ -9,6 +9,7 @@ API's shapes are the real server's (``responses.py``, ``usage.py``)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import re
 
@@ -37,6 +38,8 @@ class Script:
 
     def reset(self) -> None:
         self.answers = {"blend": "Paris .", "full": "Paris ."}
+        # each answer token's top logprobs: the sampled word, then "x" (a chat's logprobs=true)
+        self.top = {"blend": (0.9, 0.1), "full": (0.8, 0.2)}
         self.ends = {"blend": "ok", "full": "ok"}
         self.delay_s = 0.0
         self.received: list[dict] = []
@@ -128,6 +131,11 @@ def fake_api(script: Script) -> FastAPI:
                     return
                 chunk = {**base, "choices": [{"index": 0, "delta": {"content": text},
                                               "finish_reason": "stop" if last else None}], "usage": None}
+                if body.get("logprobs"):
+                    p, q = script.top[method]
+                    top = [{"token": text, "logprob": math.log(p), "bytes": list(text.encode())},
+                           {"token": "x", "logprob": math.log(q), "bytes": [120]}][: body.get("top_logprobs") or 0]
+                    chunk["choices"][0]["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
                 if last:
                     chunk["kvblend"] = kvblend_block(method, options)
                 yield sse(chunk)
@@ -199,7 +207,7 @@ def run(driver) -> str:
     return banner(driver)
 
 
-def test_a_run_shows_both_answers_and_their_numbers(page) -> None:
+def test_a_run_shows_both_answers_and_their_numbers(page, script) -> None:
     assert run(page) == ""
     assert text(page, "#answer-blend [data-field=text]") == "Paris ."
     assert text(page, "#answer-blend [data-field=recompute]").startswith("15.0 %")
@@ -207,6 +215,20 @@ def test_a_run_shows_both_answers_and_their_numbers(page) -> None:
     assert text(page, "#answer-blend [data-field=risk]") == \
         "0.125 of plain reuse's error left · escalated: recomputed again at twice the ratio"
     assert text(page, "#answer-full [data-field=risk]") == "none: no KV reused"
+    sent = [b for b in script.received[-2:]]
+    assert all(b["logprobs"] is True and b["top_logprobs"] == 20 for b in sent)
+    kl = 0.8 * math.log(0.8 / 0.9) + 0.2 * math.log(0.2 / 0.1)  # KL(full || blend) at each of the 2 tokens
+    assert text(page, "#answer-blend [data-field=kl]") == f"{kl:.4f} · {kl:.4f} (mean {kl:.4f} over 2 tokens)"
+
+
+def test_the_kl_per_token_stops_where_the_answers_part(page, script) -> None:
+    script.answers["full"] = "Lyon is it"  # parts at the first token: only that position is the same context
+    try:
+        assert run(page) == ""
+        kl = 0.8 * math.log(0.8 / 0.1) + 0.2 * math.log(0.2 / 0.1)  # "Lyon" is not in the blend's list: its lowest
+        assert text(page, "#answer-blend [data-field=kl]") == f"{kl:.4f} (mean {kl:.4f} over 1 token)"
+    finally:
+        script.reset()
     assert page.find_elements(By.CSS_SELECTOR, "#doc-views .tok.kept")
 
 

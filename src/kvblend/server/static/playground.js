@@ -65,6 +65,8 @@ function absorb(out, chunk, started, onText) {
     out.text += delta;
     onText(out.text);
   }
+  const logprobs = chunk.choices && chunk.choices[0] && chunk.choices[0].logprobs;
+  if (logprobs && logprobs.content) out.tokens.push(...logprobs.content);
   if (chunk.kvblend) {
     if (chunk.kvblend.explain) out.explain = chunk.kvblend.explain;
     out.kvblend = chunk.kvblend;
@@ -79,7 +81,7 @@ async function streamChat(body, onText, signal) {
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
   });
   if (!res.ok) throw await apiError(res);
-  const out = { text: "", kvblend: null, usage: null, explain: null, browserTtft: null };
+  const out = { text: "", kvblend: null, usage: null, explain: null, browserTtft: null, tokens: [] };
   for await (const data of sseData(res)) {
     if (data === "[DONE]") break;
     absorb(out, JSON.parse(data), started, onText);
@@ -290,7 +292,8 @@ async function runOne(method, body, choice, signal) {
   answer.textContent = "…";
   answer.setAttribute("aria-busy", "true");  // a screen reader reads the answer once whole, not at every token
   try {
-    const reply = await streamChat({ ...body, kvblend: kvblendOptions(method, choice) },
+    const asked = { ...body, kvblend: kvblendOptions(method, choice), logprobs: true, top_logprobs: TOP_LOGPROBS };
+    const reply = await streamChat(asked,
       (text) => { answer.textContent = text; }, signal);
     showMetrics(panel, reply);
     return reply;
@@ -325,6 +328,7 @@ async function run() {
     status("full prefill…");
     const full = await runOne("full", body, choice, signal);
     record(blend, full, choice);
+    showTokenKl(blend, full);
     status("");
   } catch (err) {
     const stopped = signal.aborted;
@@ -338,6 +342,48 @@ async function run() {
     $("#stop").hidden = true;
     $("#run").disabled = false;
   }
+}
+
+// ----- KL per answer token ----------------------------------------------------------------
+const TOP_LOGPROBS = 20;  // the most OpenAI's API (and the server) return per token
+const KL_SHOWN = 16;
+
+// KL(full || blend) of the next-token distributions at each answer position where both
+// answers had written the same tokens before it (a position after they part is not the
+// same context), from the top logprobs each returned: full's top tokens, each at the
+// blend's logprob for it, or at the lowest of the blend's list when not in it. Truncated
+// to full's top 20, so approximate; a small negative sum is shown as 0.
+function tokenKl(blendTokens, fullTokens) {
+  const out = [];
+  const n = Math.min(blendTokens.length, fullTokens.length);
+  for (let i = 0; i < n; i++) {
+    const b = blendTokens[i], f = fullTokens[i];
+    if (!b.top_logprobs || !f.top_logprobs || !b.top_logprobs.length || !f.top_logprobs.length) break;
+    const blendLp = new Map(b.top_logprobs.map((t) => [t.token, t.logprob]));
+    const floor = Math.min(...b.top_logprobs.map((t) => t.logprob));
+    let kl = 0;
+    for (const t of f.top_logprobs) {
+      const q = blendLp.has(t.token) ? blendLp.get(t.token) : floor;
+      kl += Math.exp(t.logprob) * (t.logprob - q);
+    }
+    out.push(Math.max(0, kl));
+    if (b.token !== f.token) break;  // the answers part here: later positions are other contexts
+  }
+  return out;
+}
+
+function showTokenKl(blend, full) {
+  const dd = field($("#answer-blend"), "kl");
+  const kls = tokenKl(blend.tokens, full.tokens);
+  if (!kls.length) {
+    dd.textContent = "n/a (no logprobs in the answers)";
+    return;
+  }
+  const mean = kls.reduce((a, b) => a + b, 0) / kls.length;
+  const shown = kls.slice(0, KL_SHOWN).map((x) => x.toFixed(4)).join(" · ") + (kls.length > KL_SHOWN ? " · …" : "");
+  dd.textContent = `${shown} (mean ${mean.toFixed(4)} over ${kls.length} token${kls.length === 1 ? "" : "s"})`;
+  dd.title = "KL(full ‖ blend) of the next-token distributions, from each answer's top " +
+    `${TOP_LOGPROBS} logprobs, at each position both answers reached with the same tokens`;
 }
 
 // ----- numbers -----------------------------------------------------------------------------
