@@ -157,3 +157,18 @@ def test_the_repetition_penalty_counts_the_prompt(served) -> None:
     plain = http.post("/v1/chat/completions", json=body).json()
     penalised = http.post("/v1/chat/completions", json={**body, "repetition_penalty": 5.0}).json()
     assert plain["choices"][0]["message"]["content"] != penalised["choices"][0]["message"]["content"]
+
+
+def itl_count(http) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("kvblend:inter_token_latency_seconds_count"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no inter-token latency count in /metrics")
+
+
+def test_inter_token_latency_is_measured_within_each_choice(served) -> None:
+    _, http, client = served
+    before = itl_count(http)
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=1.0, n=3, seed=2,
+                                   extra_body=FULL)
+    assert itl_count(http) - before == 3 * 4  # not 14: the gap between two choices' tokens is no latency

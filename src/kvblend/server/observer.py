@@ -20,7 +20,7 @@ class MetricsObserver(SchedulerObserver):
     def __init__(self, metrics: ServerMetrics, inner: SchedulerObserver | None = None) -> None:
         self.metrics = metrics
         self.inner = inner or SchedulerObserver()
-        self._last: dict[str, float] = {}
+        self._last: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
 
     def on_queued(self, handle: RequestHandle) -> None:
@@ -36,16 +36,18 @@ class MetricsObserver(SchedulerObserver):
         self.inner.on_step(batch_size, seconds)
 
     def on_token(self, handle: RequestHandle, event: StreamEvent, now: float) -> None:
+        key = (handle.id, event.index)  # inter-token latency within a choice (n choices decode side by side)
         with self._lock:
-            last = self._last.get(handle.id)
-            self._last[handle.id] = now
+            last = self._last.get(key)
+            self._last[key] = now
         if last is not None:
             self.metrics.itl.observe(now - last)
         self.inner.on_token(handle, event, now)
 
     def on_finish(self, handle: RequestHandle, outcome: Outcome) -> None:
         with self._lock:
-            self._last.pop(handle.id, None)
+            for index in range(handle.sampling.n):
+                self._last.pop((handle.id, index), None)
         if outcome.status == "ok":
             cached = cached_tokens(outcome.stats) if outcome.stats is not None else 0
             self.metrics.observe_request(outcome.stats, cached, outcome.completion_tokens,
