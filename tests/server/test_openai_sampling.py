@@ -172,3 +172,11 @@ def test_inter_token_latency_is_measured_within_each_choice(served) -> None:
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=1.0, n=3, seed=2,
                                    extra_body=FULL)
     assert itl_count(http) - before == 3 * 4  # not 14: the gap between two choices' tokens is no latency
+
+
+def test_more_choices_than_the_batch_has_rows_is_a_400_naming_n(served) -> None:
+    _, http, _ = served
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "n": 9}  # default scheduler.max_running: 8
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max_running" in r.text
+    assert http.post("/v1/chat/completions", json={**body, "n": 8}).status_code == 200

@@ -55,7 +55,8 @@ loop turn:
 * samples each running request's next token (``DecodeSlot``: the same rules as
   ``Engine.stream``). A request of ``n`` choices is prefilled once and decodes as ``n``
   rows of the batch (choice 0 in the prepared cache, the others in copies of its prompt
-  positions, ``slot.fork_cache``), each row counting towards ``max_running``; it ends
+  positions, ``slot.fork_cache``), each row counting towards ``max_running`` (the server
+  refuses an ``n`` above it); it ends
   with its last choice, or with the first choice that fails.
 
 Faults stay with their request. Whatever one request raises — preparing (layout,

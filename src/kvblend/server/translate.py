@@ -219,7 +219,8 @@ def shape_body(engine: Engine, draft: Draft, settings: Settings, registry: Docum
 def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, context: int,
                     vocab_size: int) -> SamplingParams:
     """OpenAI defaults (temperature 1) with the server's cap on max_tokens; a requested
-    max_tokens that does not fit the context is a 400 (vLLM's behaviour); ``n``, logprobs,
+    max_tokens that does not fit the context is a 400 (vLLM's behaviour); ``n`` (at most
+    ``scheduler.max_running``: each choice takes a row of the batch), logprobs,
     penalties and ``logit_bias`` (ids below ``vocab_size``, the logits' width) checked, a
     400 naming the field."""
     asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -234,6 +235,10 @@ def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, conte
                           f"{prompt_tokens}).", param)
     max_tokens = asked if asked is not None else max(1, min(cap, settings.limits.default_max_tokens, room))
     top_k = body.top_k if body.top_k not in (None, -1) else 0
+    rows = settings.scheduler.max_running
+    if (body.n or 1) > rows:  # each choice decodes in a row of the batch
+        raise bad_request(f"n is {body.n}; this server decodes at most {rows} streams at once "
+                          "(scheduler.max_running)", "n")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
