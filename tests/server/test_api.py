@@ -54,9 +54,10 @@ def test_chat_with_documents_through_the_openai_client(client, model_id) -> None
     for doc in DOCS:  # wait for the misses' background write-back: storing is idempotent and synchronous
         assert client.post("/documents", body={"text": doc}, cast_to=object)["tokens"] > 0
     again = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0,
+        model=model_id, messages=[{"role": "user", "content": "and " + QUESTION}], max_tokens=6, temperature=0,
         extra_body={"documents": DOCS})
-    # the second time both documents' KV comes from the store
+    # the second time both documents' KV comes from the store (another question: the same prompt
+    # again would be served the first blend whole, tests/server/test_cache_fill.py)
     assert again.model_extra["kvblend"]["doc_hits"] == {"memory": 2}
     doc_tokens = sum(d["tokens"] for d in again.model_extra["kvblend"]["documents"])
     assert again.usage.prompt_tokens_details.cached_tokens >= doc_tokens > 0
@@ -170,8 +171,10 @@ def test_documents_api_warms_then_requests_hit(alice, model_id) -> None:
     gone = alice.post("/v1/chat/completions", json={**chat_body(model_id), "documents": [{"id": "oslo-river"}]})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "documents.0.id"
     alice.delete(f"/v1/documents/{auto['id']}")
-    # deleted from the store too: the same text inline is a miss now
-    r = alice.post("/v1/chat/completions", json={**chat_body(model_id), "documents": [text]}).json()
+    # deleted from the store too: the same text inline is a miss now (another question: the whole
+    # prompt asked before is served the earlier blend's KV from the prefix cache, not the store)
+    r = alice.post("/v1/chat/completions", json={**chat_body(model_id), "documents": [text],
+                                                 "messages": [{"role": "user", "content": "and the river ?"}]}).json()
     assert r["kvblend"]["documents"][0]["source"] == "chunk"
 
 

@@ -42,7 +42,8 @@ def test_a_second_server_hits_the_first_ones_document_in_redis(server, second) -
     first = httpx.post(b.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     assert first["kvblend"]["documents"][0]["source"] == "redis"  # B never saw this document
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= stored["tokens"]
-    second_time = httpx.post(b.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    again = {**body, "messages": [{"role": "user", "content": "who published it ?"}]}  # not the same prompt whole
+    second_time = httpx.post(b.url + "/v1/chat/completions", json=again, headers=AUTH, timeout=60).json()
     assert second_time["kvblend"]["documents"][0]["source"] == "memory"  # promoted on the first hit
     httpx.delete(server.url + f"/v1/documents/{stored['id']}", headers=AUTH)
 

@@ -54,7 +54,9 @@ def test_ratio_auto_and_numbers_still_pass(client) -> None:
 def test_recompute_fraction_with_a_prefix_hit_and_a_tiny_document_stays_within_0_1(client) -> None:
     body = {**BODY, "messages": [{"role": "user", "content": "who is the doctor ? where does the doctor work ?"}],
             "kvblend": {"ratio": 1.0}}
-    client.post("/v1/chat/completions", json=body)  # stores the document and the prefix
+    # stores the document and the prefix; another ratio, so that the prompt is blended again
+    # (the same blend of the same prompt would be served whole, its document not looked up)
+    client.post("/v1/chat/completions", json={**body, "kvblend": {"ratio": 0.5}})
     r = client.post("/v1/chat/completions", json=body).json()
     block, n = r["kvblend"], r["usage"]["prompt_tokens"]
     assert block["prefix_hit_tokens"] > 0 and block["doc_hits"] == {"memory": 1}
