@@ -278,9 +278,12 @@ def test_ask_retrieves_blends_and_lazy_precompute_waits_for_the_nth_retrieval(tm
     assert not any(d.hit for d in a.result.stats.docs)  # nothing precomputed
     assert engine.store.stats("default").puts == 0  # first retrieval: not stored yet
     assert engine.store.admission is admission  # the lazy swap never outlives the request
-    b = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
+    # each time asked in other words (the same prompt again would be served the first blend
+    # whole from the prefix cache, its documents not looked up): the same passages retrieved
+    b = ask(engine, retriever, question + " ?", top_k=3, sampling=SamplingParams(max_tokens=4))
+    assert [h.source for h in b.hits] == [h.source for h in a.hits]
     assert engine.store.stats("default").puts == 3  # second retrieval: written back
-    c = ask(engine, retriever, question, top_k=3, sampling=SamplingParams(max_tokens=4))
+    c = ask(engine, retriever, question + " !", top_k=3, sampling=SamplingParams(max_tokens=4))
     assert all(d.hit for d in c.result.stats.docs) and b.result.stats.docs[0].source == "chunk"
     retriever.close()
     engine.close()

@@ -18,8 +18,10 @@ TEXT = ("the doctor works in paris . the city of paris is blue . "
 QUESTION = "where is the company headquartered ?"
 
 
-def _chat(model: str, documents: list) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": QUESTION}], "documents": documents,
+def _chat(model: str, documents: list, question: str = QUESTION) -> dict:
+    """A chat over ``documents``; another ``question`` than an earlier request's makes the store
+    serve the documents again (the same prompt whole is served the earlier blend's KV)."""
+    return {"model": model, "messages": [{"role": "user", "content": question}], "documents": documents,
             "max_tokens": 2, "temperature": 0, "kvblend": {"method": "blend"}}
 
 
@@ -48,12 +50,13 @@ def test_long_document_is_chunked_hit_by_id_and_deleted_everywhere(alice, bob) -
     assert all(d["source"] == "memory" for d in docs), docs
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 68
     # the chunks' texts sent inline are the same token windows: they hit too (before delete)
-    inline = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32))).json()
+    inline = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32), "who ?")).json()
     assert [d["source"] for d in inline["kvblend"]["documents"]] == ["memory"] * 3
-    # the whole text sent inline is cut the same way: a hit on its first use, the same prompt
+    # the whole text sent inline is cut the same way: the same prompt as by id, so served whole
+    # the blend that answered it (every document inside the cached prompt)
     whole = alice.post("/v1/chat/completions", json=_chat(model, [TEXT])).json()
-    assert [(d["tokens"], d["source"]) for d in whole["kvblend"]["documents"]] == [(32, "memory"), (32, "memory"),
-                                                                                  (4, "memory")]
+    assert [(d["tokens"], d["source"]) for d in whole["kvblend"]["documents"]] == [(32, "prefix"), (32, "prefix"),
+                                                                                  (4, "prefix")]
     assert whole["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]
     assert whole["choices"][0]["message"]["content"] == r["choices"][0]["message"]["content"]
 
@@ -61,10 +64,10 @@ def test_long_document_is_chunked_hit_by_id_and_deleted_everywhere(alice, bob) -
     assert twin["id"] != "long-doc" and twin["num_chunks"] == 3
     assert alice.delete("/v1/documents/long-doc").json()["deleted"] is True
     assert alice.post("/v1/chat/completions", json=_chat(model, [{"id": "long-doc"}])).status_code == 404
-    kept = alice.post("/v1/chat/completions", json=_chat(model, [{"id": twin["id"]}])).json()
+    kept = alice.post("/v1/chat/completions", json=_chat(model, [{"id": twin["id"]}], "what ?")).json()
     assert [d["source"] for d in kept["kvblend"]["documents"]] == ["memory"] * 3  # the twin still uses them
     assert alice.delete(f"/v1/documents/{twin['id']}").json()["deleted"] is True
-    after = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32))).json()
+    after = alice.post("/v1/chat/completions", json=_chat(model, _chunk_texts(TEXT, 32), "where ?")).json()
     assert all(d["source"] != "memory" and d["source"] != "redis" for d in after["kvblend"]["documents"])
 
 

@@ -50,10 +50,10 @@ def test_metrics_need_the_admin_key_and_parse(server, alice, model_id) -> None:
     docs = ["the red city is oslo .", "the blue river is in rome ."]
     for doc in docs:  # stored synchronously: both requests below hit both documents
         assert alice.post("/v1/documents", json={"text": doc}).status_code == 200
-    for _ in range(2):
+    for question in ("which city ?", "which river ?"):  # two prompts: each blended (a repeat is served whole)
         r = alice.post("/v1/chat/completions", json={"model": model_id, "documents": docs, "max_tokens": 3,
                                                      "temperature": 0, "ignore_eos": True,
-                                                     "messages": [{"role": "user", "content": "which city ?"}]})
+                                                     "messages": [{"role": "user", "content": question}]})
         assert r.status_code == 200
     bad = alice.post("/v1/chat/completions", json={"model": model_id, "messages": [], "n": 3})
     assert bad.status_code == 400

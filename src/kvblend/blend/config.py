@@ -61,7 +61,7 @@ class BlendConfig:
     shift (the default before session 9). ``shift_question`` (``+shiftq``; off by default)
     also tests each KV head's K and V shifts at every layer on the question rows' held-out
     attention output (``ShiftCorrection._question_test``): it trims Qwen2.5's tail a little
-    and costs SmolLM2 more (docs/results.md, session 10). The
+    and costs SmolLM2 more (docs/results.md, "Opt-in strategies"). The
     tokens a selection picks are not a fair sample: their residuals misestimate the rest's
     (on Qwen2.5 shifting by them multiplied reuse's KL several times).
     ``vdev`` (question selection only; 0 = off): a hybrid score, ``(1 - vdev)`` x the

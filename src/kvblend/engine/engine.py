@@ -570,7 +570,8 @@ class Engine:
         (a step per layer of each fusion pass)."""
         scope, cfg, choice = self.prefix_scope(request.tenant), self.blend_config(request.blend), None
         fallback = None if self._prefix_cache_exact(ids.shape[0]) else "dynamic-rope"
-        blended = None if fallback or request.method != "blend" else BlendedEntry(
+        # a blend asked to explain itself runs its selection (and is not kept whole)
+        blended = None if fallback or request.method != "blend" or request.explain else BlendedEntry(
             self.blended_scope(request.tenant, cfg), None, False)
         hit = None if fallback else _whole_documents(
             self.prefix_cache.lookup(scope, ids, max_len=ids.shape[0] - 1), layout)
