@@ -177,7 +177,8 @@ def test_with_replicas_the_ingress_guard_checks_on_a_replica_and_records_the_res
             assert client.post("/v1/chat/completions", json=body).status_code == 200  # a miss: stored after
             assert _wait(client, "ok") == 1
             sched.engine.flush()
-            r = client.post("/v1/chat/completions", json=body)  # a hit, and so is its check's re-prepare
+            again = {**body, "messages": [{"role": "user", "content": "and then ?"}]}  # not served the first blend whole
+            r = client.post("/v1/chat/completions", json=again)  # a hit, and so is its check's re-prepare
             assert r.status_code == 200, r.text
             assert _wait(client, "ok", 2) == 2 and _checks(client, "failed") == 0
             assert 'kvblend:shadow_kl_count{model_name="%s"} 2.0' % state.model_id in client.get("/metrics").text

@@ -182,3 +182,21 @@ def test_a_request_served_a_whole_blend_remembers_its_own_answer() -> None:
     second, _ = finished(eng, blended())
     assert second.blended is not None and second.exact_tokens == 0
     assert eng.prepare(blended()).stats.prefix_hit_tokens == len(second.layout) - 1
+
+
+def test_deleting_a_stored_chunk_forgets_its_tenants_whole_blends_only() -> None:
+    """A blend kept whole holds KV made from stored chunks: once a chunk of the tenant is
+    deleted, no repeat is served from it; other tenants' and exact prefixes stay."""
+    eng = Engine(make_loaded())
+    finished(eng, blended())
+    finished(eng, blended(tenant="globex"))
+    n = len(eng.layout(blended()))
+    exact = eng.prepare(blended(question="other ?")).stats.prefix_hit_tokens  # the exact prefix before the documents
+    assert eng.cached_prefix(blended()) == n - 1
+    assert eng.forget_blends(["default/" + "0" * 64]) > 0
+    assert eng.cached_prefix(blended()) == exact < n - 1
+    assert eng.cached_prefix(blended(tenant="globex")) == n - 1
+    stats = eng.prefix_cache.stats()
+    assert stats["tokens"] >= 0 and stats["bytes"] >= 0
+    finished(eng, blended())  # the cache still takes entries after the drop
+    assert eng.cached_prefix(blended()) == n - 1

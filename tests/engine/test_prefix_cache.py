@@ -191,3 +191,19 @@ def test_an_evicted_entry_is_no_longer_found_and_its_shorter_one_is() -> None:
     pc.insert(A, torch.tensor([1, 2, 3, 4, 5, 6]), cache_of([1, 2, 3, 4, 5, 6]), 2, entry="short")
     put(pc, [7, 8])  # over the cap: the least recently used leaf ([3..6]) goes
     assert whole_hit(pc, [1, 2, 3, 4, 5, 6, 0]) == (2, "short")
+
+
+def test_dropping_a_scope_frees_its_bytes_and_leaves_eviction_sound() -> None:
+    other = PrefixScope("acme", "model-1", "torch.float32|blend:x")
+    pc = PrefixCache(max_tokens=12)
+    put(pc, [1, 2, 3, 4])
+    put(pc, [1, 2, 5, 6], scope=other)
+    put(pc, [1, 2, 7], scope=other)
+    before = pc.stats()
+    assert pc.drop_scopes(lambda s: s == other) == 5  # [1, 2] + [5, 6] + [7]
+    assert pc.stats()["tokens"] == before["tokens"] - 5 and pc.stats()["scopes"] == 1
+    assert pc.lookup(other, torch.tensor([1, 2, 5])) is None
+    for i in range(10):  # eviction over the dropped nodes' stale heap entries never double-counts
+        put(pc, [9, i, i + 1])
+    assert 0 <= pc.stats()["tokens"] <= 12 and pc.stats()["bytes"] >= 0
+    check_hit(pc, [9, 9, 10], 3)

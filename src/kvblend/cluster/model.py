@@ -86,7 +86,7 @@ class ModelReplica:
         self.unanswered = Unanswered()
         self._closed = threading.Event()
         self.purger = PurgeFollower(self.engine.store, settings.cluster.routing_stats_period_s,
-                                    log_reader(_app_name())).start()
+                                    log_reader(_app_name()), on_purge=self.engine.forget_blends).start()
         self.post = post  # a cancelled call's charges, to its ingress's inbox
         log.info("model replica %s ready", self.replica)
 

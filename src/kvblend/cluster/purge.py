@@ -141,11 +141,13 @@ class PurgeFollower:
     """A model replica's thread: every ``period_s``, the log's keys after the last one
     applied are deleted from this replica's memory and disk tiers (``delete_local``). A
     failed read is logged and retried next period. ``read(seq, epoch)`` answers as
-    ``PurgeLog.since`` (``log_reader(app)``: the application's actor)."""
+    ``PurgeLog.since`` (``log_reader(app)``: the application's actor). ``on_purge(keys)``
+    is told each batch of keys applied (the engine's ``forget_blends``)."""
 
     def __init__(self, store: Any, period_s: float,
-                 read: Callable[[int, str | None], tuple[list[str], int, str]]) -> None:
-        self.store, self.period_s = store, period_s
+                 read: Callable[[int, str | None], tuple[list[str], int, str]],
+                 on_purge: Callable[[list[str]], Any] | None = None) -> None:
+        self.store, self.period_s, self.on_purge = store, period_s, on_purge
         self.seq, self.epoch = 0, None  # the whole log first: a restarted replica's disk may hold deleted entries
         self._read = read
         self._stop = threading.Event()
@@ -171,6 +173,8 @@ class PurgeFollower:
             log.warning("reading the purge log failed", exc_info=True)
             return 0
         removed = delete_local(self.store, keys)
+        if keys and self.on_purge is not None:
+            self.on_purge(keys)
         self.seq, self.epoch = last, epoch
         if removed:
             log.info("purged %d deleted chunk entries from this replica's tiers", removed)

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -54,6 +54,7 @@ from kvblend.store.writeback import WriteBack, WriteBackStats
 
 log = logging.getLogger(__name__)
 DEFAULT_WRITEBACK_QUEUE = 64
+BLENDED = "|blend:"  # in the dtype of a scope that keeps blends whole (``Engine.blended_scope``)
 
 
 class Prepared(NamedTuple):
@@ -350,7 +351,15 @@ class Engine:
         qualified by the blend as run, so a blend never reads another config's KV."""
         own = self.prefix_scope(tenant)
         digest = hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
-        return own._replace(dtype=f"{own.dtype}|blend:{digest}")
+        return own._replace(dtype=f"{own.dtype}{BLENDED}{digest}")
+
+    def forget_blends(self, chunk_keys: Iterable[str]) -> int:
+        """After the stored chunks ``chunk_keys`` ("tenant/digest") were deleted: drop their
+        tenants' blends kept whole (``BlendedEntry``), which may hold KV made from them, so
+        that a deleted document's KV is served by no cache. Exact prefixes stay (their KV
+        is the prompt's own, computed from its text). How many tokens left the cache."""
+        tenants = {key.split("/", 1)[0] for key in chunk_keys}
+        return self.prefix_cache.drop_scopes(lambda scope: scope.tenant in tenants and BLENDED in scope.dtype)
 
     def cached_prefix(self, request: Request) -> int:
         """How many leading tokens of ``request``'s prompt the prefix cache would serve it:

@@ -250,6 +250,22 @@ class PrefixCache:
                 self._roots.pop(parent.scope, None)
 
     # ----- housekeeping ----------------------------------------------------------------
+    def drop_scopes(self, which: Any) -> int:
+        """Remove every scope for which ``which(scope)`` is true, with all its entries; how
+        many tokens left the cache."""
+        with self._lock:
+            gone = [scope for scope in self._roots if which(scope)]
+            tokens = 0
+            for scope in gone:
+                stack = list(self._roots.pop(scope).children.values())
+                while stack:
+                    node = stack.pop()
+                    stack.extend(node.children.values())
+                    tokens += len(node.tokens)
+                    self._account(node, -1)
+                    node.parent, node.children = None, {}  # any heap entry of it is dead now
+            return tokens
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"bytes": self._bytes, "tokens": self._tokens, "nodes": self._nodes, "scopes": len(self._roots)}

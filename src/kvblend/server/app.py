@@ -408,6 +408,7 @@ async def _tell_replicas(tell: Callable[[list[str]], None] | None, keys: list[st
 def _delete_keys(engine: Engine, keys: list[str]) -> None:
     for key in keys:
         engine.store.delete(ChunkKey.parse(key))
+    engine.forget_blends(keys)
 
 
 def _document_chunk_prefix(engine: Engine, settings: Settings) -> tuple[int, ...]:
