@@ -110,11 +110,27 @@ def corrupt(eng: Engine, scale: float) -> dict:
 
 
 @pytest.fixture(scope="module")
-def eng() -> Engine:
+def shared_engine() -> Engine:
     engine = Engine(make_loaded(num_hidden_layers=4), self_check=False)
     engine.generate(Request(documents=DOCS, question=QUESTIONS[0]), SAMPLING)
     engine.flush()
     return engine
+
+
+@pytest.fixture
+def eng(shared_engine: Engine) -> Engine:
+    """The module's engine, its documents stored, with no prompt cached: each test's
+    requests blend (a prompt an earlier test sent would be served that blend whole)."""
+    shared_engine.prefix_cache.clear()
+    return shared_engine
+
+
+def corrupt_blends(eng: Engine, scale: float) -> dict:
+    """``corrupt`` the stored chunks, and forget the blends kept whole that were made from
+    them before (as deleting them would): the next blends read the corrupted KV."""
+    good = corrupt(eng, scale)
+    eng.prefix_cache.clear()
+    return good
 
 
 def test_corrupted_chunks_engage_the_fallback_until_quality_returns(eng: Engine) -> None:
@@ -123,7 +139,7 @@ def test_corrupted_chunks_engage_the_fallback_until_quality_returns(eng: Engine)
     for q in QUESTIONS[:2]:
         assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.method == "blend"
     assert not guard.state("tiny-llama", "default").fallback
-    good = corrupt(eng, 3.0)
+    good = corrupt_blends(eng, 3.0)
     try:
         for q in QUESTIONS[:2]:
             serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
@@ -320,7 +336,7 @@ def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_c
         serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
     state = guard.state("tiny-llama", "default")
     assert state.band is not None and state.samples == 0 and not state.fallback
-    good = corrupt(eng, 3.0)
+    good = corrupt_blends(eng, 3.0)
     try:
         for q in QUESTIONS[:2]:  # no shadow check runs: the scores alone say it
             assert serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING).stats.checks
