@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from tests.benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cluster"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load()
+bc = load_benchmark("cluster")
 
 
 Row = tuple[str, str | None, list[str], tuple[int, ...]]  # status, replica, document sources, passages

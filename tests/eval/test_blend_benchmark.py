@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "blend.py"
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_blend", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_blend"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("blend")
 
 
 def test_also_times_one_more_method_beside_the_default_blend(bench) -> None:

@@ -3,22 +3,9 @@ policy was chosen on (issue #44)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tail.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_tail", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_tail"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bt = _load()
+bt = load_benchmark("tail")
 A, B = "blend:0.15:q+budget", "blend:0.15:q+sinks4"
 
 

@@ -3,27 +3,15 @@ it prints are for matmuls that compute what they should (no timing asserted here
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quant_matmul.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_quant_matmul", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_quant_matmul"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-qm = _load()
+qm = load_benchmark("quant_matmul")
 
 
 @pytest.mark.parametrize("out,inp,batch", [(192, 576, 1), (576, 1536, 8)])

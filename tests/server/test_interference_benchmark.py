@@ -3,27 +3,16 @@ run on the tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tests.benchmarks import BENCHMARKS, load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "interference.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_interference", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_interference"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bi = _load()
+bi = load_benchmark("interference")
+SCRIPT = BENCHMARKS / "interference.py"
 
 
 def _stream(steady: float, n_before: int, stall: float, n_after: int) -> list[float]:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from openai import OpenAI
-from starlette.testclient import TestClient
 
 from kvblend.engine import Engine, Request
 from kvblend.generation import SamplingParams
-from kvblend.server import create_app
-from kvblend.settings import Settings
 from tests.conftest import make_loaded
+from tests.server.helpers import openai_in_process
 
 MESSAGES = [{"role": "user", "content": "who is the doctor ? where does the doctor work ?"}]
 FULL = {"kvblend": {"method": "full"}, "ignore_eos": True}
@@ -21,10 +18,8 @@ FULL = {"kvblend": {"method": "full"}, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    engine = Engine(make_loaded())
-    settings = Settings.load(model="tiny", state_dir=str(tmp_path_factory.mktemp("state")))
-    with TestClient(create_app(engine, settings)) as http:
-        yield engine, http, OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+    with openai_in_process(Engine(make_loaded()), tmp_path_factory.mktemp("state")) as served:
+        yield served
 
 
 def full_forward_logprobs(engine: Engine, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:

@@ -3,28 +3,17 @@ smoke run on the tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tests.benchmarks import BENCHMARKS, load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bs = _load()
+bs = load_benchmark("serve")
+SCRIPT = BENCHMARKS / "serve.py"
 
 
 def search(threshold: float, plan, start: float, floor: float = 0.01) -> tuple[list[tuple[float, bool]], str]:

@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai import OpenAI
-from starlette.testclient import TestClient
 
 from kvblend.engine import Engine
 from kvblend.generation import grammar
-from kvblend.server import create_app
-from kvblend.settings import Settings
 from tests.conftest import CHATML, make_hf_model
+from tests.server.helpers import openai_in_process
 
 MESSAGES = [{"role": "user", "content": "Where does the doctor work? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
@@ -56,10 +53,8 @@ def byte_level_model(**overrides):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    engine = Engine(byte_level_model())
-    settings = Settings.load(model="tiny", state_dir=str(tmp_path_factory.mktemp("state")))
-    with TestClient(create_app(engine, settings)) as http:
-        yield engine, http, OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+    with openai_in_process(Engine(byte_level_model()), tmp_path_factory.mktemp("state")) as served:
+        yield served
 
 
 @pytest.mark.parametrize("method", ["full", "blend", "reuse", "prefix"])

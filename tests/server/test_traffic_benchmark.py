@@ -3,27 +3,15 @@ report's arithmetic (no server, no model)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from tests.benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "traffic.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_traffic", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_traffic"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bt = _load()
+bt = load_benchmark("traffic")
 
 
 def test_the_sequence_is_the_seeds_and_zipf_popular() -> None:
