@@ -167,7 +167,8 @@ def test_discovery_admits_a_passage_only_from_its_second_sighting_per_tenant(eng
     assert shape(engine, ask, config, index=index, sightings=seen).matches == ()
     assert shape(engine, dataclasses.replace(ask, tenant="globex"), config, index=index, sightings=seen).matches == ()
     assert [m.source for m in shape(engine, ask, config, index=index, sightings=seen).matches] == ["discovered"]
-    assert index.match("globex", [f"see {DOCS[2]}"]) == []  # indexed for the tenant that sent it twice only
+    assert index.match("default", [f"see {DOCS[2]}"])  # indexed once admitted: found wherever it stands
+    assert index.match("globex", [f"see {DOCS[2]}"]) == []  # globex sent it once: neither a document nor indexed
 
 
 def test_sightings_forget_the_least_recently_seen_first() -> None:
