@@ -100,7 +100,9 @@ class StoreSettings(_Section):
     redis_retry_s: float = Field(5.0, ge=0, le=3600, allow_inf_nan=False)  # a failed node is skipped this long
     kv_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # fp32: the exact reference
     tenant_bytes: Size | None = None
-    prefix_cache_bytes: Size = 512 * MiB
+    # exact prefixes and whole blends, in the compute dtype: fp32 SmolLM2 is 45 KB a token, so
+    # 2 GiB keeps ~47k tokens, ~35 RAG prompts (512 MiB kept ~9: repeats were evicted; issue #40)
+    prefix_cache_bytes: Size = 2 * GiB
 
     @model_validator(mode="after")
     def _valid_redis(self) -> StoreSettings:
@@ -209,6 +211,9 @@ class BlendSettings(BlendOptions):
     # a quantile (null: off): a blend without the shift whose moved risk is above this quantile
     # of its tenant's recent ones recomputes again at twice its ratio (``BlendConfig.escalate``)
     escalate: Ratio | None = _BLEND.escalate
+    # a blend reusing less than this share of its prompt (and storing nothing) runs as an exact
+    # prefill instead, which is cheaper there (``BlendConfig.min_reuse``)
+    min_reuse: Ratio = _BLEND.min_reuse
 
     @model_validator(mode="before")
     @classmethod
