@@ -10,7 +10,7 @@ import pytest
 from kvblend.engine import Engine
 from kvblend.engine import engine as engine_module
 from kvblend.engine.discovery import Passage, Sightings, discover, paragraphs
-from kvblend.engine.matching import DocumentIndex, IndexedText
+from kvblend.engine.matching import DocumentIndex, IndexedText, Match
 from kvblend.engine.shaping import (
     DocRef, DocumentTooLargeError, Draft, ShapeConfig, UnknownDocumentError, shape,
 )
@@ -136,14 +136,52 @@ def test_paragraphs_split_at_blank_lines_and_headings() -> None:
     assert parts == ["intro line\nsame paragraph", "## heading\nbody one", "# other", "last"]
 
 
-def test_discovery_finds_long_passages_only_outside_matched_spans(engine: Engine) -> None:
+def test_discovery_finds_long_passages_but_those_matched_spans_mostly_cover(engine: Engine) -> None:
     msgs = [{"role": "system", "content": "answer ."}, {"role": "user", "content": f"q ?\n\n{DOCS[0]}\n\n{DOCS[1]}"},
             {"role": "assistant", "content": DOCS[2]}]
     found = discover(engine.tokenizer, msgs, 10)
     assert [(p.message, msgs[1]["content"][p.start : p.end]) for p in found] == [(1, DOCS[0]), (1, DOCS[1])]
-    start = msgs[1]["content"].index(DOCS[0])
-    assert [p.message for p in discover(engine.tokenizer, msgs, 10, [(1, start, start + 3)])] == [1]
+    start, n = msgs[1]["content"].index(DOCS[0]), len(DOCS[0])
+    most, little = (1, start, start + (3 * n) // 4), (1, start, start + n // 4)
+    assert [msgs[1]["content"][p.start : p.end] for p in discover(engine.tokenizer, msgs, 10, [most])] == [DOCS[1]]
+    assert len(discover(engine.tokenizer, msgs, 10, [little])) == 2  # a short run leaves it a passage
     assert discover(engine.tokenizer, msgs, 100) == []
+
+
+def test_an_admitted_passage_replaces_the_short_stored_run_inside_it(engine: Engine) -> None:
+    """A passage holding a short run of stored text is discovered whole on its second
+    sighting (the run alone would reuse little, and the passage never be stored)."""
+    config, seen = ShapeConfig(discover=True, discover_tokens=10), Sightings(after=2)
+    run, filler = DOCS[0], " ".join(reversed(LONG.split()))
+    content = f"context :\n\n{run} {filler}\n\nwhich city ?"
+    stored_ids = ids(engine, f"{DOCS[1]} {run}")  # a stored chunk whose second half is the run
+
+    class RunIndex(DocumentIndex):  # the run found where it stands (matching has its own tests)
+        def match(self, tenant: str, messages: list[str]) -> list[Match]:
+            indexed = super().match(tenant, messages)  # what discovery indexed wins
+            if indexed:
+                return indexed
+            at = messages[-1].find(run)
+            n = len(ids(engine, run))
+            return [Match(len(messages) - 1, at, at + len(run), stored_ids[-n:], "c0", "d0", stored_ids,
+                          len(stored_ids) - n)] if at >= 0 else []
+
+    index, ask = RunIndex(), Draft(messages=user(content))
+    first = shape(engine, ask, config, index=index, sightings=seen)
+    assert [m.source for m in first.matches] == ["stored"]  # first sighting: the run only
+    engine.warm([stored_ids], engine.sink_prefix)
+    done = engine.prepare(first.request)  # the run is little of the prompt: an exact prefill, cached
+    assert done.stats.fallback == "little-reuse"
+    # repeats of that prompt are rendered as it was then (the run a document, the passage
+    # text), served from the cache; the passage left as text is not indexed either
+    for _ in range(2):
+        again = shape(engine, ask, config, index=index, sightings=seen)
+        assert [(m.source, m.chunk) for m in again.matches] == [("stored", "c0")]
+        assert engine.prepare(again.request).stats.prefix_hit_tokens == len(done.layout) - 1
+    # elsewhere, the admitted passage is a document, in place of the run inside it
+    other = shape(engine, Draft(messages=user(f"the novel :\n\n{run} {filler}\n\nwhich river ?")), config, index=index,
+                  sightings=seen)
+    assert [(m.source, m.chunk.startswith("passage-")) for m in other.matches] == [("discovered", True)]
 
 
 def test_a_discovered_passage_misses_once_then_hits_wherever_it_appears(engine: Engine) -> None:

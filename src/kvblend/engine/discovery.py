@@ -1,8 +1,8 @@
 """Passage discovery: a prompt's long paragraphs treated as documents though never stored.
 
 With ``documents.discover`` on, the text of a request's (non-assistant) messages outside
-the spans already matched is cut at blank lines and markdown headings; each passage of at
-least ``min_tokens`` tokens (tokenized alone, the way it becomes a document) is placed in
+the spans already matched (a passage they cover less than half of is a passage still) is cut
+at blank lines and markdown headings; each passage of at least ``min_tokens`` tokens (tokenized alone, the way it becomes a document) is placed in
 the layout as a document where it stands. The first time it misses the store and the
 engine's write-back stores its chunk KV; wherever the same passage appears again it hits.
 
@@ -25,6 +25,7 @@ from kvblend.blend.layout import tokenize_document
 # A passage ends at a blank line, or before a markdown heading line ("# ..." to "###### ...").
 _BREAK = re.compile(r"\n[ \t]*\n\s*|\n(?=[ \t]{0,3}#{1,6}[ \t])")
 DISCOVERED = "discovered"
+TAKEN_SHARE = 0.5  # a passage this much covered by stored runs is left to them
 
 
 class Passage(NamedTuple):
@@ -86,14 +87,19 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _outside(span: tuple[int, int], taken: Sequence[tuple[int, int]]) -> bool:
-    return all(span[1] <= a or span[0] >= b for a, b in taken)
+def covered_share(span: tuple[int, int], taken: Sequence[tuple[int, int]]) -> float:
+    """The share of ``span``'s characters inside the ``taken`` spans (which do not overlap)."""
+    inside = sum(max(0, min(span[1], b) - max(span[0], a)) for a, b in taken)
+    return inside / max(1, span[1] - span[0])
 
 
 def discover(tokenizer: Any, messages: Sequence[dict[str, str]], min_tokens: int,
-             taken: Sequence[tuple[int, int, int]] = ()) -> list[Passage]:
-    """The passages of at least ``min_tokens`` tokens in the non-assistant ``messages``,
-    outside the ``taken`` (message, start, end) spans, in prompt order."""
+             taken: Sequence[tuple[int, int, int]] = (), leave_to_taken: float = TAKEN_SHARE) -> list[Passage]:
+    """The passages of at least ``min_tokens`` tokens in the non-assistant ``messages``, in
+    prompt order, but those the ``taken`` (message, start, end) spans already cover
+    ``leave_to_taken`` of (by characters). A passage holding only a short run of stored
+    text is still a passage: reused, that run would save little, and the passage stored
+    whole serves its next sighting whole (the caller drops the taken spans inside it)."""
     found = []
     for m, msg in enumerate(messages):
         if msg.get("role") == "assistant":
@@ -101,7 +107,7 @@ def discover(tokenizer: Any, messages: Sequence[dict[str, str]], min_tokens: int
         text = msg.get("content") or ""
         spans = [(a, b) for k, a, b in taken if k == m]
         for start, end in paragraphs(text):
-            if end - start < min_tokens or not _outside((start, end), spans):
+            if end - start < min_tokens or covered_share((start, end), spans) >= leave_to_taken:
                 continue  # a token holds at least one character: too short to qualify
             ids = tokenize_document(tokenizer, text[start:end])
             if len(ids) >= min_tokens:

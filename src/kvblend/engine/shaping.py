@@ -266,12 +266,22 @@ def find_documents(engine: Any, base: Request, config: ShapeConfig, index: Docum
             found.append((span, m.token_ids, None if m.whole else SpanSource(m.source_ids, m.offset)))
     if discovering:
         new = [(f, ids, None) for f, ids in
-               _discovered(engine, base.tenant, conv, config, index, [f for f, _, _ in found], sightings)]
-        found += _after_cached_prefix(engine, base, found, new) if new and sightings is not None else new
+               _discovered(engine, base.tenant, conv, config, [f for f, _, _ in found], sightings)]
+        new = _after_cached_prefix(engine, base, found, new) if new and sightings is not None else new
+        if index is not None and new:  # indexed once a document: found later wherever it stands
+            index.add(base.tenant, [IndexedText(conv[f.message]["content"][f.start : f.end], ids, f.chunk)
+                                    for f, ids, _ in new])
+        found = [*_outside(found, new), *new]  # a passage wins over the short stored runs inside it
     if not found:
         return base, ()
     found.sort(key=lambda f: (f[0].message, f[0].start))
     return _placed(base, found), tuple(f for f, _, _ in found)
+
+
+def _outside(found: list, new: list) -> list:
+    """Those of ``found`` that overlap none of ``new`` (both lists of (span, ids, source))."""
+    return [f for f in found
+            if not any(f[0].message == n.message and f[0].start < n.end and n.start < f[0].end for n, _, _ in new)]
 
 
 def _placed(base: Request, found: list[tuple[SpanMatch, tuple[int, ...], SpanSource | None]]) -> Request:
@@ -297,23 +307,18 @@ def _after_cached_prefix(engine: Any, base: Request, found: list, new: list) -> 
     covered = cached_prefix(before)
     if covered == 0:
         return new
-    both = sorted([*found, *new], key=lambda f: (f[0].message, f[0].start))
+    both = sorted([*_outside(found, new), *new], key=lambda f: (f[0].message, f[0].start))
     layout = engine.layout(_placed(base, both))
     ends = {id(f): start + len(doc) for f, start, doc in zip(both, layout.doc_starts, layout.docs)}
     return [f for f in new if ends[id(f)] > covered]
 
 
-def _discovered(engine: Any, tenant: str, conv: list[dict[str, str]], config: ShapeConfig,
-                index: DocumentIndex | None, taken: list[SpanMatch],
+def _discovered(engine: Any, tenant: str, conv: list[dict[str, str]], config: ShapeConfig, taken: list[SpanMatch],
                 sightings: Sightings | None = None) -> list[tuple[SpanMatch, tuple[int, ...]]]:
-    """Long passages outside the ``taken`` spans that ``sightings`` admit (every one
-    without), as spans; indexed so that they are found later wherever they stand, not only
-    between blank lines."""
+    """Long passages that the ``taken`` spans leave (``discovery.discover``) and that
+    ``sightings`` admit (every one without), as spans."""
     passages = discover(engine.tokenizer, conv, config.discover_tokens, [(t.message, t.start, t.end) for t in taken])
     if sightings is not None:
         passages = [p for p in passages if sightings.admit(tenant, p)]
-    if index is not None and passages:
-        index.add(tenant, [IndexedText(conv[p.message]["content"][p.start : p.end], p.token_ids, p.chunk)
-                           for p in passages])
     return [(SpanMatch(p.message, p.start, p.end, len(p.token_ids), p.chunk, None, DISCOVERED), p.token_ids)
             for p in passages]
