@@ -200,3 +200,26 @@ def test_deleting_a_stored_chunk_forgets_its_tenants_whole_blends_only() -> None
     assert eng.cached_prefix(blended(tenant="globex")) == n - 1
     finished(eng, blended())  # the cache still takes entries after the drop
     assert eng.cached_prefix(blended()) == n - 1
+
+
+def test_a_blend_reusing_little_of_its_prompt_runs_as_an_exact_prefill() -> None:
+    """Below ``BlendConfig.min_reuse`` of the prompt reused, fusion costs more than a full
+    prefill (issue #40's traffic: 78 reused tokens of 1,295 blended in 2x full's time): the
+    request is computed exactly and prefix-cached; the stored document is reported skipped."""
+    eng = Engine(make_loaded())
+    doc, pasted = DOCS[0], f"{' '.join(DOCS[1:] * 3)} {QUESTION}"
+    eng.warm([doc], eng.sink_prefix)
+
+    def ask(**knobs) -> Request:
+        return Request(documents=[doc], question=pasted, system=SYSTEM, blend=BlendConfig(**knobs))
+
+    assert len(eng.layout(ask()).docs[0]) < 0.3 * len(eng.layout(ask()))
+    exact = eng.prepare(ask())
+    assert exact.stats.fallback == "little-reuse" and [d.source for d in exact.stats.docs] == ["skipped"]
+    full = eng.prepare(Request(documents=[doc], question=pasted, system=SYSTEM, method="full")).logits
+    assert torch.allclose(exact.logits, full, atol=1e-4)
+    assert eng.prepare(ask()).stats.prefix_hit_tokens == len(exact.layout) - 1  # exact, so prefix-cached
+    cold = Engine(make_loaded())  # no prefix cached
+    cold.warm([doc], cold.sink_prefix)
+    blended = cold.prepare(ask(min_reuse=0.0, ratio=0.2))  # 0: blend whatever is reused
+    assert blended.stats.fallback is None and [d.source for d in blended.stats.docs] == ["memory"]

@@ -359,11 +359,20 @@ def test_a_cold_request_computes_its_prompt_once(monkeypatch) -> None:
     monkeypatch.setattr(strategies, "fuse_steps", lambda m, p: passes.append(1) or real(m, p))
     eng = Engine(make_loaded(num_hidden_layers=3))
     full = _logits(eng, "full")
+    cold_blend = BlendConfig(ratio=0.15, selection="question", budget=True, sinks=4, shift=True, recompute_misses=True)
+    # min_reuse 0: fusion itself, not the exact prefill a blend reusing nothing is routed to
     cold = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
-                               blend=BlendConfig(ratio=0.15, selection="question", budget=True, sinks=4, shift=True,
-                                                 recompute_misses=True)))
+                               blend=replace(cold_blend, min_reuse=0.0)))
     assert len(passes) == 1 and all(d.source == "computed" for d in cold.stats.docs)
     assert (cold.logits - full).abs().max().item() <= 1e-3
+    eng.flush()
+    passes.clear()
+    other = Engine(make_loaded(num_hidden_layers=3))  # a cold store again
+    routed = other.prepare(
+        Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend", blend=cold_blend))
+    assert not passes and routed.stats.fallback == "little-reuse"  # at the default: no fusion at all
+    assert (routed.logits - _logits(other, "full")).abs().max().item() <= 1e-3
+    other.flush()
     eng.flush()
     passes.clear()
     _logits(eng, "blend", ratio=0.0, selection="question", shift=True)  # all cached, nothing kept: one pass

@@ -81,6 +81,12 @@ class BlendConfig:
     reuse's) is above this quantile of its tenant's recent ones recomputes again at twice
     its ratio, the tokens it kept among them (``engine.escalation``; docs/results.md, issue #23).
     A quantile, not a level, so about the same share of requests pays for it on every model.
+    ``min_reuse``: a blend whose stored KV covers less than this share of the prompt's tokens
+    (and that has no missed document to compute and store) runs as an exact prefill instead:
+    fusion's per-token recompute costs more than a full prefill's, so below about a third of
+    the prompt reused a blend is slower than computing everything (measured on SmolLM2:
+    fusion ~0.3 s + 2.4 s x the recomputed share against 2.2 s full, 1,300 tokens; docs/results.md,
+    issue #40), and the exact prefill is also exact and prefix-cached. 0 blends whatever is reused.
 
     The default (``BlendConfig()``, hence ``blend`` in the engine, the CLI, the server and
     the demo) is ``blend:0.15:q+budget+sinks4+shift``: question-attention selection with
@@ -108,6 +114,7 @@ class BlendConfig:
     vdev: float = 0.0
     cover: float = 0.0
     escalate: float | None = 0.9
+    min_reuse: float = 0.3
 
     @classmethod
     def cacheblend(cls, ratio: float = 0.15, chunk_prefix: str = "bos") -> BlendConfig:
@@ -165,6 +172,8 @@ class BlendConfig:
             raise InvalidRequestError(f"vdev must be within [0, 1], got {self.vdev}", "vdev")
         if not 0.0 <= self.cover <= 1.0:
             raise InvalidRequestError(f"cover must be within [0, 1], got {self.cover}", "cover")
+        if not 0.0 <= self.min_reuse <= 1.0:
+            raise InvalidRequestError(f"min_reuse must be a share within [0, 1], got {self.min_reuse}", "min_reuse")
         if self.escalate is not None and not 0.0 <= self.escalate <= 1.0:
             raise InvalidRequestError(f"escalate must be a quantile within [0, 1] or None, got {self.escalate}", "escalate")
         if self.vdev and self.selection != "question":

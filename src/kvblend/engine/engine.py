@@ -175,6 +175,16 @@ def _fall_back(chunks: _Chunks, dropped: set[int], pipelined: bool) -> LoadStats
     return LoadStats(pipelined, len(feed), tuple(feed.wait_s), feed.read_s, tuple(failures))
 
 
+def _little_reuse(chunks: _Chunks, covered: int, n: int, cfg: BlendConfig) -> bool:
+    """Whether a blend would reuse less than ``cfg.min_reuse`` of the prompt's ``n`` tokens
+    (its ``covered`` prefix hit and its stored documents after it) and has no missed document
+    to compute alone and store (``BlendConfig.min_reuse``): an exact prefill is then cheaper
+    than fusion, and exact."""
+    if chunks.alone or cfg.min_reuse <= 0:
+        return False
+    return covered + sum(d.tokens for d in chunks.stats if d.hit) < cfg.min_reuse * n
+
+
 def _skip_loading(chunks: _Chunks) -> None:
     """At ratio 1 every document token is recomputed and the slow tiers' KV would only be
     waited for: do not load it (the documents are computed, like misses, and not written back)."""
@@ -552,6 +562,20 @@ class Engine:
         entries are all made at base frequencies: prompts past it neither read nor add)."""
         return not rope_lib.length_dependent(self.loaded.config.rope, n)
 
+    def _instead_of_blend(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
+                          timer: _Timer, slice_tokens: SliceSize, chunks: _Chunks) -> Generator[Any, Any, _Built]:
+        """An exact (prefix-cached) prefill in place of a blend reusing little (``_little_reuse``):
+        its missed documents still go to the write-back, so the next request carrying them
+        blends them; the stored ones it computes anyway are reported "skipped"."""
+        if chunks.feed is not None:  # never started: nothing was loaded
+            chunks.feed.close()
+        self._write_back(chunks.misses, self.chunk_prefix(request, layout))
+        built = yield from self._prefill_exact(replace(request, method="prefix"), layout, ids, extra, timer,
+                                               slice_tokens)
+        docs = [DocStat(d.index, d.tokens, False, "skipped") if looked.hit and d.source == "computed" else d
+                for d, looked in zip(built.docs, chunks.stats)]
+        return built._replace(fallback=built.fallback or "little-reuse", docs=docs)
+
     def _prefill_exact(self, request: Request, layout: PromptLayout, ids: torch.Tensor, extra: int,
                        timer: _Timer, slice_tokens: SliceSize) -> Generator[Any, Any, _Built]:
         """``full`` (no cache at all) or ``prefix`` (longest exact prefix, then the rest, in
@@ -569,7 +593,8 @@ class Engine:
         if use_prefix:
             self.prefix_cache.insert(scope, ids, cache, ids.shape[0])
         done = hit.length if hit else 0
-        docs = [DocStat(i, len(d), False, "computed") for i, d in enumerate(layout.docs)]
+        docs = [DocStat(i, len(d), False, "prefix" if d and a + len(d) <= done else "computed")
+                for i, (a, d) in enumerate(zip(layout.doc_starts, layout.docs))]
         return _Built(cache, logits, done, docs, [len(layout) - done] * len(self.model.layers), 0, fallback,
                       exact=ids.shape[0] if use_prefix else 0)
 
@@ -595,6 +620,9 @@ class Engine:
             earlier = None
         covered = hit.length if hit else 0  # documents inside it are done already: no lookup, no blend
         chunks = self._lookup(request, layout, timer, covered)
+        if (request.method == "blend" and not request.explain and earlier is None
+                and _little_reuse(chunks, covered, len(layout), cfg)):
+            return (yield from self._instead_of_blend(request, layout, ids, extra, timer, slice_tokens, chunks))
         yield from self._compute_alone(chunks, self.chunk_prefix(request, layout), slice_tokens, timer)
         if cfg.auto and request.method == "reuse":
             cfg = cfg.with_ratio(0.0)
