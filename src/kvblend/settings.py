@@ -208,8 +208,8 @@ class BlendSettings(BlendOptions):
     r_min: Ratio = _BLEND.r_min
     r_max: Ratio = _BLEND.r_max
     calibrate: bool = True
-    # a quantile (null: off): a blend without the shift whose moved risk is above this quantile
-    # of its tenant's recent ones recomputes again at twice its ratio (``BlendConfig.escalate``)
+    # a quantile (null: off): a question-selected blend whose risk is above this quantile of its
+    # tenant's recent ones of the same kind recomputes at twice its ratio (``BlendConfig.escalate``)
     escalate: Ratio | None = _BLEND.escalate
     # a blend reusing less than this share of its prompt (and storing nothing) runs as an exact
     # prefill instead, which is cheaper there (``BlendConfig.min_reuse``)

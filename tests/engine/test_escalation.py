@@ -1,6 +1,6 @@
-"""Escalation (kvblend.engine.escalation): a blend without the shift whose moved risk is in
-the top of its tenant's recent ones recomputes again at twice its ratio, and that second
-recompute is exactly the blend at twice the ratio."""
+"""Escalation (kvblend.engine.escalation): a blend whose risk is in the top of its tenant's
+recent ones of the same kind recomputes at twice its ratio: without the shift a second
+recompute, with it the whole blend again, each exactly the blend at twice the ratio."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_below_its_tenants_top_a_blend_runs_once_and_other_tenants_are_not_moved
     assert not fresh.stats.escalated and torch.equal(fresh.logits, plain.logits)
 
 
-def test_the_window_records_the_risk_that_decided_and_only_blends_without_the_shift() -> None:
+def test_the_window_records_the_risk_that_decided_per_kind() -> None:
     eng = _engine()
     for _ in range(MIN_SAMPLES):
         eng.escalation.add("t", 0.0)
@@ -100,9 +100,40 @@ def test_the_window_records_the_risk_that_decided_and_only_blends_without_the_sh
     assert eng.escalation.threshold("t", 1.0) == pytest.approx(before)  # the largest in: the deciding risk, twice
     for _ in range(MIN_SAMPLES - 1):
         eng.escalation.add("shifted", 0.0)  # one short of a threshold
-    eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
-                        blend=BlendConfig(ratio=0.2), tenant="shifted"))  # the shift's risk is another kind
-    assert eng.escalation.threshold("shifted", 0.0) is None  # so it was not added
+    shifted = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
+                                  blend=BlendConfig(ratio=0.2), tenant="shifted")).stats
+    assert eng.escalation.threshold("shifted", 0.0) is None  # the shift's risk is another kind: not added here
+    assert shifted.risk is not None and not shifted.escalated
+    assert eng.escalation.threshold("shifted", 0.0, "shift") is None  # but in its own window, one of 16
+
+
+SHIFTED = dict(selection="question", budget=True, sinks=4, shift=True)  # the default's strategy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_a_shift_blend_above_its_tenants_bar_runs_again_whole_at_twice_its_ratio(arch: str) -> None:
+    # issue #44: models that keep the shift escalate too, on the shift's own risk
+    eng = Engine(make_loaded(arch), prefix_cache=PrefixCache(0), self_check=False, calibrate=False)
+    for tenant in ("t", "calm"):
+        _prepare(eng, tenant=tenant, escalate=None, recompute_misses=True)
+    eng.flush()
+    plain = _prepare(eng, escalate=None, ratio=0.2, **SHIFTED)
+    twice = _prepare(eng, escalate=None, ratio=0.4, **SHIFTED)
+    assert plain.stats.risk is not None and (plain.logits - twice.logits).abs().max().item() > 1e-3
+    for _ in range(MIN_SAMPLES):
+        eng.escalation.add("t", 0.0, "shift")  # any shift risk is now in t's top
+        eng.escalation.add("calm", 1.0, "shift")  # and none in calm's
+        eng.escalation.add("calm", 0.0)  # (a moved risk sets no bar for the shift's)
+    up = _prepare(eng, ratio=0.2, **SHIFTED)
+    assert up.stats.escalated and (up.logits - twice.logits).abs().max().item() <= 1e-5
+    assert up.stats.risk == pytest.approx(twice.stats.risk)  # the served blend's, as with no escalation
+    assert up.stats.checks[0].selected == twice.stats.checks[0].selected
+    # the first blend's work and the second's, whole
+    assert up.stats.recomputed_per_layer == [p + t for p, t in zip(plain.stats.recomputed_per_layer,
+                                                                    twice.stats.recomputed_per_layer)]
+    assert eng.escalation.threshold("t", 1.0, "shift") == pytest.approx(plain.stats.risk)  # the risk that decided
+    calm = _prepare(eng, tenant="calm", ratio=0.2, **SHIFTED)
+    assert not calm.stats.escalated and torch.equal(calm.logits, plain.logits)
 
 
 def test_escalate_is_a_quantile_or_none() -> None:

@@ -76,11 +76,14 @@ class BlendConfig:
     ``question`` and ``oracle`` select once, with the last ratio of the schedule (check
     layers, schedule and signal are deviation's knobs).
     ``BlendConfig.cacheblend(r)`` is the paper's algorithm: V deviation at layer 1.
-    ``escalate`` (a quantile, None = off): a question-selected blend without the shift whose
-    moved risk (``strategies.moved_risk``: how little its recompute moved the answer from
-    reuse's) is above this quantile of its tenant's recent ones recomputes again at twice
-    its ratio, the tokens it kept among them (``engine.escalation``; docs/results.md, issue #23).
-    A quantile, not a level, so about the same share of requests pays for it on every model.
+    ``escalate`` (a quantile, None = off): a question-selected blend whose risk is above this
+    quantile of its tenant's recent risks of the same kind recomputes at twice its ratio
+    (``engine.escalation``; docs/results.md, issues #23 and #44). Without the shift the risk is
+    the moved risk (``strategies.moved_risk``: how little its recompute moved the answer from
+    reuse's) and the blend recomputes again, the tokens it kept among them; with the shift it
+    is the shift's own (``strategies.blend_risk``) and the blend runs again whole at twice
+    the ratio. A quantile, not a level, so about the same share of requests pays for it on
+    every model.
     ``min_reuse``: a blend whose stored KV covers less than this share of the prompt's tokens
     (and that has no missed document to compute and store) runs as an exact prefill instead:
     fusion's per-token recompute costs more than a full prefill's, so below about a third of
@@ -205,9 +208,17 @@ class BlendConfig:
         asked for the shift (``Engine.blend_config``)."""
         if self.auto:
             return replace(self, shift=False, r_min=min(self.r_max, 2 * self.r_min))
+        return replace(self.twice(), shift=False)
+
+    def twice(self) -> BlendConfig:
+        """This config recomputing twice its fixed ratio, or every ratio of its schedule (at
+        most all): what an escalated blend runs (``engine.escalation``). ValueError while the
+        ratio is 'auto' (the controller resolves it first)."""
+        if self.auto:
+            raise ValueError("the ratio is 'auto': resolve it first (BlendConfig.with_ratio)")
         if self.schedule is not None:
-            return replace(self, shift=False, schedule=tuple(min(1.0, 2 * r) for r in self.schedule))
-        return replace(self, shift=False, ratio=min(1.0, 2 * float(self.ratio)))
+            return replace(self, schedule=tuple(min(1.0, 2 * r) for r in self.schedule))
+        return replace(self, ratio=min(1.0, 2 * float(self.ratio)))
 
     def with_ratio(self, ratio: float) -> BlendConfig:
         """This config with a fixed ratio (the controller's choice for one request)."""

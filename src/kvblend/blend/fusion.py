@@ -154,8 +154,8 @@ class FusionPlan:
     # loss, e.g. fp32 for an fp32 model): layer 0 then projects only their queries; False
     # (fp16/int8 storage): layer 0 projects their K/V too, so ratio 1 stays a full prefill
     lossless: bool = True
-    # a question-selected blend without the shift whose moved risk is above this recomputes
-    # again at twice its ratio (``strategies.escalated_keep``; the engine's per-request threshold)
+    # a question-selected blend whose risk is above this recomputes at twice its ratio
+    # (``strategies.escalated_keep``; the engine's per-request threshold)
     escalate_at: float | None = None
 
 
@@ -167,7 +167,7 @@ class FusionOutput(NamedTuple):
     checks: tuple[SelectionStats, ...] = ()  # per check layer; spans are ``plan.placed`` in order
     # a strategy's estimate of how much of reuse's error this blend left (``strategies.blend_risk``, ``moved_risk``)
     risk: float | None = None
-    escalated: float | None = None  # the moved risk that sent the blend to twice its ratio (None: it was not)
+    escalated: float | None = None  # the risk that sent the blend to twice its ratio (None: it was not)
 
 
 def _prefix_len(plan: FusionPlan) -> int:

@@ -636,6 +636,14 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     escalated = None
     if correct is not None:
         risk = blend_risk(correct, int(chosen.numel()), n_cand)
+        if escalated_keep(plan, cfg, risk, keep, n_cand, scores[pos]) is not None:
+            # the shift moved every token left out: run the blend again whole at twice the
+            # ratio (its own question pass, selection and shift), exactly that blend
+            wide = cfg.twice()
+            again_out = yield from run_strategy_steps(
+                model, replace(plan, strategy=wide, ratios=wide.ratios, escalate_at=None))
+            work.append(again_out.recomputed)
+            return again_out._replace(recomputed=[sum(layer) for layer in zip(*work)], escalated=risk)
     else:
         risk = moved_risk(reused.logits, out.logits) if reused is not None else None
         wider = escalated_keep(plan, cfg, risk, keep, n_cand, scores[pos])
@@ -650,8 +658,9 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
 
 def escalated_keep(plan: FusionPlan, cfg: BlendConfig, risk: float | None, keep: int, n_cand: int,
                    scores: torch.Tensor) -> int | None:
-    """How many candidates a blend recomputes again when its moved risk (``moved_risk``) is
-    above ``plan.escalate_at`` (the engine's threshold for the request: ``engine.escalation``):
+    """How many candidates a blend recomputes again when its risk (``moved_risk``, or with
+    the shift ``blend_risk``) is above ``plan.escalate_at`` (the engine's threshold for the
+    request: ``engine.escalation``):
     as many as twice its ratio keeps (at most all; ``cover`` applies as to the first), never
     fewer than it kept. None: no second recompute (no threshold, no risk, below it, or every
     candidate already kept)."""

@@ -276,7 +276,7 @@ class Engine:
         self._profile = profile if profile is not None else load_profile(self._profile_path())
         self._profile_lock = threading.Lock()
         self.placement_r_min = BlendConfig().r_min  # the quality floor placement plans for
-        self.escalation = RiskWindows()  # each tenant's recent moved risks: which blends recompute again
+        self.escalation = RiskWindows()  # each tenant's recent risks per kind: which blends recompute again
         # Who runs background model work (write-back's chunk KV): None, here on the calling
         # thread; a scheduler sets it so that its worker stays the model's one owner. It takes
         # a step generator and a name and returns the work's value, blocking the caller, or
@@ -631,13 +631,14 @@ class Engine:
             cfg = cfg.with_ratio(choice.ratio)
             if choice.ratio >= 1.0:
                 _skip_loading(chunks)
-        moved = request.method == "blend" and risk_kind(cfg.strategy) == "moved"  # its risk, if any, is moved_risk
+        # a question-selected blend's risk ranks it among its tenant's of the same kind
+        kind = risk_kind(cfg.strategy) if request.method == "blend" and cfg.selection == "question" else None
         plan = FusionPlan(ids, chunks.placed, (hit.keys, hit.values) if hit else None, cfg.check_layers,
                           cfg.ratios, cfg.signal, select_from_start=request.method == "reuse", extra_capacity=extra,
                           strategy=None if request.method == "reuse" or cfg.plain else cfg,
                           doc_spans=tuple((a, a + len(d)) for a, d in zip(layout.doc_starts, layout.docs)
                                           if d and a >= covered),
-                          escalate_at=self.escalation.threshold(request.tenant, cfg.escalate) if moved else None,
+                          escalate_at=self.escalation.threshold(request.tenant, cfg.escalate, kind) if kind else None,
                           lossless=self.kv_dtype == compute_dtype_name(self.model.dtype))
         t = time.perf_counter()
         try:
@@ -648,8 +649,8 @@ class Engine:
             if chunks.feed is not None:
                 chunks.feed.close()
         timer.add("prefill", t)
-        if moved and out.risk is not None:  # the risk that decided, before any second recompute
-            self.escalation.add(request.tenant, out.escalated if out.escalated is not None else out.risk)
+        if kind and out.risk is not None:  # the risk that decided, before any second recompute
+            self.escalation.add(request.tenant, out.escalated if out.escalated is not None else out.risk, kind)
         loading = _fall_back(chunks, {id(unsliced(p.chunk)) for p in dropped}, self.pipeline)
         fused = [p for p in chunks.placed if all(p is not d for d in dropped)]  # what fusion kept
         # every position before the first reused document was computed exactly, reading

@@ -3,8 +3,10 @@
 A question-selected blend without the shift measures how little its recompute moved the
 answer from plain reuse's (``blend.strategies.moved_risk``). Where that is high, the blend
 most likely left reuse's error in place, and the engine runs its recompute again at twice
-the ratio (``FusionPlan.escalate_at``, ``strategies.escalated_keep``). "High" is relative:
-above the ``BlendConfig.escalate`` quantile of the tenant's last ``WINDOW`` such risks, so
+the ratio (``FusionPlan.escalate_at``, ``strategies.escalated_keep``). A blend with the shift
+has the shift's own risk (``blend_risk``) and, above the bar, runs again whole at twice the
+ratio (issue #44). "High" is relative: above the ``BlendConfig.escalate`` quantile of the
+tenant's last ``WINDOW`` risks of the same kind (the two kinds are on different scales), so
 about the same share of requests pays for a second pass on every model, whatever the scale
 of its risks (issue #23, docs/results.md "The tail"); strictly above, so a prompt sent
 again and again (equal risks) does not escalate every time. Before ``MIN_SAMPLES`` risks
@@ -39,32 +41,35 @@ def top_quantile(recent: Sequence[float], q: float, min_samples: int) -> float |
 
 
 class RiskWindows:
-    """The last ``window`` moved risks of each tenant; thread-safe, bounded in tenants.
+    """The last ``window`` risks of each tenant and risk kind; thread-safe, bounded in
+    (tenant, kind) windows.
     Holds floats only (no request content); one tenant's risks never set another's bar."""
 
     def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES, max_tenants: int = MAX_TENANTS) -> None:
         if not 1 <= min_samples <= window or max_tenants < 1:
             raise ValueError("need 1 <= min_samples <= window and max_tenants >= 1")
         self.window, self.min_samples, self.max_tenants = window, min_samples, max_tenants
-        self._risks: OrderedDict[str, deque[float]] = OrderedDict()
+        self._risks: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()  # (tenant, kind)
         self._lock = threading.Lock()
 
-    def threshold(self, tenant: str, quantile: float | None) -> float | None:
-        """The risk above which this tenant's next blend escalates (``top_quantile``);
-        None when ``quantile`` is None or too few risks are in."""
+    def threshold(self, tenant: str, quantile: float | None, kind: str = "moved") -> float | None:
+        """The risk of ``kind`` above which this tenant's next blend escalates
+        (``top_quantile``); None when ``quantile`` is None or too few risks are in."""
         if quantile is None:
             return None
         with self._lock:
-            recent = tuple(self._risks.get(tenant, ()))
+            recent = tuple(self._risks.get((tenant, kind), ()))
         return top_quantile(recent, quantile, self.min_samples)
 
-    def add(self, tenant: str, risk: float) -> None:
-        """Record a blend's moved risk, the one that decided (before any escalation)."""
+    def add(self, tenant: str, risk: float, kind: str = "moved") -> None:
+        """Record a blend's risk of ``kind`` (``strategies.risk_kind``), the one that decided
+        (before any escalation)."""
+        key = (tenant, kind)
         with self._lock:
-            recent = self._risks.get(tenant)
+            recent = self._risks.get(key)
             if recent is None:
-                recent = self._risks[tenant] = deque(maxlen=self.window)
+                recent = self._risks[key] = deque(maxlen=self.window)
                 while len(self._risks) > self.max_tenants:
                     self._risks.popitem(last=False)
-            self._risks.move_to_end(tenant)
+            self._risks.move_to_end(key)
             recent.append(risk)

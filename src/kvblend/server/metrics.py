@@ -115,8 +115,8 @@ class ServerMetrics:
         self.risk = Histogram(P + "blend_risk", "A blend's estimate (0: none, 1: reuse's) of how much of reuse's error "
                               "it left, from what it computed anyway; kind: shift (KV error left) or moved (how little "
                               "the answer moved from reuse's)", [*lab, "kind"], buckets=RISK_BUCKETS, registry=reg)
-        self.escalations = Counter(P + "blend_escalations", "Blends whose moved risk was in the top of their "
-                                   "tenant's recent ones, so they recomputed again at twice their ratio", lab,
+        self.escalations = Counter(P + "blend_escalations", "Blends whose risk was in the top of their "
+                                   "tenant's recent ones of its kind, so they recomputed at twice their ratio", lab,
                                    registry=reg).labels(model_name)
         Gauge(P + "num_requests_running", "Requests decoding now", lab, registry=reg).labels(
             model_name).set_function(running)
