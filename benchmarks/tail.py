@@ -19,12 +19,14 @@ for a question-selected blend, how spread the question's attention over the docu
 candidates that holds each share, what ``+coverS`` would keep).
 
 Each method runs once per question, without the engine's escalation (``engine.escalation``:
-a blend without the shift whose moved risk is in the top of its tenant's recent ones
-recomputes again at twice its ratio, which depends on the requests before it); ``--report
+a blend whose risk is in the top of its tenant's recent ones of its kind recomputes at
+twice its ratio, which depends on the requests before it); ``--report
 --escalate Q`` applies that rule to the records instead: the risk method's questions whose
 risk is above the Q quantile of the split's risks take the records of the same blend at
 twice its ratio (run it too, e.g. ``blend:0.3:...`` beside ``blend:0.15:...``), exactly what
-the engine serves then (tests/engine/test_escalation.py).
+the engine serves then, with the shift or without (tests/engine/test_escalation.py).
+``--risk moved`` ranks every question-selected blend by its moved risk instead, the shift's
+too (what the engine does not do: measured, it ranked SmolLM2's tail no better).
 
 ``--report`` prints, per method, the per-question ratio KL / reuse's KL (mean of the KL
 over questions divided by reuse's mean, median / p90 / max of per-question ratios, the
@@ -181,12 +183,15 @@ def auc_interval(scores: list[float], labels: list[bool], rounds: int = 1000, se
     return [round(vals[int(0.025 * (len(vals) - 1))], 3), round(vals[int(0.975 * (len(vals) - 1))], 3)]
 
 
-def with_risk(r: dict) -> dict:
+def with_risk(r: dict, kind: str = "engine") -> dict:
     """The record with ``risk`` as the engine defines it now, for records measured before it
     reported it so: with the shift, ``strategies.blend_risk`` (session 9), (1 - ratio) x
     ``shift_left`` (equal up to the rounding of the kept count: the engine's (1 - kept /
     candidates)); a question-selected blend without it, ``strategies.moved_risk`` (session
-    15), exp(-``pass_kl``); else none."""
+    15), exp(-``pass_kl``); else none. ``kind`` "moved": the moved risk for every
+    question-selected blend, the shift's too (``--risk moved``)."""
+    if kind == "moved":
+        return {**r, "risk": strategies.risk_of_moved_kl(r["pass_kl"]) if r.get("pass_kl") is not None else None}
     if r.get("shift_left") is not None:
         return {**r, "risk": (1.0 - float(parse_method(r["method"].split("[")[0]).blend.ratio)) * r["shift_left"]}
     if r.get("pass_kl") is not None and r.get("strategy") and strategies.risk_kind(r["strategy"]) == "moved":
@@ -269,7 +274,7 @@ def doubled(method: str) -> str:
     return ":".join([name, f"{min(1.0, 2 * float(ratio)):g}", *rest])
 
 
-def escalation(records: list[dict], ids: set[str] | None, method: str, quantile: float) -> None:
+def escalation(records: list[dict], ids: set[str] | None, method: str, quantile: float, risk: str = "engine") -> None:
     """The engine's escalation applied to ``method``'s records: a question whose risk is
     above the ``quantile`` of the split's risks (``engine.escalation.top_quantile``; the
     split stands for the tenant's window) takes the record of ``doubled(method)``. Prints the
@@ -278,7 +283,7 @@ def escalation(records: list[dict], ids: set[str] | None, method: str, quantile:
     by = {}
     for r in records:
         if ids is None or r["id"] in ids:
-            by.setdefault(r["id"], {})[r["method"]] = with_risk(r)
+            by.setdefault(r["id"], {})[r["method"]] = with_risk(r, risk)
     rows = {i: m for i, m in by.items() if "reuse" in m and method in m and m[method]["risk"] is not None}
     bar = top_quantile([m[method]["risk"] for m in rows.values()], quantile, MIN_SAMPLES)
     up = {i for i, m in rows.items() if bar is not None and m[method]["risk"] > bar}
@@ -386,7 +391,7 @@ def policy_name(policy: tuple[str, float | None]) -> str:
 
 
 def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantiles: list[float | None],
-          k: int, seed: int = 0) -> dict:
+          k: int, seed: int = 0, risk: str = "engine") -> dict:
     """Figures that generalise: the questions are cut into ``k`` folds (a seeded shuffle);
     for each fold the policy (a method of ``methods`` with an escalation quantile of
     ``quantiles``, None: none) with the lowest mean KL ratio to reuse on the other k-1 folds
@@ -398,7 +403,7 @@ def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantil
     by: dict[str, dict] = {}
     for r in records:
         if ids is None or r["id"] in ids:
-            by.setdefault(r["id"], {})[r["method"]] = with_risk(r)
+            by.setdefault(r["id"], {})[r["method"]] = with_risk(r, risk)
     qids = sorted((i for i, m in by.items() if "reuse" in m), key=lambda i: int(i.rsplit("-", 1)[-1]))
     order = torch.randperm(len(qids), generator=torch.Generator().manual_seed(seed)).tolist()
     parts = [[qids[j] for j in order[f::k]] for f in range(k)]
@@ -474,6 +479,8 @@ def main() -> None:
                     help="with --folds: the blend methods to choose among (comma-separated; default: the default alone)")
     ap.add_argument("--quantiles", default="none",
                     help="with --folds: escalation quantiles to choose among, 'none' for no escalation (e.g. none,0.9)")
+    ap.add_argument("--risk", choices=("engine", "moved"), default="engine",
+                    help="with --escalate / --folds: the engine's risk per blend kind, or the moved risk for every blend")
     args = ap.parse_args()
     out = Path(args.out)
     records_path = out / "records.jsonl"
@@ -485,10 +492,10 @@ def main() -> None:
         if args.pool:
             pooled(records, ids, args.pool.split(","))
         if args.escalate is not None:
-            escalation(records, ids, args.risk_method, args.escalate)
+            escalation(records, ids, args.risk_method, args.escalate, args.risk)
         if args.folds:
             quantiles = [None if q == "none" else float(q) for q in args.quantiles.split(",")]
-            folds(records, ids, args.choose.split(","), quantiles, args.folds)
+            folds(records, ids, args.choose.split(","), quantiles, args.folds, risk=args.risk)
         if args.table:
             per_question(records, ids, args.table.split(","))
         if args.converge:

@@ -58,3 +58,13 @@ def test_escalation_takes_the_doubled_record_above_the_windows_quantile() -> Non
     # the threshold comes from the window given: a window of low risks escalates everything above them
     low = {k: {m: ({**r, "risk": 0.0} if m == A else r) for m, r in v.items()} for k, v in rows.items()}
     assert len([r for r in bt.served_under((A, 0.9), rows, window=low).values() if r["method"] == wide]) == 19
+
+
+def test_the_moved_risk_ranks_shift_blends_by_how_little_they_moved_from_reuse() -> None:
+    # --risk moved: exp(-pass_kl) for every question-selected blend, the shift's too; the
+    # engine's kind keeps the shift's own risk ((1 - ratio) x shift_left)
+    shifted = {"id": "musique_dev-0", "method": "blend:0.15:q+shift", "kl": 0.1, "recompute_frac": 0.15,
+               "strategy": "question+shift", "pass_kl": 0.5, "shift_left": 0.4}
+    assert bt.with_risk(shifted)["risk"] == 0.85 * 0.4
+    assert abs(bt.with_risk(shifted, "moved")["risk"] - 0.6065306597) < 1e-9
+    assert bt.with_risk({**shifted, "pass_kl": None}, "moved")["risk"] is None

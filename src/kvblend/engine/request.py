@@ -196,7 +196,8 @@ class RequestStats(NamedTuple):
     prefill_s: float  # full prefill or fusion/recompute
     ttft_s: float  # request start -> first token sampled
     fallback: str | None = None  # why reuse the method allows was skipped, e.g. "dynamic-rope":
-    # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed
+    # dynamic NTK RoPE past max_position_embeddings, where the exact prefix cache is bypassed;
+    # "little-reuse": a blend reusing under ``BlendConfig.min_reuse`` of its prompt ran exact
     checks: tuple[CheckStat, ...] = ()  # blend's check layers, in order
     loading: LoadStats | None = None  # pipelined loading: worker waits per layer, fallbacks
     controller: RatioChoice | None = None  # ratio "auto": the ratio chosen and its inputs
