@@ -11,10 +11,10 @@ prefix cache has seen them in another order, so `prefix` reuses the system promp
 Methods are timed alternately so machine noise hits all alike; ratios are given of the
 medians, as the median of per-round ratios, and best against best. ``--also`` times one more
 method spec beside them (e.g. the default blend at another ratio). ``escalated`` is
-``blend`` for a tenant whose recent moved risks all lie below its own, so that a blend
-without the shift (a model whose shift test failed) recomputes again at twice its ratio
-(``engine.escalation``): what the requests that escalate pay (on a model that keeps the shift
-it is ``blend``). Ends with one JSON line.
+``blend`` for a tenant whose recent risks all lie below its own, so that it escalates
+(``engine.escalation``): without the shift (a model whose shift test failed) it recomputes
+again at twice its ratio, with it the whole blend runs again at twice its ratio; what the
+requests that escalate pay. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_met
     warm_prefixes()
     engine.flush()
     for _ in range(WINDOW):  # a tenant whose recent risks lie below any blend's, for more rounds than are timed
-        engine.escalation.add("escalated", 0.0)
+        for kind in ("moved", "shift"):
+            engine.escalation.add("escalated", 0.0, kind)
     times: dict[str, list[float]] = {m: [] for m in ("full", "prefix", "reuse", "blend", "escalated", "cacheblend",
                                                      *specs)}
     recomputed: dict[str, float] = {}

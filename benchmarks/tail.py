@@ -390,13 +390,25 @@ def policy_name(policy: tuple[str, float | None]) -> str:
     return policy[0] if policy[1] is None else f"{policy[0]} escalate@{policy[1]:g}"
 
 
+def _meets(served: dict[str, dict], rows: dict[str, dict], p90_goal: float) -> bool:
+    """Whether ``served`` ({id: record}) has a p90 KL ratio to reuse at most ``p90_goal`` and
+    no question worse than reuse."""
+    ratios = sorted(served[i]["kl"] / max(rows[i]["reuse"]["kl"], 1e-12) for i in served)
+    if not ratios:
+        return False
+    return ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))] <= p90_goal and ratios[-1] <= 1.0
+
+
 def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantiles: list[float | None],
-          k: int, seed: int = 0, risk: str = "engine") -> dict:
+          k: int, seed: int = 0, risk: str = "engine", p90_goal: float | None = None) -> dict:
     """Figures that generalise: the questions are cut into ``k`` folds (a seeded shuffle);
     for each fold the policy (a method of ``methods`` with an escalation quantile of
     ``quantiles``, None: none) with the lowest mean KL ratio to reuse on the other k-1 folds
     is chosen, and scored on the held-out fold only; the held-out questions of every fold are
-    pooled. A fixed default is a choice too: pass it alone to score it the same way. Prints
+    pooled. With ``p90_goal``, the policy chosen is instead the cheapest (lowest mean
+    recompute fraction on the training folds) whose training p90 ratio is at most the goal
+    with none worse than reuse (the lowest mean ratio when none meets it). A fixed default
+    is a choice too: pass it alone to score it the same way. Prints
     and returns the pooled mean ratio (mean KL over mean reuse KL), the median, p90 and max
     of per-question ratios, the questions worse than reuse, the mean recompute fraction and
     the policy chosen per fold."""
@@ -419,6 +431,10 @@ def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantil
     for f, part in enumerate(parts):
         train = {i: by[i] for g, other in enumerate(parts) if g != f for i in other}
         best = min(policies, key=lambda p: mean_ratio(served_under(p, train), train))
+        if p90_goal is not None:  # the cheapest policy meeting the goal on the training folds
+            meets = [p for p in policies if _meets(served_under(p, train), train, p90_goal)]
+            best = min(meets, key=lambda p: statistics.mean(r["recompute_frac"] for r in
+                                                           served_under(p, train).values())) if meets else best
         chosen.append(policy_name(best))
         held.update(served_under(best, {i: by[i] for i in part}, window=train))  # the threshold from the past
     ratios = sorted(held[i]["kl"] / max(by[i]["reuse"]["kl"], 1e-12) for i in held)
@@ -479,6 +495,8 @@ def main() -> None:
                     help="with --folds: the blend methods to choose among (comma-separated; default: the default alone)")
     ap.add_argument("--quantiles", default="none",
                     help="with --folds: escalation quantiles to choose among, 'none' for no escalation (e.g. none,0.9)")
+    ap.add_argument("--p90-goal", type=float, default=None,
+                    help="with --folds: choose the cheapest policy whose training p90 ratio meets this (see folds)")
     ap.add_argument("--risk", choices=("engine", "moved"), default="engine",
                     help="with --escalate / --folds: the engine's risk per blend kind, or the moved risk for every blend")
     args = ap.parse_args()
@@ -495,7 +513,7 @@ def main() -> None:
             escalation(records, ids, args.risk_method, args.escalate, args.risk)
         if args.folds:
             quantiles = [None if q == "none" else float(q) for q in args.quantiles.split(",")]
-            folds(records, ids, args.choose.split(","), quantiles, args.folds, risk=args.risk)
+            folds(records, ids, args.choose.split(","), quantiles, args.folds, risk=args.risk, p90_goal=args.p90_goal)
         if args.table:
             per_question(records, ids, args.table.split(","))
         if args.converge:

@@ -68,3 +68,16 @@ def test_the_moved_risk_ranks_shift_blends_by_how_little_they_moved_from_reuse()
     assert bt.with_risk(shifted)["risk"] == 0.85 * 0.4
     assert abs(bt.with_risk(shifted, "moved")["risk"] - 0.6065306597) < 1e-9
     assert bt.with_risk({**shifted, "pass_kl": None}, "moved")["risk"] is None
+
+
+def test_with_a_p90_goal_the_cheapest_policy_meeting_it_is_chosen() -> None:
+    # A (15 % recomputed) misses a p90 of 0.3 on every fold, C (30 %) meets it, D (50 %)
+    # meets it with a lower mean: the goal picks C, the mean alone D
+    C, D = "blend:0.3:q+budget", "blend:0.5:q+budget"
+    records = [rec(i, "reuse", 1.0) for i in range(20)]
+    records += [rec(i, A, 0.1 if i % 5 else 0.6) for i in range(20)]
+    records += [{**rec(i, C, 0.2), "recompute_frac": 0.3} for i in range(20)]
+    records += [{**rec(i, D, 0.1), "recompute_frac": 0.5} for i in range(20)]
+    assert bt.folds(records, None, [A, C, D], [None], 5)["chosen"] == [D] * 5
+    line = bt.folds(records, None, [A, C, D], [None], 5, p90_goal=0.3)
+    assert line["chosen"] == [C] * 5 and line["p90_ratio"] == 0.2 and line["recompute_frac"] == 0.3
