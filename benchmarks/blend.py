@@ -66,6 +66,12 @@ def blend_specs(ratio: float, blend_method: str | None, also: str | None = None)
     return specs
 
 
+# ``prefix`` runs under a tenant of its own: its prompt enters that tenant's prefix cache
+# whole, and under the shared one it would serve the next method's request as an exact
+# prefix hit (every method but ``full`` reads the prefix cache)
+TENANTS = {"escalated": "escalated", "prefix": "prefix"}
+
+
 def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_method: str | None = None,
                  also: str | None = None
                  ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float], dict[str, bool]]:
@@ -83,10 +89,10 @@ def ttft_section(engine: Engine, examples, ratio: float, repeats: int, blend_met
         spec = specs.get("blend" if method == "escalated" else method)
         return Request(documents=ds, question=q, system=MUSIQUE_INSTRUCTION,
                        method=spec.method if spec else method, blend=spec.blend if spec else BlendConfig(ratio=ratio),
-                       tenant=tenant or ("escalated" if method == "escalated" else "default"))
+                       tenant=tenant or TENANTS.get(method, "default"))
 
     def warm_prefixes() -> None:  # each tenant's prefix cache holds the system prompt, from another order
-        for tenant in ("default", "escalated"):
+        for tenant in ("default", *TENANTS.values()):
             engine.prepare(request("prefix", order=[5, 4, 3, 2, 1, 0], q=musique_query("warm-up"), tenant=tenant))
 
     for m in ("blend", "escalated"):  # each tenant's store
