@@ -183,6 +183,12 @@ def auc_interval(scores: list[float], labels: list[bool], rounds: int = 1000, se
     return [round(vals[int(0.025 * (len(vals) - 1))], 3), round(vals[int(0.975 * (len(vals) - 1))], 3)]
 
 
+def p90(ordered: list[float]) -> float:
+    """The 0.9 quantile of ``ordered`` (sorted, not empty) as every figure here reads it: the
+    element at round(0.9 x (n - 1))."""
+    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+
+
 def with_risk(r: dict, kind: str = "engine") -> dict:
     """The record with ``risk`` as the engine defines it now, for records measured before it
     reported it so: with the shift, ``strategies.blend_risk`` (session 9), (1 - ratio) x
@@ -247,10 +253,9 @@ def report(records: list[dict], ids: set[str] | None, risk_method: str) -> None:
             continue
         ratios = sorted(rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common)
         mean_ratio = statistics.mean(rows[i]["kl"] for i in common) / statistics.mean(reuse[i]["kl"] for i in common)
-        p90 = ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))]
         line = {"method": method, "n": len(common), "kl": round(statistics.mean(rows[i]["kl"] for i in common), 4),
                 "mean_ratio": round(mean_ratio, 3), "median_ratio": round(statistics.median(ratios), 3),
-                "p90_ratio": round(p90, 3), "max_ratio": round(ratios[-1], 3),
+                "p90_ratio": round(p90(ratios), 3), "max_ratio": round(ratios[-1], 3),
                 "worse_than_reuse": sum(x > 1 for x in ratios), "above_0_5": sum(x > 0.5 for x in ratios),
                 "recompute_frac": round(statistics.mean(rows[i]["recompute_frac"] for i in common), 3)}
         ratios_of = {i: rows[i]["kl"] / max(reuse[i]["kl"], 1e-12) for i in common}
@@ -300,7 +305,7 @@ def escalation(records: list[dict], ids: set[str] | None, method: str, quantile:
                       "n_escalated": len(up), "escalated_ids": sorted(up, key=lambda i: int(i.rsplit("-", 1)[-1])),
                       "missing": missing, "mean_ratio": round(mean_ratio, 3),
                       "median_ratio": round(statistics.median(ratios), 3),
-                      "p90_ratio": round(ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))], 3),
+                      "p90_ratio": round(p90(ratios), 3),
                       "max_ratio": round(ratios[-1], 3), "worse_than_reuse": sum(x > 1 for x in ratios),
                       "above_0_5": sum(x > 0.5 for x in ratios),
                       "auc_risk": auc(risks, [ratio_of[i] > 0.5 for i in served]),
@@ -396,7 +401,7 @@ def _meets(served: dict[str, dict], rows: dict[str, dict], p90_goal: float) -> b
     ratios = sorted(served[i]["kl"] / max(rows[i]["reuse"]["kl"], 1e-12) for i in served)
     if not ratios:
         return False
-    return ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))] <= p90_goal and ratios[-1] <= 1.0
+    return p90(ratios) <= p90_goal and ratios[-1] <= 1.0
 
 
 def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantiles: list[float | None],
@@ -441,7 +446,7 @@ def folds(records: list[dict], ids: set[str] | None, methods: list[str], quantil
     line = {"folds": k, "n": len(ratios), "chosen": chosen}
     if ratios:
         line.update({"mean_ratio": round(mean_ratio(held, by), 3), "median_ratio": round(statistics.median(ratios), 3),
-                     "p90_ratio": round(ratios[min(len(ratios) - 1, int(round(0.9 * (len(ratios) - 1))))], 3),
+                     "p90_ratio": round(p90(ratios), 3),
                      "max_ratio": round(ratios[-1], 3), "worse_than_reuse": sum(x > 1 for x in ratios),
                      "recompute_frac": round(statistics.mean(r["recompute_frac"] for r in held.values()), 3)})
     print(json.dumps(line))

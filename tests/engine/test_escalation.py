@@ -99,12 +99,13 @@ def test_the_window_records_the_risk_that_decided_per_kind() -> None:
     assert escalated.escalated and escalated.risk != pytest.approx(before)
     assert eng.escalation.threshold("t", 1.0) == pytest.approx(before)  # the largest in: the deciding risk, twice
     for _ in range(MIN_SAMPLES - 1):
-        eng.escalation.add("shifted", 0.0)  # one short of a threshold
+        eng.escalation.add("shifted", 0.0)  # each window one short of a threshold
+        eng.escalation.add("shifted", 0.0, "shift")
     shifted = eng.prepare(Request(documents=DOCS, question=QUESTION, system="answer the question .", method="blend",
                                   blend=BlendConfig(ratio=0.2), tenant="shifted")).stats
     assert eng.escalation.threshold("shifted", 0.0) is None  # the shift's risk is another kind: not added here
-    assert shifted.risk is not None and not shifted.escalated
-    assert eng.escalation.threshold("shifted", 0.0, "shift") is None  # but in its own window, one of 16
+    assert shifted.risk is not None and not shifted.escalated  # (15 in: no bar yet)
+    assert eng.escalation.threshold("shifted", 1.0, "shift") == pytest.approx(shifted.risk)  # but in its own
 
 
 SHIFTED = dict(selection="question", budget=True, sinks=4, shift=True)  # the default's strategy

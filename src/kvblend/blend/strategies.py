@@ -640,6 +640,7 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
             # the shift moved every token left out: run the blend again whole at twice the
             # ratio (its own question pass, selection and shift), exactly that blend
             wide = cfg.twice()
+            reused = out = again = None  # this blend's caches: not held while the second one runs
             again_out = yield from run_strategy_steps(
                 model, replace(plan, strategy=wide, ratios=wide.ratios, escalate_at=None))
             work.append(again_out.recomputed)

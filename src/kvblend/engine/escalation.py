@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 WINDOW = 256  # risks kept per tenant
 MIN_SAMPLES = 16  # risks a tenant needs before anything escalates
-MAX_TENANTS = 4096  # tenants tracked; the least recently seen go first
+MAX_TENANTS = 4096  # (tenant, risk kind) windows kept; the least recently seen go first
 
 
 def top_quantile(recent: Sequence[float], q: float, min_samples: int) -> float | None:
