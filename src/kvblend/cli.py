@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvblend.cliargs import add_model_args as _add_model_args
-from kvblend.cliargs import DTYPES
+from kvblend.cliargs import DECODE_WEIGHTS, DTYPES
 from kvblend.cliargs import load_from_args as _load
 from kvblend.cliargs import print_stats as _print_stats
 from kvblend.errors import KvblendError
@@ -222,6 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvblend.settings import Settings
 
     flags = {"host": args.host, "port": args.port, "model": args.model, "device": args.device, "dtype": args.dtype,
+             "decode_weights": args.decode_weights,
              "served_model_name": args.served_model_name, "log_level": args.log_level}
     cluster = {k: v for k, v in (("replicas", args.replicas), ("ray_address", args.ray_address),
                                  ("router", args.router)) if v is not None}
@@ -247,6 +248,8 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default float32)")
+    p.add_argument("--decode-weights", default=None, choices=DECODE_WEIGHTS,
+                   help="packed weights decode steps read (default auto: int8 on the CPU; fp32 = the reference)")
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
     p.add_argument("--replicas", type=int, default=None,
                    help="run as a Ray Serve application with N model replicas (needs kvblend[cluster])")

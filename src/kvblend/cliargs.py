@@ -9,16 +9,20 @@ import sys
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
+DECODE_WEIGHTS = ("auto", "fp32", "fp16", "int8")  # models.packed.DECODE_WEIGHTS (kept here: no torch import)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--device`` and ``--dtype``."""
+    """``--model``, ``--device``, ``--dtype`` and ``--decode-weights``."""
     from kvblend.settings import model_defaults
 
     s = model_defaults()  # one source of defaults: KVBLEND_* environment, KVBLEND_CONFIG file, built-ins
     p.add_argument("--model", default=s.model, help="packaged name, HF folder or .gguf (default: %(default)s)")
     p.add_argument("--device", default=s.device, help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default=s.dtype, choices=DTYPES, help="compute dtype (default: %(default)s)")
+    p.add_argument("--decode-weights", default=s.decode_weights, choices=DECODE_WEIGHTS,
+                   help="packed weights decode steps read: auto = int8 on the CPU (fp32 compute), none on CUDA; "
+                        "fp32 = the exact reference (default: %(default)s)")
 
 
 def load_from_args(args: argparse.Namespace) -> Any:
@@ -27,7 +31,8 @@ def load_from_args(args: argparse.Namespace) -> Any:
 
     from kvblend.models import load_model
 
-    return load_model(args.model, args.device, getattr(torch, args.dtype))
+    return load_model(args.model, args.device, getattr(torch, args.dtype),
+                      decode_weights=getattr(args, "decode_weights", "auto"))
 
 
 def print_stats(s: Any) -> None:

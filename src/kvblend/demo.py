@@ -13,15 +13,13 @@ import argparse
 import json
 import time
 
-import torch
-
 from kvblend.blend.config import BlendConfig
 from kvblend.data import MUSIQUE_RAG
 from kvblend.engine import Engine
 from kvblend.eval.datasets import MUSIQUE_INSTRUCTION, musique_query
 from kvblend.metrics import best_f1, first_line, token_f1
 from kvblend.generation import SamplingParams
-from kvblend.models import load_model
+from kvblend.cliargs import load_from_args
 from kvblend.rag.ask import Answer, ask
 from kvblend.rag.chunking import ChunkerConfig
 from kvblend.commands.ingest import default_store_dir
@@ -82,7 +80,7 @@ def _report(example: dict, a: Answer) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     t = time.perf_counter()
-    loaded = load_model(args.model, args.device, getattr(torch, args.dtype))
+    loaded = load_from_args(args)
     _say(f"model {loaded.name}: {loaded.config.num_layers} layers, loaded in {time.perf_counter() - t:.1f}s")
     engine = Engine(loaded, store=build_store(StoreConfig(disk_dir=str(default_store_dir()))))
     folder = default_index_dir(loaded.tokenizer_fingerprint).with_name(f"demo-{loaded.tokenizer_fingerprint[:16]}")

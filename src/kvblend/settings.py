@@ -450,6 +450,9 @@ class ModelSettings(BaseSettings):
     model: str = DEFAULT_MODEL
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # The packed weight copy decode steps read (models.packed): auto = int8 for fp32 on the
+    # CPU, none elsewhere; fp32 = the exact reference (decode reads the fp32 weights).
+    decode_weights: Literal["auto", "fp32", "fp16", "int8"] = "auto"
 
     @classmethod
     def settings_customise_sources(

@@ -15,6 +15,17 @@ PROMPT = ("Retrieval-augmented generation answers questions from documents. The 
 
 
 def check_against_transformers(loaded) -> None:
+    """Our logits and greedy tokens against transformers', on the fp32 reference path
+    (decode reading the fp32 weights; the packed decode weights state their KL instead)."""
+    kind = loaded.model.decode_weights
+    loaded.model.pack_decode_weights("fp32")
+    try:
+        _check_against_transformers(loaded)
+    finally:
+        loaded.model.pack_decode_weights(kind)
+
+
+def _check_against_transformers(loaded) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
@@ -38,7 +49,7 @@ def test_smollm2_matches_transformers(smollm2) -> None:
 def test_qwen_coder_matches_transformers() -> None:
     from kvblend.models import load_model
 
-    check_against_transformers(load_model("qwen2.5-coder-0.5b"))
+    check_against_transformers(load_model("qwen2.5-coder-0.5b", decode_weights="fp32"))
 
 
 def test_smollm2_chat_answers_in_text(smollm2) -> None:

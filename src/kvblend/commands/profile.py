@@ -44,16 +44,14 @@ def _sample_example():
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import torch
-
-    from kvblend.models import load_model
+    from kvblend.cliargs import load_from_args
     from kvblend.pipeline.profile import measure_profile, profile_path, save_profile
     from kvblend.store.config import build_store
 
     from kvblend.settings import Settings
 
     args.kv_dtype = args.kv_dtype or Settings.load().store.kv_dtype
-    loaded = load_model(args.model, args.device, getattr(torch, args.dtype))
+    loaded = load_from_args(args)
     store = build_store(profiled_store(args))
     try:
         profile = measure_profile(loaded.model, loaded.fingerprint, store.tiers, progress=not args.json)

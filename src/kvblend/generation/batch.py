@@ -31,6 +31,7 @@ from kvblend.generation.chunked import Forward
 from kvblend.generation.slot import DecodeSlot
 from kvblend.models.attention import attend_planned, plan_attention
 from kvblend.models.kv_cache import KVCache
+from kvblend.models.packed import decode_pass, decoding
 from kvblend.models.transformer import Transformer
 
 __all__ = ["DecodeSlot", "decode_batch", "forward_batch"]
@@ -70,18 +71,19 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
                  for p, s, t in zip(positions, starts, sizes)]
              for w in {layer.window for layer in model.layers}}
     rows = list(itertools.accumulate(sizes, initial=0))  # row offsets of each step
-    h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
-    for i, layer in enumerate(model.layers):
-        q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
-        attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
-        for b, f in enumerate(forwards):
-            a, z = rows[b], rows[b + 1]
-            keys, values = f.cache.write(i, starts[b], k[:, a:z], v[:, a:z])
-            attn[a:z] = attend_planned(q[:, a:z], keys, values, plans[layer.window][b])
-        h = layer.finish(h, attn)
-    for f, start, size in zip(forwards, starts, sizes):
-        f.cache.length = start + size
-    return _logits(model, h, forwards, rows)
+    with decoding(decode_pass(sizes)):  # decode steps alone read the packed decode weights
+        h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
+        for i, layer in enumerate(model.layers):
+            q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
+            attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
+            for b, f in enumerate(forwards):
+                a, z = rows[b], rows[b + 1]
+                keys, values = f.cache.write(i, starts[b], k[:, a:z], v[:, a:z])
+                attn[a:z] = attend_planned(q[:, a:z], keys, values, plans[layer.window][b])
+            h = layer.finish(h, attn)
+        for f, start, size in zip(forwards, starts, sizes):
+            f.cache.length = start + size
+        return _logits(model, h, forwards, rows)
 
 
 def _logits(model: Transformer, h: torch.Tensor, forwards: Sequence[Forward], rows: list[int]) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from kvblend.errors import KvblendError, ModelNotFoundError, UnsupportedModelError
 from kvblend.models.config import ModelConfig, kv_config_digest
 from kvblend.models.gguf import META_FILE, cache_home, convert_gguf
+from kvblend.models.packed import resolve_decode_weights
 from kvblend.models.registry import resolve_packaged
 from kvblend.models.transformer import Transformer
 from kvblend.models.weights import fingerprint_files, load_into, read_safetensors, safetensors_files
@@ -105,8 +106,11 @@ def load_tokenizer(folder: Path) -> Any:
 
 
 def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
-                   weights: bool = True) -> LoadedModel:
+                   weights: bool = True, decode_weights: str = "auto") -> LoadedModel:
     """Load a Hugging Face folder (config.json + safetensors + tokenizer files).
+
+    ``decode_weights`` (``models.packed``): the packed copy decode passes read; ``auto``
+    is int8 for fp32 on the CPU, none elsewhere; ``fp32`` is the exact reference.
 
     ``weights=False``: the module is built on torch's ``meta`` device (shapes, no storage,
     nothing to run): config, tokenizer and fingerprints only, for a process that shapes
@@ -116,7 +120,9 @@ def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype =
         raise ModelNotFoundError(f"model folder {folder} does not exist")
     config = read_model_config(folder)
     if weights:
+        kind = resolve_decode_weights(decode_weights, device, dtype)  # a bad kind fails before the read
         model = build_model(config, read_safetensors(safetensors_files(folder), dtype), device, dtype)
+        model.pack_decode_weights(kind)
     else:
         with torch.device("meta"):
             model = Transformer(config).to(dtype).eval().requires_grad_(False)
@@ -126,9 +132,9 @@ def load_hf_folder(folder: str | Path, device: str = "cpu", dtype: torch.dtype =
 
 
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, decode_weights: str = "auto") -> LoadedModel:
     """Load by packaged short name, Hugging Face folder, or GGUF file path
-    (``weights``: see ``load_hf_folder``). An unknown ``device`` is a KvblendError before
+    (``weights``, ``decode_weights``: see ``load_hf_folder``). An unknown ``device`` is a KvblendError before
     anything is read."""
     try:
         torch.device(device)
@@ -137,7 +143,9 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         raise KvblendError(f"unknown torch device {device!r} (e.g. cpu, cuda, cuda:1): {first[:200]}") from None
     path = Path(spec)
     if path.suffix == ".gguf":
-        return load_hf_folder(convert_gguf(path), device, dtype, weights=weights)
-    if path.is_dir():
-        return load_hf_folder(path, device, dtype, weights=weights)
-    return load_hf_folder(resolve_packaged(spec), device, dtype, weights=weights)
+        folder = convert_gguf(path)
+    elif path.is_dir():
+        folder = path
+    else:
+        folder = resolve_packaged(spec)
+    return load_hf_folder(folder, device, dtype, weights=weights, decode_weights=decode_weights)

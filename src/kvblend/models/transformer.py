@@ -30,6 +30,7 @@ from kvblend.errors import ContextLengthError
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
+from kvblend.models.packed import PackedWeight, decode_pass, decoding, is_decoding, packed_bytes
 
 
 # Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
@@ -54,23 +55,38 @@ class LayerDone(int):
 
 class Linear(nn.Module):
     """y = x W^T + b with uninitialised storage: weights always come from a checkpoint,
-    so the random init of ``nn.Linear`` (seconds for a whole model) is skipped."""
+    so the random init of ``nn.Linear`` (seconds for a whole model) is skipped.
+
+    ``packed``: the weight packed for decode passes (``models.packed``), read instead of
+    ``weight`` inside ``decoding()``; None reads ``weight`` everywhere."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
+
+    def _packed_now(self) -> PackedWeight | None:
+        return self.packed if self.packed is not None and is_decoding() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        packed = self._packed_now()
+        return packed(x) if packed is not None else F.linear(x, self.weight, self.bias)
 
     def plus(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x) as one GEMM that accumulates into a copy of the residual."""
+        packed = self._packed_now()
+        if packed is not None:
+            return packed(x).add_(residual)
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out.add_(self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out += self(x), in place (out must be a tensor the caller owns)."""
+        packed = self._packed_now()
+        if packed is not None:
+            out.add_(packed(x))
+            return
         out.addmm_(x, self.weight.t())
         if self.bias is not None:
             out.add_(self.bias)
@@ -216,6 +232,21 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.decode_weights = "fp32"
+
+    def pack_decode_weights(self, kind: str) -> None:
+        """Give every linear layer but the embedding (a lookup table) a copy of its weight
+        packed as ``kind`` ("int8" or "fp16", ``models.packed``) for decode passes, or drop
+        the copies ("fp32": decode reads the fp32 weights, the reference)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.embed_tokens:
+                module.packed = None if kind == "fp32" else PackedWeight(module.weight, module.bias, kind)
+        self.decode_weights = kind
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weight one decode step reads (every linear layer but the embedding)."""
+        return sum(packed_bytes(m.weight, self.decode_weights) for m in self.modules()
+                   if isinstance(m, Linear) and m is not self.embed_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -265,11 +296,12 @@ class Transformer(nn.Module):
         ``logits_for``: "last" -> (1, V), "all" -> (T, V), "none" -> empty tensor.
         """
         steps = self.forward_steps(ids, cache, logits_for)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        with decoding(decode_pass([ids.shape[0]])):
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value
 
     @torch.inference_mode()
     def forward_steps(self, ids: torch.Tensor, cache: KVCache,

@@ -49,7 +49,8 @@ def build_engine(settings: Settings):
     from kvblend.models import load_model
     from kvblend.store.config import build_store
 
-    loaded = load_model(settings.model, settings.device, getattr(torch, settings.dtype))
+    loaded = load_model(settings.model, settings.device, getattr(torch, settings.dtype),
+                        decode_weights=settings.decode_weights)
     settings.blend.check_model(loaded.config.num_layers)
     compute = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[settings.dtype]
     store = build_store(settings.store.store_config(compute))
