@@ -8,7 +8,10 @@ down 1536->576) and the LM head (576->49152), at batch 1 and 8, it times:
 - ``int8``: ``torch._weight_int8pack_mm`` on int8 weights with one fp32 scale per output row;
 - ``int4``: ``torch._weight_int4pack_mm_for_cpu`` on weights packed by
   ``torch._convert_weight_to_int4pack_for_cpu``, asymmetric int4 in groups of 32 along the
-  input (the layout of GGUF's Q4_0/Q4_1/Q4_K blocks).
+  input (the layout of GGUF's Q4_0/Q4_1/Q4_K blocks);
+- ``fbgemm8`` and ``fbgemm16``: kvblend's decode weights (``kvblend.models.packed``):
+  FBGEMM's dynamically quantized int8 linear (rows scaled and pinned, as kvblend calls it)
+  and its fp16-weight GEMM.
 
 Each time is the median of ``--repeats`` calls after a warm-up, the three variants
 interleaved call by call so that a busy machine slows them alike. Each call reads the next
@@ -20,7 +23,7 @@ largest difference relative to the output's largest magnitude; float rounding on
 should stay near 1e-6 for fp32 activations).
 
 Prints one JSON line: per shape and batch the medians in microseconds and the speedups
-``fp32_us / int8_us`` and ``fp32_us / int4_us`` (above 1: the packed matmul is faster), and
+``fp32_us / <form>_us`` for each packed form (above 1: the packed matmul is faster), and
 ``decode_step``: the same sums over one decode step's matmuls (30 layers + the LM head).
 
     .venv/bin/python benchmarks/quant_matmul.py --threads 2 --repeats 60
@@ -37,6 +40,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kvblend.models.packed import PackedWeight
+
 HIDDEN, INTERMEDIATE, VOCAB, KV_OUT, LAYERS = 576, 1536, 49152, 192, 30
 SHAPES = {  # name: (out, in, uses per decode step)
     "q_proj": (HIDDEN, HIDDEN, LAYERS), "k_proj": (KV_OUT, HIDDEN, LAYERS), "v_proj": (KV_OUT, HIDDEN, LAYERS),
@@ -45,6 +50,7 @@ SHAPES = {  # name: (out, in, uses per decode step)
     "lm_head": (VOCAB, HIDDEN, 1),
 }
 GROUP = 32
+FORMS = ("fp32", "int8", "int4", "fbgemm8", "fbgemm16")
 INNER_K_TILES = 2
 
 
@@ -102,7 +108,9 @@ class Weights:
         self.int8 = [quantize_int8(w) for w in self.fp32]
         self.int4 = [quantize_int4(w) for w in self.fp32]
         self.packed = [(torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES), sz) for q, sz in self.int4]
-        self.turn = [0, 0, 0]
+        self.fbgemm8 = [PackedWeight(w, None, "int8") for w in self.fp32]
+        self.fbgemm16 = [PackedWeight(w, None, "fp16") for w in self.fp32]
+        self.turn = [0] * len(FORMS)
 
     def next(self, form: int) -> int:
         i = self.turn[form]
@@ -125,16 +133,25 @@ def probe(out: int, inp: int, batch: int, repeats: int, copies: int = 1) -> dict
         packed, scales_zeros = ws.packed[ws.next(2)]
         return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
-    fp32_us, int8_us, int4_us = medians_us([fp32, int8, int4], repeats)
+    def fbgemm8() -> torch.Tensor:
+        return ws.fbgemm8[ws.next(3)](x)
+
+    def fbgemm16() -> torch.Tensor:
+        return ws.fbgemm16[ws.next(4)](x)
+
+    times = medians_us([fp32, int8, int4, fbgemm8, fbgemm16], repeats)
     packed = ws.packed[0][0]
     row = {
         "int8_err": rel_err(torch._weight_int8pack_mm(x, q8, s8), F.linear(x, q8.float() * s8[:, None])),
         "int4_err": rel_err(torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz),
                             F.linear(x, dequantize_int4(q4, sz))),
-        "fp32_us": fp32_us, "int8_us": int8_us, "int4_us": int4_us,
+        # against the exact fp32 matmul: FBGEMM's int8 also rounds the activations (7 bits a row)
+        "fbgemm8_err_vs_fp32": rel_err(ws.fbgemm8[0](x), F.linear(x, ws.fp32[0])),
+        "fbgemm16_err_vs_fp32": rel_err(ws.fbgemm16[0](x), F.linear(x, ws.fp32[0])),
     }
-    row["int8_speedup"] = row["fp32_us"] / row["int8_us"]
-    row["int4_speedup"] = row["fp32_us"] / row["int4_us"]
+    row.update({f"{form}_us": t for form, t in zip(FORMS, times)})
+    for form in FORMS[1:]:
+        row[f"{form}_speedup"] = row["fp32_us"] / row[f"{form}_us"]
     return row
 
 
@@ -153,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         rows = {name: probe(o, i, batch, args.repeats, 1 if args.hot else uses)
                 for name, (o, i, uses) in SHAPES.items()}
-        step = {k: sum(rows[n][k] * SHAPES[n][2] for n in rows) for k in ("fp32_us", "int8_us", "int4_us")}
-        step["int8_speedup"] = step["fp32_us"] / step["int8_us"]
-        step["int4_speedup"] = step["fp32_us"] / step["int4_us"]
+        step = {f"{f}_us": sum(rows[n][f"{f}_us"] * SHAPES[n][2] for n in rows) for f in FORMS}
+        for form in FORMS[1:]:
+            step[f"{form}_speedup"] = step["fp32_us"] / step[f"{form}_us"]
         result[f"batch{batch}"] = {"shapes": rows, "decode_step": step}
     print(json.dumps(result, separators=(",", ":")))
     return 0
