@@ -35,16 +35,26 @@ def test_packed_matmul_is_the_fp32_matmul_up_to_its_rounding(kind: str, tol: flo
 
 def test_int8_is_the_matmul_of_the_rounded_weights_and_rows() -> None:
     """The int8 matmul is exactly the fp32 matmul of W rounded per output row to 127 levels
-    of its max |w|, and of each row scaled to max |x| = 1 and rounded to FBGEMM's 7-bit
-    grid over [-1, 1] (step 2/127), scaled back."""
+    of its max |w|, and of each row as FBGEMM's 7-bit grid over [-1, 1] (step 2/127) sees it
+    twice: the row scaled to max |x| = 1, and what rounding it lost, times 127."""
     w, _ = _weights()
     packed = PackedWeight(w, None, "int8")
     scale = w.abs().amax(dim=1, keepdim=True) / 127
     w_deq = (w / scale).round() * scale
+
+    def grid(v: torch.Tensor) -> torch.Tensor:
+        return torch.fake_quantize_per_tensor_affine(v, 2 / 127, 0, -128, 127)
+
     x = torch.randn(3, 64) * torch.tensor([[0.01], [1.0], [30.0]])
     norm = x.abs().amax(dim=1, keepdim=True)
-    x_deq = torch.fake_quantize_per_tensor_affine(x / norm, 2 / 127, 0, -128, 127) * norm
+    hi = x / norm
+    steps = hi * 63.5
+    lo = (steps - steps.round()) * 2  # (hi - grid(hi)) * 127: at most half a step of 2/127, so within [-1, 1]
+    x_deq = (grid(hi) + grid(lo) / 127) * norm
     torch.testing.assert_close(packed(x), F.linear(x_deq, w_deq), rtol=1e-4, atol=1e-6)
+    # ~14 bits of activation: the error is the weights' rounding, not the 7-bit grid's
+    exact_rows = F.linear(x, w_deq)
+    assert ((packed(x) - exact_rows).norm(dim=-1) / exact_rows.norm(dim=-1)).max() < 1e-3
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp16"])
