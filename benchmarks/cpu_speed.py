@@ -24,7 +24,7 @@ Prints one JSON line: every median, and the issue's ratios ``decode_over_llamacp
 ``prefill_over_llamacpp`` (null without llama-cpp-python), ``decode_over_bandwidth_bound``,
 ``batch8_over_one``, ``kl_vs_fp32`` and ``kv_bytes_per_token``, with ``host_steal_share``.
 
-    .venv/bin/pip install '.[llamacpp]'      # builds llama.cpp (minutes), optional
+    make llamacpp                            # builds llama.cpp (minutes), optional
     .venv/bin/python benchmarks/cpu_speed.py
     .venv/bin/python benchmarks/cpu_speed.py --model gemma3-270m
 """
@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import HostSteal  # noqa: E402
 
 from kvblend.eval.datasets import musique_query  # noqa: E402
+from kvblend.generation import render_chat  # noqa: E402
 from kvblend.generation.batch import decode_batch  # noqa: E402
 from kvblend.models import load_model  # noqa: E402
 from kvblend.models.kv_cache import KVCache  # noqa: E402
@@ -120,13 +121,14 @@ class LlamaCpp:
         self.llm.eval(ids)
         return time.perf_counter() - t
 
-    def decode_s_per_step(self, ids: list[int], steps: int) -> float:
+    def decode_s_per_step(self, ids: list[int], steps: int, follow: list[int]) -> float:
+        """Median seconds of one decode step after ``ids``, feeding ``follow`` one token at a
+        time (a step's work does not depend on which token it is)."""
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
         self.llm.eval(ids)
         times = []
-        for _ in range(steps):
-            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        for token in follow[:steps]:
             t = time.perf_counter()
             self.llm.eval([token])
             times.append(time.perf_counter() - t)
@@ -140,11 +142,10 @@ def kl_vs_fp32(loaded, kind: str, questions: int, new_tokens: int = 16) -> float
     model, tok = loaded.model, loaded.tokenizer
     examples = json.loads(DATASET.read_text())[:questions]
     kls = []
-    for ex in examples:
+    for ex in examples:  # fp32 first: its greedy tokens are the ones both decode
         passages = "\n\n".join(c["text"] if isinstance(c, dict) else str(c) for c in ex["ctxs"][:2])
         messages = [{"role": "user", "content": f"{passages}\n\n{musique_query(ex['question'])}"}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = list(render_chat(tok, messages))
         runs = {}
         for weights in ("fp32", kind):
             model.pack_decode_weights(weights)
@@ -198,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ours = Kvblend(loaded)
     prompt = token_ids(loaded.tokenizer, args.prompt_tokens)
     context = prompt[: args.context]
+    if args.prompt_tokens < args.context + args.decode_tokens:
+        raise SystemExit("--prompt-tokens must cover --context plus --decode-tokens")
     gguf = gguf_of(loaded)
     try:
         theirs = LlamaCpp(gguf, args.threads, args.prompt_tokens + 64) if gguf else None
         why = None if gguf else f"{args.model} was not loaded from a GGUF"
     except ImportError:
-        theirs, why = None, "llama-cpp-python is not installed: .venv/bin/pip install '.[llamacpp]'"
+        theirs, why = None, "llama-cpp-python is not installed: make llamacpp"
 
     out: dict = {"model": args.model, "gguf": gguf.name if gguf else None, "decode_weights": kind,
                  "cpu": torch.backends.cpu.get_cpu_capability(), "threads": args.threads, "prompt_tokens": args.prompt_tokens, "context": args.context}
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             samples["llamacpp_prefill"].append(theirs.prefill_s(prompt))
         samples["decode"].append(ours.decode_s_per_step(context, args.decode_tokens))
         if theirs:
-            samples["llamacpp_decode"].append(theirs.decode_s_per_step(context, args.decode_tokens))
+            samples["llamacpp_decode"].append(theirs.decode_s_per_step(context, args.decode_tokens,
+                                                                         prompt[args.context:]))
         samples["batch"].append(ours.decode_s_per_step(context, args.decode_tokens // 2, args.streams))
         loaded.model.pack_decode_weights("fp32")
         samples["decode_fp32"].append(ours.decode_s_per_step(context, args.decode_tokens))
