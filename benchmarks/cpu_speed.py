@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import HostSteal  # noqa: E402
 
 from kvblend.eval.datasets import musique_query  # noqa: E402
-from kvblend.generation import render_chat  # noqa: E402
+from kvblend.generation import encode_prompt, render_chat  # noqa: E402
 from kvblend.generation.batch import decode_batch  # noqa: E402
 from kvblend.models import load_model  # noqa: E402
 from kvblend.models.kv_cache import KVCache  # noqa: E402
@@ -144,8 +144,10 @@ def kl_vs_fp32(loaded, kind: str, questions: int, new_tokens: int = 16) -> float
     kls = []
     for ex in examples:  # fp32 first: its greedy tokens are the ones both decode
         passages = "\n\n".join(c["text"] if isinstance(c, dict) else str(c) for c in ex["ctxs"][:2])
-        messages = [{"role": "user", "content": f"{passages}\n\n{musique_query(ex['question'])}"}]
-        ids = list(render_chat(tok, messages))
+        text = f"{passages}\n\n{musique_query(ex['question'])}"
+        # a base model (Gemma 3 270M) has no chat template: the plain prompt then
+        ids = list(render_chat(tok, [{"role": "user", "content": text}]) if getattr(tok, "chat_template", None)
+                   else encode_prompt(tok, text))
         runs = {}
         for weights in ("fp32", kind):
             model.pack_decode_weights(weights)
