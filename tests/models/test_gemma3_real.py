@@ -32,7 +32,7 @@ QUESTION = musique_query(SAMPLE["question"])
 def gemma3():
     from kvblend.models import load_model
 
-    return load_model("gemma3-270m")
+    return load_model("gemma3-270m", decode_weights="fp32")  # the reference path: its greedy text against transformers
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,9 @@ def hf(gemma3):
 
 @pytest.fixture(scope="module")
 def engine(gemma3):
-    eng = Engine(gemma3)
+    from kvblend.store.config import StoreConfig, build_store
+
+    eng = Engine(gemma3, store=build_store(StoreConfig(kv_dtype="fp32")))  # the exact invariants: lossless storage
     for prefix_mode in ("bos", "prompt"):
         eng.prepare(Request(documents=DOCS, question=QUESTION, blend=BlendConfig(chunk_prefix=prefix_mode)))
     eng.flush()

@@ -50,7 +50,9 @@ def test_with_structured_output_returns_an_instance_from_the_blended_document(ur
     assert out["parsing_error"] is None
     place = out["parsed"]
     assert isinstance(place, Place)
-    assert "Maria" in place.person and place.city.startswith("Lisb")  # Lisbon (or Lisboa): from the document
+    # Lisbon (or Lisboa), from the document; with int8 decode weights Qwen may also name the
+    # hospital in the field ("central hospital in Lisbon, on the third floor")
+    assert "Maria" in place.person and "Lisb" in place.city
     if method == "function_calling":
         assert out["raw"].tool_calls and out["raw"].response_metadata["finish_reason"] == "tool_calls"
 
@@ -61,4 +63,4 @@ def test_without_the_document_the_model_does_not_know_the_city(url) -> None:
 
     llm = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", max_tokens=80, temperature=0)
     place = llm.with_structured_output(Place, method="json_schema").invoke("Where does Maria Santos work?")
-    assert isinstance(place, Place) and not place.city.startswith("Lisb")
+    assert isinstance(place, Place) and "Lisb" not in place.city
