@@ -122,6 +122,10 @@ def test_n_choices_each_follow_the_schema(served) -> None:
     ({"type": "nonsense"}, "nonsense"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "$defs"),
     ({"type": "string", "pattern": "(?<=a)b"}, "Lookbehind"),
+    # compiled by xgrammar but not enforced ([1, 1] passes uniqueItems): refused, never ignored
+    ({"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     "'uniqueItems' (at #/properties/ids)"),
+    ({"$defs": {"n": {"not": {"type": "string"}}}, "$ref": "#/$defs/n"}, "'not' (at #/$defs/n)"),
 ])
 def test_a_schema_xgrammar_cannot_compile_is_a_400_naming_it_and_the_next_request_succeeds(served, schema,
                                                                                             names) -> None:
@@ -164,3 +168,16 @@ def test_grammars_are_compiled_once_per_schema(served, monkeypatch) -> None:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=1.0, seed=seed,
                                        response_format=fmt, extra_body={"kvblend": {"method": "full"}})
     assert len(compiles) == 1
+
+
+def test_keywords_are_found_only_where_a_schema_can_hold_them() -> None:
+    """A property named like a keyword, and keyword-like text inside enum/const data, are
+    not keywords; a keyword nested in anyOf / items / additionalProperties is."""
+    ok = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": [{"uniqueItems": True}]}},
+          "required": ["not"]}
+    grammar.refuse_unenforced(ok)
+    for bad, where in (({"anyOf": [{"type": "integer", "multipleOf": 3}]}, "#/anyOf/0"),
+                       ({"type": "array", "items": {"type": "object", "dependentRequired": {}}}, "#/items"),
+                       ({"type": "object", "additionalProperties": {"if": {}}}, "#/additionalProperties")):
+        with pytest.raises(grammar.GrammarError, match=f"at {where}"):
+            grammar.refuse_unenforced(bad)

@@ -10,9 +10,15 @@ serves whatever built the prompt's KV (every method).
 JSON is compact (``any_whitespace`` off: xgrammar's separators, no free whitespace), so a
 small model cannot wander in whitespace until max_tokens, a known failure of free-
 whitespace grammars. xgrammar 0.2.8 lets a string with ``maxLength`` hold raw control
-characters (its bounded-string rule lacks the escapes; plain strings are right). xgrammar was chosen over llguidance as vLLM's and SGLang's default
-and for its JSON Schema coverage; a schema it cannot compile is a ``GrammarError`` naming
-the construct (a 400 at the server), never a failure in the worker.
+characters (its bounded-string rule lacks the escapes; plain strings are right).
+
+xgrammar was chosen over llguidance by ``benchmarks/grammar_engines.py`` (docs/results.md
+§10): both cost microseconds a token against decode steps of tens of milliseconds, and of
+20 schema constructs xgrammar compiles ``oneOf`` (llguidance only approximates it) and
+compiles but ignores eight keywords llguidance refuses; those eight are refused here
+(``refuse_unenforced``), so neither engine's gaps reach an answer. A schema it cannot
+compile is a ``GrammarError`` naming the construct (a 400 at the server), never a failure
+in the worker.
 """
 
 from __future__ import annotations
@@ -109,6 +115,8 @@ class Grammars:
         return grammar
 
     def _compile(self, fmt: ResponseFormat) -> Any:
+        if fmt.kind == "json_schema":
+            refuse_unenforced(json.loads(fmt.schema))
         try:
             if fmt.kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
@@ -125,6 +133,41 @@ class Grammars:
         import xgrammar as xgr
 
         return Constraint(xgr.GrammarMatcher(self.compiled(fmt)), self.vocab_size)
+
+
+# JSON Schema keywords xgrammar 0.2.8 compiles but does not enforce: an instance breaking
+# them is accepted (benchmarks/grammar_engines.py walks each with a violating instance).
+# A schema using one is refused, never followed halfway.
+UNENFORCED_KEYWORDS = ("uniqueItems", "not", "contains", "multipleOf", "dependentRequired", "dependentSchemas",
+                       "if", "then", "else", "unevaluatedProperties")
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def refuse_unenforced(schema: Any, path: str = "#") -> None:
+    """``GrammarError`` naming the first keyword of ``UNENFORCED_KEYWORDS`` in ``schema``
+    and where it is (a JSON pointer). Walks subschemas only: a property named ``not`` is a
+    name, not the keyword, and ``enum``/``const`` values are data."""
+    if not isinstance(schema, dict):
+        return
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            raise GrammarError(f"the schema uses {keyword!r} (at {path}), which the grammar engine (xgrammar) "
+                               "does not enforce: remove it, or check it after the answer",
+                               "response_format.json_schema.schema")
+    for key in _NAMED_SUBSCHEMAS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                refuse_unenforced(sub, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            refuse_unenforced(schema[key], f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                refuse_unenforced(sub, f"{path}/{key}/{i}")
 
 
 def _framed(fmt: ResponseFormat) -> Any:
