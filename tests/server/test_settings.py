@@ -212,3 +212,30 @@ def test_ask_blends_with_the_servers_blend_settings(monkeypatch) -> None:
     assert _blend_config(parsed("--selection", "question")).selection == "question"
     monkeypatch.setenv("KVBLEND_BLEND__METHOD", "auto")  # the guard's method: ask has no guard
     assert parsed().method == "blend"
+
+
+def test_decode_weights_reach_every_model_load_from_one_source(monkeypatch) -> None:
+    """``decode_weights``: auto by default, from KVBLEND_DECODE_WEIGHTS, a flag over it, and
+    passed to the server's model load (its engine then decodes on that packed copy)."""
+    import kvblend.models
+    from kvblend.server.main import build_engine
+    from tests.conftest import make_loaded
+
+    assert Settings().decode_weights == "auto"
+    assert build_parser().parse_args(["generate", "hi"]).decode_weights == "auto"
+    monkeypatch.setenv("KVBLEND_DECODE_WEIGHTS", "fp16")
+    assert build_parser().parse_args(["ask", "q"]).decode_weights == "fp16"
+    assert build_parser().parse_args(["generate", "hi", "--decode-weights", "fp32"]).decode_weights == "fp32"
+    assert Settings.load(decode_weights="int8").decode_weights == "int8"
+    seen = {}
+
+    def load(*args, **kw):
+        seen.update(kw)
+        return make_loaded()
+
+    monkeypatch.setattr(kvblend.models, "load_model", load)
+    build_engine(Settings.load(store={"tiers": ["memory"]})).close()
+    assert seen["decode_weights"] == "fp16"
+    monkeypatch.setenv("KVBLEND_DECODE_WEIGHTS", "int4")
+    with pytest.raises(Exception, match="decode_weights"):
+        Settings.load()
