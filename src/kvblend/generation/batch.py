@@ -75,6 +75,10 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
         h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
+            if len(forwards) == 1:  # one step: its attention is the whole output, no copy
+                keys, values = forwards[0].cache.write(i, starts[0], k, v)
+                h = layer.finish(h, attend_planned(q, keys, values, plans[layer.window][0]))
+                continue
             attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
             for b, f in enumerate(forwards):
                 a, z = rows[b], rows[b + 1]

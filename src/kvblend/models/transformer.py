@@ -153,7 +153,12 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(self.input_norm(h))  # (T, Hq*d + 2*Hkv*d)
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
         v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # a view: callers copy it into the cache
-        return self._queries(q, cos, sin), self._keys(k, cos, sin), v
+        if c.qk_norm or self.q_mult is not None:
+            return self._queries(q, cos, sin), self._keys(k, cos, sin), v
+        # q and k rotated by one call over all their heads (a decode step's ops are its cost)
+        heads = qkv[:, : c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim).transpose(0, 1)
+        qk = rope_lib.apply_rope(heads, cos, sin, self.rope.interleaved)  # (Hq + Hkv, T, d)
+        return qk[: c.num_heads], qk[c.num_heads :], v
 
     def project_kv(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: bool = True, normed: bool = False,
@@ -194,6 +199,9 @@ class DecoderLayer(nn.Module):
         then stays small enough to be reused from cache (rows are independent, so this is
         exact)."""
         h = self.o.plus(h, attn) if not self.cfg.sandwich_norm else h + self.attn_out_norm(self.o(attn))
+        if h.shape[0] <= MLP_BLOCK_TOKENS:
+            self.add_mlp(h)
+            return h
         for s in range(0, h.shape[0], MLP_BLOCK_TOKENS):
             self.add_mlp(h[s : s + MLP_BLOCK_TOKENS])
         return h
