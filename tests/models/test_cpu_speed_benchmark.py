@@ -43,8 +43,7 @@ def test_kl_is_of_the_packed_decode_against_fp32(monkeypatch) -> None:
     forced tokens: with fp16 weights on a tiny model it is small and positive, and it
     restores the packed weights it measured."""
     tiny = make_loaded()
-    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template",
-                        lambda messages, **kw: [3 + i % 40 for i in range(12)], raising=False)
+    monkeypatch.setattr(cs, "render_chat", lambda tokenizer, messages: [3 + i % 40 for i in range(12)])
     tiny.model.pack_decode_weights("fp16")
     kl = cs.kl_vs_fp32(tiny, "fp16", questions=2, new_tokens=4)
     assert kl is not None and 0 <= kl < 1e-3
