@@ -8,9 +8,12 @@ import json
 
 import pytest
 from tests.benchmarks import load_benchmark
+
+from kvblend.models.packed import fbgemm_available
 from tests.conftest import make_loaded
 
 cs = load_benchmark("cpu_speed")
+pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM (the packed decode weights) is in every x86 build of torch")
 
 
 def test_one_json_line_with_the_issues_ratios(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

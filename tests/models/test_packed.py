@@ -10,11 +10,9 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
-from kvblend.models.packed import PackedWeight, decode_pass, decoding, resolve_decode_weights
+from kvblend.models.packed import PackedWeight, decode_pass, decoding, fbgemm_available, resolve_decode_weights
 
-pytestmark = pytest.mark.skipif(not torch.backends.quantized.supported_engines or
-                                "fbgemm" not in torch.backends.quantized.supported_engines,
-                                reason="FBGEMM is part of every x86 CPU build of torch")
+pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is part of every x86 build of torch")
 
 
 def _weights(out: int = 96, inp: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

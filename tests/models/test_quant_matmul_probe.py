@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from tests.benchmarks import load_benchmark
 
+from kvblend.models.packed import fbgemm_available
+
 qm = load_benchmark("quant_matmul")
+pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM (the packed decode weights) is in every x86 build of torch")
 
 
 @pytest.mark.parametrize("out,inp,batch", [(192, 576, 1), (576, 1536, 8)])
