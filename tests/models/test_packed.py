@@ -163,6 +163,19 @@ def test_resolve_decode_weights() -> None:
         resolve_decode_weights("int4", "cpu", torch.float32)
 
 
+def test_packing_a_model_follows_the_same_rule(tiny) -> None:
+    model = tiny.model
+    model.pack_decode_weights("auto")
+    try:
+        assert model.decode_weights == "int8" and model.layers[0].qkv.packed is not None
+    finally:
+        model.pack_decode_weights("fp32")
+    assert model.layers[0].qkv.packed is None
+    bf16 = model.to(torch.bfloat16)
+    with pytest.raises(KvblendError, match="CPU, float32"):
+        bf16.pack_decode_weights("int8")
+
+
 def test_decode_weight_bytes(tiny) -> None:
     model = tiny.model
     fp32 = model.decode_weight_bytes()
@@ -172,3 +185,34 @@ def test_decode_weight_bytes(tiny) -> None:
     finally:
         model.pack_decode_weights("fp32")
     assert fp32 > 3.5 * int8 > 3 * fp32 / 4
+
+
+def test_a_one_token_forward_reads_the_packed_weights_by_every_entry(tiny) -> None:
+    """``forward`` and ``forward_steps`` (the chunked driver's entry) apply the same rule, and
+    the flag is never left set across a yield into the owner's other work."""
+    from kvblend.models.packed import is_decoding
+
+    model = tiny.model
+    prompt = torch.arange(3, 10)
+
+    def cache() -> object:
+        c = model.new_cache(16)
+        model(prompt, c)
+        return c
+
+    exact = model(torch.tensor([5]), cache())
+    model.pack_decode_weights("int8")
+    try:
+        via_forward = model(torch.tensor([5]), cache())
+        steps, flags = model.forward_steps(torch.tensor([5]), cache()), []
+        while True:
+            try:
+                next(steps)
+                flags.append(is_decoding())
+            except StopIteration as stop:
+                via_steps = stop.value
+                break
+    finally:
+        model.pack_decode_weights("fp32")
+    assert torch.equal(via_steps, via_forward) and not torch.equal(via_forward, exact)
+    assert flags and not any(flags)

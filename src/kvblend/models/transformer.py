@@ -30,7 +30,8 @@ from kvblend.errors import ContextLengthError
 from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
-from kvblend.models.packed import PackedWeight, decode_pass, decoding, is_decoding, packed_bytes
+from kvblend.models.packed import (PackedWeight, decode_pass, decoding, is_decoding, packed_bytes,
+                                   resolve_decode_weights)
 
 
 # Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
@@ -245,7 +246,9 @@ class Transformer(nn.Module):
     def pack_decode_weights(self, kind: str) -> None:
         """Give every linear layer but the embedding (a lookup table) a copy of its weight
         packed as ``kind`` ("int8" or "fp16", ``models.packed``) for decode passes, or drop
-        the copies ("fp32": decode reads the fp32 weights, the reference)."""
+        the copies ("fp32": decode reads the fp32 weights, the reference); "auto" and the
+        device/dtype check follow ``resolve_decode_weights``."""
+        kind = resolve_decode_weights(kind, self.device, self.dtype)
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.embed_tokens:
                 module.packed = None if kind == "fp32" else PackedWeight(module.weight, module.bias, kind)
@@ -304,12 +307,11 @@ class Transformer(nn.Module):
         ``logits_for``: "last" -> (1, V), "all" -> (T, V), "none" -> empty tensor.
         """
         steps = self.forward_steps(ids, cache, logits_for)
-        with decoding(decode_pass([ids.shape[0]])):
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as stop:
-                    return stop.value
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
 
     @torch.inference_mode()
     def forward_steps(self, ids: torch.Tensor, cache: KVCache,
@@ -317,8 +319,12 @@ class Transformer(nn.Module):
         """``forward`` as a generator that yields ``LayerDone(T)`` after each layer and returns
         its logits, so that the model's owner can run other work (a decode step) between two
         layers of one large chunk. Layer i's keys and values are in the cache once it yields;
-        ``cache.length`` moves only at the end, so nothing else may write this cache between."""
+        ``cache.length`` moves only at the end, so nothing else may write this cache between.
+        A one-token forward is a decode pass (``models.packed.decode_pass``): its layers read
+        the packed decode weights, each layer inside its own ``decoding()`` so that the flag
+        never stays set across a yield into the owner's other work."""
         start, n = cache.length, ids.shape[0]
+        decode = decode_pass([n])
         self._check_context(start + n)
         positions = torch.arange(start, start + n, device=self.device)
         tables = self.layer_rope_tables(positions)
@@ -326,22 +332,30 @@ class Transformer(nn.Module):
         h = self.embed(ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.project(h, *tables[i])
-            keys, values = cache.write(i, start, k, v)
-            if i == last and logits_for == "last" and n > 1 and self.sees_all(start + n):
-                # Only the last token's output is read: its query sees every key.
-                h = layer.finish(h[-1:], attend(q[:, -1:], keys, values))
-            else:
-                if layer.window not in plans:
-                    plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
-                                                         heads_per_kv=self.cfg.heads_per_kv)
-                h = layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
+            with decoding(decode):
+                h = self._layer(i, layer, h, tables[i], cache, start, positions, plans, logits_for)
             if i < last:
                 yield LayerDone(n, inner=i > 0)
         cache.length = start + n
-        out = self._select_logits(h, logits_for)
+        with decoding(decode):
+            out = self._select_logits(h, logits_for)
         yield LayerDone(n)
         return out
+
+    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor],
+               cache: KVCache, start: int, positions: torch.Tensor, plans: dict[int | None, AttentionPlan],
+               logits_for: str) -> torch.Tensor:
+        """Layer i of ``forward_steps`` over h (T, D): its K/V written at ``start``; returns the next h."""
+        n = positions.shape[0]
+        q, k, v = layer.project(h, *table)
+        keys, values = cache.write(i, start, k, v)
+        if i == len(self.layers) - 1 and logits_for == "last" and n > 1 and self.sees_all(start + n):
+            # Only the last token's output is read: its query sees every key.
+            return layer.finish(h[-1:], attend(q[:, -1:], keys, values))
+        if layer.window not in plans:
+            plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
+                                                 heads_per_kv=self.cfg.heads_per_kv)
+        return layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
 
     def sees_all(self, n_keys: int) -> bool:
         """Whether the last layer's query at position n_keys - 1 sees every key (no sliding
