@@ -181,3 +181,13 @@ def test_keywords_are_found_only_where_a_schema_can_hold_them() -> None:
                        ({"type": "object", "additionalProperties": {"if": {}}}, "#/additionalProperties")):
         with pytest.raises(grammar.GrammarError, match=f"at {where}"):
             grammar.refuse_unenforced(bad)
+
+
+def test_a_deeply_nested_schema_is_walked_without_recursion() -> None:
+    """A client's schema nested past Python's recursion limit: refused by name, not a
+    RecursionError on the worker."""
+    schema: dict = {"type": "array", "items": {"type": "integer", "uniqueItems": True}}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(grammar.GrammarError, match="uniqueItems"):
+        grammar.refuse_unenforced(schema)

@@ -140,34 +140,35 @@ class Grammars:
 # A schema using one is refused, never followed halfway.
 UNENFORCED_KEYWORDS = ("uniqueItems", "not", "contains", "multipleOf", "dependentRequired", "dependentSchemas",
                        "if", "then", "else", "unevaluatedProperties")
-_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
-              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
-def refuse_unenforced(schema: Any, path: str = "#") -> None:
+def refuse_unenforced(schema: Any) -> None:
     """``GrammarError`` naming the first keyword of ``UNENFORCED_KEYWORDS`` in ``schema``
     and where it is (a JSON pointer). Walks subschemas only: a property named ``not`` is a
-    name, not the keyword, and ``enum``/``const`` values are data."""
-    if not isinstance(schema, dict):
-        return
-    for keyword in UNENFORCED_KEYWORDS:
-        if keyword in schema:
-            raise GrammarError(f"the schema uses {keyword!r} (at {path}), which the grammar engine (xgrammar) "
-                               "does not enforce: remove it, or check it after the answer",
-                               "response_format.json_schema.schema")
-    for key in _NAMED_SUBSCHEMAS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                refuse_unenforced(sub, f"{path}/{key}/{name}")
-    for key in _SUBSCHEMA:
-        if isinstance(schema.get(key), dict):
-            refuse_unenforced(schema[key], f"{path}/{key}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                refuse_unenforced(sub, f"{path}/{key}/{i}")
+    name, not the keyword, and ``enum``/``const`` values are data. Iterative, so a client's
+    deep nesting costs a list, not the worker's stack."""
+    todo: list[tuple[Any, str]] = [(schema, "#")]
+    while todo:
+        node, path = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node:
+                raise GrammarError(f"the schema uses {keyword!r} (at {path}), which the grammar engine (xgrammar) "
+                                   "does not enforce: remove it, or check it after the answer",
+                                   "response_format.json_schema.schema")
+        for key in _NAMED_SUBSCHEMAS:
+            if isinstance(node.get(key), dict):
+                todo.extend((sub, f"{path}/{key}/{name}") for name, sub in node[key].items())
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                todo.append((node[key], f"{path}/{key}"))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                todo.extend((sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key]))
 
 
 def _framed(fmt: ResponseFormat) -> Any:
