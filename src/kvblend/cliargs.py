@@ -31,8 +31,7 @@ def load_from_args(args: argparse.Namespace) -> Any:
 
     from kvblend.models import load_model
 
-    return load_model(args.model, args.device, getattr(torch, args.dtype),
-                      decode_weights=getattr(args, "decode_weights", "auto"))
+    return load_model(args.model, args.device, getattr(torch, args.dtype), decode_weights=args.decode_weights)
 
 
 def print_stats(s: Any) -> None:
