@@ -222,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvblend.settings import Settings
 
     flags = {"host": args.host, "port": args.port, "model": args.model, "device": args.device, "dtype": args.dtype,
-             "decode_weights": args.decode_weights,
+             "decode_weights": args.decode_weights, "logprobs_mode": args.logprobs_mode,
              "served_model_name": args.served_model_name, "log_level": args.log_level}
     cluster = {k: v for k, v in (("replicas", args.replicas), ("ray_address", args.ray_address),
                                  ("router", args.router)) if v is not None}
@@ -251,6 +251,9 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--decode-weights", default=None, choices=DECODE_WEIGHTS,
                    help="packed weights decode steps read (default auto: int8 on the CPU; fp32 = the reference)")
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--logprobs-mode", default=None, choices=("processed", "raw"),
+                   help="logprobs of the logits the draw used, after mask, bias and penalties (default), "
+                        "or of the model's raw ones")
     p.add_argument("--replicas", type=int, default=None,
                    help="run as a Ray Serve application with N model replicas (needs kvblend[cluster])")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join with --replicas (default: start one)")

@@ -529,6 +529,9 @@ class Settings(ModelSettings):
     drain_timeout_s: float = Field(30.0, ge=0)
     state_dir: str | None = None  # documents registry; default $KVBLEND_HOME/server
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # logprobs of the logits each token was drawn from (after the response format's mask,
+    # logit_bias and penalties; vLLM's processed_logprobs) or of the model's raw ones
+    logprobs_mode: Literal["processed", "raw"] = "processed"
 
     @field_validator("api_keys")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,16 +63,31 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives_best_first()
     assert [t for t, _ in lp.top] == [1, 3] and lp.top[0][1] == pytest.approx(float(ref[1]), abs=1e-12)
 
 
-def test_a_slot_reports_raw_logprobs_even_when_a_bias_decides_the_draw() -> None:
+def test_a_slot_reports_logprobs_of_the_logits_the_draw_used_or_raw_ones_when_asked() -> None:
     loaded = make_loaded()
     cache, logits = prefill(loaded.model, [1, 5, 6], 4)
-    slot = DecodeSlot(None, cache, SamplingParams(max_tokens=4, logprobs=3, logit_bias=((7, 100.0),)), (), 1 << 16)
-    event = slot.next_event(logits)
+    params = SamplingParams(max_tokens=4, logprobs=3, logit_bias=((7, 100.0),), presence_penalty=1.0)
+    event = DecodeSlot(None, cache, params, (), 1 << 16).next_event(logits)
     assert event.token_id == 7
+    biased = logits.double().reshape(-1).clone()
+    biased[7] += 100.0
+    used = torch.log_softmax(biased, -1)
+    assert event.logprobs.logprob == pytest.approx(float(used[7]), abs=1e-9)  # ~0: the biased distribution
+    assert [t for t, _ in event.logprobs.top] == torch.topk(used, 3).indices.tolist()
+    raw_event = DecodeSlot(None, cache, replace(params, logprobs_mode="raw"), (), 1 << 16).next_event(logits)
     raw = torch.log_softmax(logits.double().reshape(-1), -1)
-    assert event.logprobs.logprob == pytest.approx(float(raw[7]), abs=1e-9)  # not ~0, the biased distribution's
-    assert len(event.logprobs.top) == 3 and event.logprobs.top[0][0] == int(raw.argmax())
+    assert raw_event.token_id == 7
+    assert raw_event.logprobs.logprob == pytest.approx(float(raw[7]), abs=1e-9)  # not ~0
+    assert len(raw_event.logprobs.top) == 3 and raw_event.logprobs.top[0][0] == int(raw.argmax())
 
+
+def test_masked_tokens_are_never_listed_among_the_top_logprobs() -> None:
+    logits = torch.tensor([0.5, float("-inf"), float("-inf"), 2.0])
+    lp = token_logprobs(logits, 3, 4)
+    assert [t for t, _ in lp.top] == [3, 0]
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(logprobs_mode="sampled")
+    assert err.value.field == "logprobs_mode"
 
 def test_choices_are_seeded_apart_and_each_reproducible() -> None:
     logits = torch.randn(64, generator=torch.Generator().manual_seed(3))

@@ -126,15 +126,16 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def openai_in_process(engine: Any, state_dir: Path) -> Iterator[tuple[Any, Any, Any]]:
+def openai_in_process(engine: Any, state_dir: Path, **settings_kwargs: Any) -> Iterator[tuple[Any, Any, Any]]:
     """``kvblend serve``'s app over ``engine`` in this process (no socket): the engine, the
-    HTTP test client, and the real ``openai`` client speaking through it."""
+    HTTP test client, and the real ``openai`` client speaking through it. ``settings_kwargs``:
+    settings other than the defaults."""
     from fastapi.testclient import TestClient
     from openai import OpenAI
 
     from kvblend.server.app import create_app
     from kvblend.settings import Settings
 
-    settings = Settings.load(model="tiny", state_dir=str(state_dir))
+    settings = Settings.load(model="tiny", state_dir=str(state_dir), **settings_kwargs)
     with TestClient(create_app(engine, settings)) as http:
         yield engine, http, OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)

@@ -83,14 +83,26 @@ def test_completion_logprobs_have_openais_legacy_shape_streamed_and_not(served) 
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset
 
 
-def test_logprobs_stay_the_models_when_logit_bias_forces_a_token(served) -> None:
+def biased_logprobs(client, forced: int) -> list:
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, logit_bias={str(forced): 100},
+                                          extra_body=FULL).choices[0].logprobs.content
+
+
+def test_logprobs_are_of_the_distribution_the_draw_used_after_logit_bias(served) -> None:
     engine, _, client = served
     forced = engine.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
-                                       logit_bias={str(forced): 100}, extra_body=FULL)
-    content = r.choices[0].logprobs.content
+    content = biased_logprobs(client, forced)
     assert [c.token for c in content] == [engine.tokenizer.decode([forced])] * 4
-    expected = full_forward_logprobs(engine, chat_ids(engine), [forced] * 4)
+    assert all(c.logprob > -1e-6 for c in content)  # +100 on one token: all the mass after the bias
+    assert all(c.top_logprobs[0].token == c.token for c in content)
+
+
+def test_logprobs_mode_raw_reports_the_models_distribution_when_logit_bias_forces_a_token(tmp_path) -> None:
+    with openai_in_process(Engine(make_loaded()), tmp_path, logprobs_mode="raw") as (engine, _, client):
+        forced = engine.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
+        content = biased_logprobs(client, forced)
+        expected = full_forward_logprobs(engine, chat_ids(engine), [forced] * 4)
     assert [c.logprob for c in content] == pytest.approx(expected.tolist(), abs=1e-4)  # raw, not the biased ~0
     assert all(c.logprob < -0.5 for c in content)
 

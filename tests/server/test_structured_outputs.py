@@ -191,3 +191,15 @@ def test_a_deeply_nested_schema_is_walked_without_recursion() -> None:
         schema = {"type": "array", "items": schema}
     with pytest.raises(grammar.GrammarError, match="uniqueItems"):
         grammar.refuse_unenforced(schema)
+
+
+def test_logprobs_under_a_schema_are_of_the_masked_distribution(served) -> None:
+    _, _, client = served
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=5, response_format=JSON_SCHEMA,
+                                       extra_body={"kvblend": {"method": "full"}})
+    first = r.choices[0].logprobs.content[0]
+    # a schema's answer can only open with "{" (the byte-level vocabulary has one token for it):
+    # the draw's distribution puts all its mass there and lists no forbidden alternative
+    assert first.token == "{" and first.logprob == pytest.approx(0.0, abs=1e-9)
+    assert [t.token for t in first.top_logprobs] == ["{"]

@@ -6,9 +6,13 @@ The logits a token is drawn from are adjusted in vLLM's order: ``logit_bias`` ad
 CTRL: a positive logit of a token seen in the prompt or the output divided by it, a
 negative one multiplied), then ``logit -= frequency_penalty * count + presence_penalty *
 (count > 0)`` over the output's counts (OpenAI's), then temperature and top-k/top-p.
-Logprobs (``token_logprobs``) are of the model's raw distribution, before any of these
-(vLLM's default, ``raw_logprobs``): a client sees what the model thought, whatever the
-request did to the draw.
+Logprobs (``token_logprobs``) are by default of the distribution the token was drawn from:
+the logits after the response format's mask, ``logit_bias`` and the penalties (vLLM's
+``processed_logprobs``), before temperature and top-k/top-p (which a greedy request has
+no distribution for). A token the mask forbids has logprob -inf and is never listed among
+the top alternatives. ``logprobs_mode="raw"`` reports the model's raw distribution
+instead (vLLM's default ``raw_logprobs``: what the model thought, whatever the request did
+to the draw).
 
 Sampling is numerically safe for every finite logit vector at every allowed temperature:
 temperatures below ``MIN_TEMPERATURE`` sample greedily (dividing by less overflows, and
@@ -38,6 +42,7 @@ MAX_CHOICES = 16  # n: each choice decodes in its own row of the batch
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias is in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGPROBS_MODES = ("processed", "raw")
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,10 @@ class SamplingParams:
     ``n``: choices decoded from one prompt (a scheduler forks the decode after one
     prefill; choice i's sampler is seeded with ``seed + i``). ``logprobs``: how many top
     alternatives each token's ``TokenLogprobs`` lists (0 to ``MAX_TOP_LOGPROBS``; None:
-    no logprobs). ``logit_bias``: (token id, bias) pairs, ids checked against the
-    vocabulary by whoever knows it (the server)."""
+    no logprobs); ``logprobs_mode``: of the logits the draw used ("processed": after the
+    mask, bias and penalties) or of the raw ones ("raw"; the module docstring).
+    ``logit_bias``: (token id, bias) pairs, ids checked against the vocabulary by whoever
+    knows it (the server)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -59,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    logprobs_mode: str = "processed"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -93,6 +101,9 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                                      f"got {self.logprobs_mode!r}", "logprobs_mode")
 
     def _check_adjustments(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -125,7 +136,7 @@ class SamplingParams:
 
 class TokenLogprobs(NamedTuple):
     """A drawn token's logprob and the ``top`` alternatives' (id, logprob), best first,
-    all of the model's raw distribution (see the module docstring)."""
+    of one distribution (processed or raw: the module docstring)."""
 
     token_id: int
     logprob: float
@@ -133,13 +144,13 @@ class TokenLogprobs(NamedTuple):
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """``token``'s log-softmax under the (V,) raw ``logits`` (float64 on the CPU), and the
-    ``top`` most likely tokens' (0: none)."""
+    """``token``'s log-softmax under the (V,) ``logits`` (float64 on the CPU), and the
+    ``top`` most likely tokens' (0: none); tokens at -inf (masked) are never listed."""
     lp = torch.log_softmax(logits.detach().reshape(-1).to("cpu", torch.float64), dim=-1)  # (V,)
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         values, ids = torch.topk(lp, min(top, lp.shape[0]))
-        best = tuple(zip(ids.tolist(), values.tolist()))
+        best = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
     return TokenLogprobs(token, float(lp[token]), best)
 
 
@@ -147,13 +158,16 @@ class Sampler:
     """Picks the next token from (V,) logits; owns one choice's random generator (seeded
     with ``seed + choice``), counts the tokens drawn (``drawn``, so that an error can say
     which one failed) and, for the penalties, how often each was drawn (``counts``);
-    ``prompt_ids`` are what the repetition penalty counts as seen besides the output."""
+    ``prompt_ids`` are what the repetition penalty counts as seen besides the output.
+    ``used``: the (V,) logits the last draw used (after the mask, bias and penalties,
+    before temperature and top-k/p): what processed logprobs are of."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0) -> None:
         self.params = params
         self.drawn = 0
         self.counts: Counter[int] = Counter()
         self.prompt_ids = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
+        self.used: torch.Tensor | None = None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed + choice)
@@ -173,6 +187,7 @@ class Sampler:
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))  # (V,)
         if p.adjusts:
             logits = adjusted_logits(logits, p, self.prompt_ids, self.counts)  # (V,) float64
+        self.used = logits
         if p.greedy:
             token = int(logits.argmax())
         else:

@@ -79,7 +79,8 @@ class DecodeSlot:
     ``index`` is the choice this slot decodes (of ``params.n``; its sampler is seeded with
     ``seed + index``); ``prompt_ids`` what the repetition penalty counts besides the
     output. With ``params.logprobs`` set, each event carries the drawn token's logprobs
-    from the raw logits given (``sampling.token_logprobs``). With
+    (``sampling.token_logprobs``) of the logits the draw used (after the mask, bias and
+    penalties), or of the raw logits given with ``logprobs_mode="raw"``. With
     ``params.response_format``, a grammar (``grammar.Constraint``) masks each step's
     logits before the draw, and the answer ends ("stop") when the grammar does, at a
     stop token, even with ``ignore_eos``.
@@ -114,7 +115,7 @@ class DecodeSlot:
         self.count += 1
         self.tokens.append(token)
         self.last_token = token
-        lp = None if self.params.logprobs is None else token_logprobs(logits, token, self.params.logprobs)
+        lp = None if self.params.logprobs is None else self._logprobs(logits, token)
         if token in self.eos or (self.constraint is not None and self.constraint.terminated):
             return self._finish(token, self._flush(), "stop", lp)
         delta = self._push(token)
@@ -123,6 +124,10 @@ class DecodeSlot:
         if self.count == self.params.max_tokens:
             return self._finish(token, delta + self._flush(), "length", lp)
         return StreamEvent(token, delta, None, self.index, lp)
+
+    def _logprobs(self, logits: torch.Tensor, token: int) -> TokenLogprobs:
+        used = logits if self.params.logprobs_mode == "raw" else self.sampler.used
+        return token_logprobs(used, token, self.params.logprobs)
 
     def _allowed(self, logits: torch.Tensor) -> torch.Tensor | None:
         """(V,) bool of the tokens the request's response format allows next, or None."""

@@ -243,7 +243,8 @@ def sampling_params(body: _Common, settings: Settings, prompt_tokens: int, conte
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
                               stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos, n=body.n or 1,
-                              logprobs=logprob_count(body), presence_penalty=body.presence_penalty or 0.0,
+                              logprobs=logprob_count(body), logprobs_mode=settings.logprobs_mode,
+                              presence_penalty=body.presence_penalty or 0.0,
                               frequency_penalty=body.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                               logit_bias=logit_bias(body, vocab_size), response_format=response_format(body))
