@@ -64,3 +64,21 @@ def test_without_the_document_the_model_does_not_know_the_city(url) -> None:
     llm = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", max_tokens=80, temperature=0)
     place = llm.with_structured_output(Place, method="json_schema").invoke("Where does Maria Santos work?")
     assert isinstance(place, Place) and "Lisb" not in place.city
+
+
+def test_an_agents_auto_tool_choice_gets_a_call(url) -> None:
+    """``bind_tools`` sends ``tool_choice`` auto: Qwen2.5-Coder-0.5B answers with the call as
+    JSON in a fence rather than in ``<tool_call>`` tags; it comes back as a tool call."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather forecast for a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", max_tokens=80, temperature=0)
+    reply = llm.bind_tools([get_weather]).invoke("What is the weather in Oslo? Use the tool.")
+    assert [c["name"] for c in reply.tool_calls] == ["get_weather"]
+    assert "Oslo" in reply.tool_calls[0]["args"]["city"]
+    assert reply.response_metadata["finish_reason"] == "tool_calls"

@@ -152,3 +152,33 @@ def test_a_stream_holds_back_a_call_however_the_text_is_cut(cut) -> None:
     assert "".join(shown) + rest == "Let me check. " + "" and len(calls) == 2
     plain = ToolStream(PLAN)
     assert "".join(plain.feed(ch) for ch in "a <tool and more") + plain.finish()[0] == "a <tool and more"
+
+
+BARE = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'
+
+
+@pytest.mark.parametrize("answer", [BARE, ' {"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                                    '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'])
+def test_an_answer_that_is_only_a_call_as_json_is_a_call(answer) -> None:
+    content, calls = parse_calls(answer, PLAN)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("answer", ['{"name": "fly", "arguments": {}}', '```json\n{"city": "Oslo"}\n```',
+                                    '{"name": "get_weather"} and then some', "```python\nprint(1)\n```"])
+def test_json_that_is_not_only_calls_of_the_tools_stays_content(answer) -> None:
+    assert parse_calls(answer, PLAN) == (answer, [])
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5])
+def test_a_stream_holds_back_an_answer_that_may_be_a_bare_call(cut) -> None:
+    stream, shown = ToolStream(PLAN), []
+    for i in range(0, len(BARE), cut):
+        shown.append(stream.feed(BARE[i:i + cut]))
+    assert "".join(shown) == "" and stream.finish()[1][0]["function"]["name"] == "get_weather"
+    for text in ("`x is code`", "```python\nprint(1)\n```", "plain words"):
+        plain = ToolStream(PLAN)
+        shown = "".join(plain.feed(text[i:i + cut]) for i in range(0, len(text), cut))
+        rest, calls = plain.finish()
+        assert shown + rest == text and calls == []

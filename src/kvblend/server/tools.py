@@ -6,9 +6,12 @@ whose chat template writes tool calls as ``<tool_call>{"name": ..., "arguments":
 tool format is a 400); the tools go to the template as its ``tools`` variable. ``auto``
 parses whatever calls the answer holds; ``required`` and a named function are enforced
 by the grammar (one call, its ``arguments`` following the function's ``parameters``
-schema, strict); ``none`` renders the tools and parses nothing. ``ToolStream`` holds
-back, while streaming, the text that is or may become a call, and turns the calls into
-``tool_calls`` at the end of the choice.
+schema, strict); ``none`` renders the tools and parses nothing. Small models often
+ignore the tags and answer with the call alone as JSON, bare or in a ```json fence
+(Qwen2.5-Coder-0.5B does): an answer that is nothing but one call of the tools, or a
+list of them, is read as calls too (``bare_calls``); JSON that names no tool stays text.
+``ToolStream`` holds back, while streaming, the text that is or may become a call, and
+turns the calls into ``tool_calls`` at the end of the choice.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS, MAX_TOOLS_BYTES = 128, 65536
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
 
 
 class ToolPlan(NamedTuple):
@@ -113,7 +117,11 @@ def _check_template(tokenizer: Any) -> None:
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """The answer's content (its text outside the calls, None when empty) and its calls in
     OpenAI's shape; a block that is not a call of one of the tools stays in the content.
-    Without ``parallel``, the first call only."""
+    Without ``parallel``, the first call only. An answer with no tagged call that is
+    nothing but calls as JSON (``bare_calls``) is those calls, with no content."""
+    bare = bare_calls(text, plan)
+    if bare:
+        return None, bare if plan.parallel else bare[:1]
     calls, kept, at = [], [], 0
     for m in _CALL.finditer(text):
         call = _call(m.group(1), plan)
@@ -129,11 +137,33 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     return (content or None), calls
 
 
+def bare_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
+    """The calls of an answer that is only JSON (bare or in one ```json fence): one call
+    object or a list of them, each naming one of the tools; [] for anything else."""
+    raw = text.strip()
+    fenced = _FENCE.fullmatch(raw)
+    if fenced:
+        raw = fenced.group(1)
+    if not raw.startswith(("{", "[")):
+        return []
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return []
+    items = data if isinstance(data, list) else [data]
+    calls = [_call_of(item, plan) for item in items]
+    return calls if calls and all(c is not None for c in calls) else []
+
+
 def _call(raw: str, plan: ToolPlan) -> dict[str, Any] | None:
     try:
         data = json.loads(raw)
     except ValueError:
         return None
+    return _call_of(data, plan)
+
+
+def _call_of(data: Any, plan: ToolPlan) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("name") not in plan.parameters:
         return None
     args = data.get("arguments", {})
@@ -143,8 +173,9 @@ def _call(raw: str, plan: ToolPlan) -> dict[str, Any] | None:
 
 class ToolStream:
     """One streamed choice's text with tool calls held back: ``feed`` returns the text safe
-    to send now (none from a call's opening tag on, nor a tail that may begin one);
-    ``finish`` the rest as content and the calls."""
+    to send now (none from a call's opening tag on, nor a tail that may begin one, nor an
+    answer that opens as JSON might: a bare call); ``finish`` the rest as content and the
+    calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -156,6 +187,13 @@ class ToolStream:
         self.held += text
         if self.inside:
             return ""
+        if not self.sent:
+            opening = self.held.lstrip()
+            if len(opening) < 3 and "```".startswith(opening):
+                return ""  # too early to tell
+            if opening.startswith("```") or opening[0] in "{[":
+                self.inside = True  # the whole answer may be a bare call: held to the end
+                return ""
         at = self.held.find(OPEN)
         if at >= 0:
             self.inside = True
