@@ -101,13 +101,24 @@ def test_choices_are_seeded_apart_and_each_reproducible() -> None:
     assert draws(0) != draws(1)
 
 
-def test_a_forked_cache_decodes_as_the_original_without_touching_it() -> None:
+def test_a_forked_cache_decodes_as_the_original_without_copying_or_touching_it() -> None:
     model = make_loaded().model
     cache, logits = prefill(model, [1, 5, 6, 7], 8)
     fork = fork_cache(cache, 8)
-    assert fork.length == cache.length and fork.keys[0].data_ptr() != cache.keys[0].data_ptr()
+    assert fork.length == cache.length and fork.capacity >= cache.length + 8
+    assert fork.keys[0].shape[1] == 8  # room for its own tokens only: the prompt is not copied
     before = [k[:, : cache.length].clone() for k in cache.keys]
-    a = model(torch.tensor([9]), fork)
+    a = [model(torch.tensor([t]), fork) for t in (9, 3, 2)]
     assert cache.length == 4 and all(torch.equal(b, k[:, :4]) for b, k in zip(before, cache.keys))
-    b = model(torch.tensor([9]), cache)
-    assert torch.allclose(a, b, atol=1e-6)
+    b = [model(torch.tensor([t]), cache) for t in (9, 3, 2)]
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+    # the parent decoding on (and growing its buffers) leaves the fork's prompt as it was
+    for t in range(20):
+        model(torch.tensor([t % 9 + 1]), cache)
+    again = model(torch.tensor([4]), fork)
+    ref_cache, _ = prefill(model, [1, 5, 6, 7, 9, 3, 2], 8)
+    assert torch.allclose(again, model(torch.tensor([4]), ref_cache), atol=1e-5)
+    with pytest.raises(TypeError):
+        fork.view(0)
+
+

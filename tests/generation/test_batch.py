@@ -140,3 +140,26 @@ def test_decode_slot_flushes_the_text_held_back_for_a_stop_string_at_eos() -> No
     assert "".join(e.text for e in events[:-1]) == "the red "  # "city" could still begin "city of"
     assert events[-1].finish_reason == "stop" and events[-1].text == "city"
     assert slot.finished and slot.count == len(answer)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_forks_decode_in_one_batch_as_copies_would_past_a_sliding_window(arch) -> None:
+    """n choices after one prefill: forks that read the prompt in place decode, batched
+    beside their parent, exactly as independent caches of the same tokens (Gemma 3's local
+    layers have a window of 8 that these 12 positions pass, so a fork's visible keys start
+    inside its shared prompt)."""
+    from kvblend.generation import prefill
+    from kvblend.generation.slot import fork_cache
+
+    model = make_loaded(arch).model
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    parent, _ = prefill(model, prompt, 8)
+    forks = [fork_cache(parent, 8) for _ in range(2)]
+    copies = [prefill(model, prompt, 8)[0] for _ in range(3)]
+    steps = [(11, 12, 13), (14, 15, 16), (17, 18, 19)]
+    for t in range(3):
+        tokens = [s[t] for s in steps]
+        shared = decode_batch(model, tokens, [parent, *forks])  # (3, V)
+        apart = torch.cat([decode_batch(model, [tok], [c]) for tok, c in zip(tokens, copies)])
+        assert torch.allclose(shared, apart, atol=1e-5)
+    assert [f.length for f in forks] == [len(prompt) + 3] * 2 and parent.length == len(prompt) + 3

@@ -119,7 +119,7 @@ def test_n_choices_share_one_prefill_and_a_seed_reproduces_them(served, monkeypa
     monkeypatch.setattr(engine, "prepare_steps", counted)
     args = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, n=3, seed=1234, extra_body=FULL)
     first = client.chat.completions.create(**args)
-    assert len(prefills) == 1
+    assert len(prefills) == 1 and first.kvblend["choices"] == 3  # the stats say it: 3 choices, one prefill
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
     texts = [c.message.content for c in first.choices]
     assert len(set(texts)) > 1  # each choice draws with its own generator

@@ -209,6 +209,8 @@ class RequestStats(NamedTuple):
     # the blend's moved risk was in the top of its tenant's recent ones, so it recomputed again at
     # twice its ratio (``engine.escalation``); ``risk`` is then the second recompute's
     escalated: bool = False
+    # choices decoded from this one prefill (``n``: the others in forks of its cache)
+    choices: int = 1
 
     @property
     def recompute_frac(self) -> float:

@@ -54,8 +54,8 @@ loop turn:
   place), so a long prompt delays running streams by one turn, never by its whole prefill;
 * samples each running request's next token (``DecodeSlot``: the same rules as
   ``Engine.stream``). A request of ``n`` choices is prefilled once and decodes as ``n``
-  rows of the batch (choice 0 in the prepared cache, the others in copies of its prompt
-  positions, ``slot.fork_cache``), each row counting towards ``max_running`` (the server
+  rows of the batch (choice 0 in the prepared cache, the others in forks that read its
+  prompt positions in place, ``slot.fork_cache``), each row counting towards ``max_running`` (the server
   refuses an ``n`` above it); it ends
   with its last choice, or with the first choice that fails.
 
@@ -974,7 +974,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - this request's sampling failed: it alone ends
             self._end_failed(handle, exc, "sample", started=True)
             return
-        handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted)
+        handle.stats = prepared.stats._replace(ttft_s=time.perf_counter() - handle.submitted, choices=len(slots))
         handle._push(handle.stats)  # before the first token: its sender knows the usage
         for event in events:
             self._emit(handle, event)
@@ -989,8 +989,8 @@ class Scheduler:
 
     def _choices(self, handle: RequestHandle, prepared: Any) -> list[DecodeSlot]:
         """One ``DecodeSlot`` per choice of the request (``sampling.n``) after its one
-        prefill: choice 0 decodes in the prepared cache, each other in a copy of its prompt
-        positions (``fork_cache``: the prompt's KV bytes once per extra choice)."""
+        prefill: choice 0 decodes in the prepared cache, each other in a fork that reads its
+        prompt positions in place (``fork_cache``: no copy of the prompt's KV)."""
         sampling, ids = handle.sampling, prepared.layout.ids
         room = sampling.max_tokens + 1
         caches = [prepared.cache] + [fork_cache(prepared.cache, room) for _ in range(sampling.n - 1)]

@@ -29,7 +29,7 @@ import torch
 from kvblend.errors import ContextLengthError
 from kvblend.generation.chunked import Forward
 from kvblend.generation.slot import DecodeSlot
-from kvblend.models.attention import attend_planned, plan_attention
+from kvblend.models.attention import attend_cache, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.packed import decode_pass, decoding
 from kvblend.models.transformer import Transformer
@@ -76,14 +76,14 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
             if len(forwards) == 1:  # one step: its attention is the whole output, no copy
-                keys, values = forwards[0].cache.write(i, starts[0], k, v)
-                h = layer.finish(h, attend_planned(q, keys, values, plans[layer.window][0]))
+                parts = forwards[0].cache.write_parts(i, starts[0], k, v)
+                h = layer.finish(h, attend_cache(q, parts, plans[layer.window][0], starts[0], layer.window))
                 continue
             attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
             for b, f in enumerate(forwards):
                 a, z = rows[b], rows[b + 1]
-                keys, values = f.cache.write(i, starts[b], k[:, a:z], v[:, a:z])
-                attn[a:z] = attend_planned(q[:, a:z], keys, values, plans[layer.window][b])
+                parts = f.cache.write_parts(i, starts[b], k[:, a:z], v[:, a:z])
+                attn[a:z] = attend_cache(q[:, a:z], parts, plans[layer.window][b], starts[b], layer.window)
             h = layer.finish(h, attn)
         for f, start, size in zip(forwards, starts, sizes):
             f.cache.length = start + size

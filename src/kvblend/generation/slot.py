@@ -19,7 +19,7 @@ from kvblend.errors import ContextLengthError
 from kvblend.generation.grammar import Constraint, grammars
 from kvblend.generation.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from kvblend.generation.text import TextStream
-from kvblend.models.kv_cache import KVCache
+from kvblend.models.kv_cache import ForkedCache, KVCache
 
 
 class StreamEvent(NamedTuple):
@@ -46,17 +46,11 @@ def cap_new_tokens(params: SamplingParams, used: int, context: int) -> SamplingP
 
 
 def fork_cache(cache: KVCache, extra: int) -> KVCache:
-    """A copy of ``cache``'s ``length`` positions with room for ``extra`` more: another
-    choice's cache after one prefill. ``KVCache`` keeps each layer contiguous and the
-    decode writes in place, so a choice cannot share the prompt's buffers; the copy costs
-    the prompt's KV bytes once per extra choice (a memory copy, no model work)."""
-    keys = cache.keys[0]
-    fork = KVCache(cache.num_layers, keys.shape[0], keys.shape[2], cache.length + extra, keys.dtype, keys.device)
-    for mine, theirs in ((fork.keys, cache.keys), (fork.values, cache.values)):
-        for layer, buffer in enumerate(theirs):
-            mine[layer][:, : cache.length] = buffer[:, : cache.length]
-    fork.length = cache.length
-    return fork
+    """Another choice's cache after one prefill, with room for ``extra`` more positions: a
+    ``ForkedCache`` that reads ``cache``'s prompt positions in place (no copy: the prompt's
+    KV is read-only once prefilled, and ``cache``'s own decode only appends after it) and
+    writes its own tokens apart."""
+    return ForkedCache(cache, extra)
 
 
 class DecodeSlot:

@@ -27,6 +27,7 @@ fast path, so ``plan_attention`` picks the cheapest exact form:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -57,6 +58,46 @@ def attend(
         q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
     )  # (1, Hq, Tq, d)
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], position: int,
+                 window: int | None) -> torch.Tensor:
+    """One query q (Hq, 1, d) at ``position`` against keys held in consecutive parts
+    [(K, V) each (Hkv, n_i, d)] that together are slots 0..position (a forked cache:
+    the shared prompt, then the choice's own tokens), with the layer's sliding ``window``.
+    Exact: the parts' scores are one softmax, so the result equals ``attend`` over the
+    concatenated keys up to rounding, without concatenating them. (1, Hq*d)."""
+    first = 0 if window is None else max(0, position - window + 1)
+    visible, at = [], 0
+    for k, v in parts:
+        skip = max(first - at, 0)
+        if skip < k.shape[1]:
+            visible.append((k[:, skip:], v[:, skip:]))
+        at += k.shape[1]
+    if len(visible) == 1:
+        return attend(q, *visible[0])
+    hq, tq, d = q.shape
+    if tq != 1:
+        raise ValueError(f"attention over cache parts takes one query (a decode step), got {tq}")
+    hkv = visible[0][0].shape[0]
+    stacked = q.reshape(hkv, hq // hkv, d)  # (Hkv, g, d): query head i serves KV head i // g
+    scores = torch.cat([torch.matmul(stacked, k.transpose(1, 2)) for k, _ in visible], dim=-1)  # (Hkv, g, N)
+    probs = torch.softmax(scores.float().mul_(1.0 / math.sqrt(d)), dim=-1).to(q.dtype)
+    out, at = None, 0
+    for k, v in visible:
+        part = torch.matmul(probs[..., at : at + k.shape[1]], v)  # (Hkv, g, d)
+        out = part if out is None else out.add_(part)
+        at += k.shape[1]
+    return out.reshape(1, hq * d)
+
+
+def attend_cache(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], plan: AttentionPlan,
+                 start: int, window: int | None) -> torch.Tensor:
+    """q (Hq, T, d) of the tokens written at ``start`` against a cache's ``write_parts``:
+    one part by ``plan``; a forked cache's two by ``attend_parts`` (a decode step)."""
+    if len(parts) == 1:
+        return attend_planned(q, *parts[0], plan)
+    return attend_parts(q, parts, start, window)
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A per-request KV cache that the caller owns and the model writes into."""
+"""A per-request KV cache that the caller owns and the model writes into, and a forked
+cache: another choice's decode that reads a prompt's KV from its parent without a copy."""
 
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ class KVCache:
         self.values[layer][:, start:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
+    def write_parts(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``write``, returning slots 0..start+T as consecutive (K, V) parts, in position
+        order: one here, two for a ``ForkedCache`` (its parent's prompt, then its own)."""
+        return [self.write(layer, start, k, v)]
+
     def view(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots 0..end (default: ``length``), as views."""
         end = self.length if end is None else end
@@ -63,3 +71,56 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Forget positions past ``length`` (buffers are kept)."""
         self.length = min(self.length, length)
+
+
+class ForkedCache(KVCache):
+    """Another choice's cache after one prefill: positions below ``shared`` (the prompt)
+    are read from ``parent``'s buffers, never copied; positions from ``shared`` on live in
+    this cache's own buffers (own slot p - shared). The parent must not change its first
+    ``shared`` positions while the fork lives (a decode only appends after them). Attention
+    over a fork reads its two parts (``write_parts``); ``write`` and ``view``, which promise
+    one contiguous set of slots, refuse."""
+
+    def __init__(self, parent: KVCache, extra: int) -> None:
+        keys = parent.keys[0]
+        super().__init__(parent.num_layers, keys.shape[0], keys.shape[2], extra, keys.dtype, keys.device)
+        self.parent = parent
+        self.shared = parent.length
+        self.length = parent.length
+
+    @property
+    def capacity(self) -> int:
+        return self.shared + self.keys[0].shape[1]
+
+    def reserve(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        new_cap = max(capacity - self.shared, 2 * self.keys[0].shape[1])
+        used = self.length - self.shared
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_empty((old.shape[0], new_cap, old.shape[2]))
+                new[:, :used] = old[:, :used]
+                buffers[i] = new
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a forked cache's slots are in two parts: use write_parts")
+
+    def view(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a forked cache's slots are in two parts")
+
+    def write_parts(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if start < self.shared:
+            raise ValueError(f"a fork writes after its shared prompt ({self.shared} positions), not at {start}")
+        end = start + k.shape[1]
+        self.reserve(end)
+        a, b = start - self.shared, end - self.shared
+        self.keys[layer][:, a:b] = k
+        self.values[layer][:, a:b] = v
+        prompt = (self.parent.keys[layer][:, : self.shared], self.parent.values[layer][:, : self.shared])
+        return [prompt, (self.keys[layer][:, :b], self.values[layer][:, :b])]
+
+    def truncate(self, length: int) -> None:
+        self.length = max(self.shared, min(self.length, length))

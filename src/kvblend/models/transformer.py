@@ -27,7 +27,7 @@ from torch import nn
 
 from kvblend import rope as rope_lib
 from kvblend.errors import ContextLengthError
-from kvblend.models.attention import AttentionPlan, attend, attend_planned, plan_attention
+from kvblend.models.attention import AttentionPlan, attend, attend_parts, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.packed import (PackedWeight, decode_pass, decoding, is_decoding, packed_bytes,
@@ -348,7 +348,10 @@ class Transformer(nn.Module):
         """Layer i of ``forward_steps`` over h (T, D): its K/V written at ``start``; returns the next h."""
         n = positions.shape[0]
         q, k, v = layer.project(h, *table)
-        keys, values = cache.write(i, start, k, v)
+        parts = cache.write_parts(i, start, k, v)
+        if len(parts) > 1:  # a forked cache (another choice's decode): its prompt is its parent's
+            return layer.finish(h, attend_parts(q, parts, start, layer.window))
+        keys, values = parts[0]
         if i == len(self.layers) - 1 and logits_for == "last" and n > 1 and self.sees_all(start + n):
             # Only the last token's output is read: its query sees every key.
             return layer.finish(h[-1:], attend(q[:, -1:], keys, values))

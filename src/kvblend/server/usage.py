@@ -32,7 +32,7 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
     """Method, document hits by tier, recompute fraction, the blend's risk (when it measured
     one: ``RequestStats.risk``, its estimate of how much of reuse's error it left, and whether
     it escalated: recomputed again at twice its ratio, ``RequestStats.escalated``) and the time
-    breakdown."""
+    breakdown; ``choices``: how many choices decoded from the request's one prefill."""
     if stats is None:
         return {"queue_s": round(queue_s, 6)}
     hits = Counter(d.source for d in reused_docs(stats))
@@ -44,6 +44,7 @@ def kvblend_block(stats: RequestStats | None, queue_s: float) -> dict[str, Any]:
         "doc_hits": dict(hits),
         "doc_misses": sum(1 for d in stats.docs if d.source in _MISSED),
         "recompute_fraction": round(stats.recompute_frac, 6),
+        "choices": stats.choices,
         **({"risk": round(stats.risk, 6), "escalated": bool(getattr(stats, "escalated", False))}
            if getattr(stats, "risk", None) is not None else {}),
         "queue_s": round(queue_s, 6),
