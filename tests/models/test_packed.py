@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
-from kvblend.models.packed import PackedWeight, decode_pass, decoding, fbgemm_available, resolve_decode_weights
+from kvblend.models.packed import (PackedWeight, decode_pass, decoding, fbgemm_available, native_int8,
+                                   resolve_decode_weights)
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is part of every x86 build of torch")
 
@@ -55,17 +56,35 @@ def test_int8_is_the_matmul_of_the_rounded_weights_and_rows() -> None:
     assert ((packed(x) - exact_rows).norm(dim=-1) / exact_rows.norm(dim=-1)).max() < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp16"])
-def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "native"), [("int8", True), ("int8", False), ("fp16", True)])
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, native: bool) -> None:
     """FBGEMM quantizes its whole input over one range: without the per-row scaling and the
-    pinned row, a large row beside a small one coarsened the small one's result."""
+    pinned row, a large row beside a small one coarsened the small one's result (both
+    paths of the int8 arithmetic: the one-call kernel and the tensor ops)."""
     w, b = _weights()
-    packed = PackedWeight(w, b, kind)
+    packed = PackedWeight(w, b, kind, native=native)
     small = torch.randn(1, 64) * 0.01
     large = torch.randn(1, 64) * 50.0
     alone = packed(small)
     beside = packed(torch.cat((small, large)))[:1]
     torch.testing.assert_close(beside, alone, rtol=0, atol=1e-7)
+
+
+def test_the_one_call_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
+    """``csrc/packed_int8.cpp`` does what ``int8_linear_ops`` does, to float32 rounding, for
+    every batch size and with or without a bias; it builds on this machine (setup installs
+    ninja; a compiler is part of every supported machine)."""
+    assert native_int8() is not None
+    for bias in (True, False):
+        w, b = _weights(out=130, inp=77, seed=3)
+        packed = PackedWeight(w, b if bias else None, "int8")
+        assert packed._native is not None
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, 77) * torch.logspace(-3, 2, rows)[:, None]
+            with torch.inference_mode():
+                torch.testing.assert_close(packed(x), packed.int8_linear_ops(x), rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="2-d float32"):
+        packed(torch.randn(2, 77, dtype=torch.float64))
 
 
 def test_linear_reads_the_packed_copy_only_while_decoding(tiny) -> None:

@@ -16,6 +16,10 @@ and, beside them, a packed copy that only decode passes read:
   what its rounding lost (at most half a step, so times 127 it fits [-1, 1] again), so activations carry ~14 bits and the
   KL is the int8 weights' alone (0.0017, as weight-only int8 with fp32 activations). The
   extra rows ride on the same pass over the weights, which is what decode pays for.
+  That arithmetic around the kernel is a dozen small tensor ops, which from Python cost as
+  much as the matmul at a decode step's shapes: ``csrc/packed_int8.cpp`` does it in one
+  call (``native_int8``: compiled once per machine with torch's extension builder, ~15 s;
+  where no compiler is found the same arithmetic runs as tensor ops, ``int8_linear_ops``).
 * ``fp16`` — FBGEMM's fp16 GEMM (``quantized::linear_dynamic_fp16``): weights stored in
   fp16, converted and multiplied in fp32. Half the bytes, error ~2e-4 relative per matmul.
 * ``fp32`` — no packed copy: decode reads the fp32 weights (the exact reference).
@@ -30,13 +34,20 @@ stored KV is the same whatever the decode weights are.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
+import os
+import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
+from pathlib import Path
 
 import torch
 
 from kvblend.errors import KvblendError
+
+log = logging.getLogger(__name__)
 
 DECODE_WEIGHTS = ("auto", "fp32", "fp16", "int8")
 
@@ -87,11 +98,71 @@ def resolve_decode_weights(kind: str, device: str | torch.device, dtype: torch.d
     return kind
 
 
+NATIVE_SOURCE = Path(__file__).parent / "csrc" / "packed_int8.cpp"
+_NATIVE: Callable[..., torch.Tensor] | bool | None = None  # the op, False (unavailable) or None (not tried)
+_NATIVE_LOCK = threading.Lock()
+
+
+def native_int8() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.kvblend_packed.int8_linear`` (``csrc/packed_int8.cpp``: x, packed FBGEMM
+    params, bias -> the int8 decode linear in one call), compiled on first use and kept in
+    torch's extension folder (``TORCH_EXTENSIONS_DIR``), keyed by the source and torch's
+    version; None where it cannot be built (no C++ compiler): callers then run the same
+    arithmetic as tensor ops. Tried once per process."""
+    global _NATIVE
+    with _NATIVE_LOCK:
+        if _NATIVE is None:
+            try:
+                _NATIVE = _load_native()
+            except Exception as exc:  # noqa: BLE001 - any build failure leaves the tensor-op path
+                log.warning("the int8 decode kernel could not be built (%s); decoding with tensor ops", exc)
+                _NATIVE = False
+        return _NATIVE or None
+
+
+def _load_native() -> Callable[..., torch.Tensor]:
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"kvblend_packed_{digest}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    folder = root / name
+    library = folder / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        log.info("building kvblend's int8 decode kernel once for this machine (~15 s) in %s", folder)
+        with _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)], extra_cflags=["-O3"],
+                               build_directory=str(folder), is_python_module=False, verbose=False)
+    return torch.ops.kvblend_packed.int8_linear
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package's binary
+    is not on it when Python runs from a venv that was not activated."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 class PackedWeight:
     """One linear layer's weight (out, in) and optional bias (out,), packed for decode.
-    ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding."""
+    ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``native``
+    (int8): run through ``native_int8``'s one-call kernel when it is available (the
+    default), else as tensor ops; the two agree to float32 rounding."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, native: bool = True) -> None:
         if kind not in ("int8", "fp16"):
             raise ValueError(f"no packed form {kind!r}")
         self.kind = kind
@@ -110,10 +181,17 @@ class PackedWeight:
         pin = torch.zeros(self.in_features)
         pin[0], pin[-1] = 1.0, -1.0
         self._pin = pin  # fixes the input's range at [-1, 1] whatever the other rows hold
+        self._native = native_int8() if native else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+        if self._native is not None:
+            return self._native(x, self._packed, self.bias)
+        return self.int8_linear_ops(x)
+
+    def int8_linear_ops(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 path as tensor ops (where the one-call kernel is not built)."""
         rows = x.shape[0]
         norm = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)  # max |x| a row
         rows_in = x.new_empty(2 * rows + 1, self.in_features)
