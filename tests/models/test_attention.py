@@ -17,7 +17,7 @@ def reference(q, k, v, pos, window=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 3])
 @pytest.mark.parametrize("case", ["all", "block-short-head", "block-long-head", "scattered", "from-zero",
-                                  "windowed", "decode"])
+                                  "windowed", "decode", "decode-windowed"])
 def test_plan_matches_explicit_mask(case: str, heads_per_kv: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, N, 8, generator=g, dtype=dtype), torch.randn(2, N, 8, generator=g, dtype=dtype)
@@ -29,14 +29,16 @@ def test_plan_matches_explicit_mask(case: str, heads_per_kv: int, dtype: torch.d
         "from-zero": torch.tensor([0, 1, 4, 9, 10, 11, 30, 31, 49]),
         "windowed": torch.arange(5, N),
         "decode": torch.tensor([N - 1]),
+        "decode-windowed": torch.tensor([N - 1]),
     }[case]
-    window = 7 if case == "windowed" else None
+    window = 7 if case in ("windowed", "decode-windowed") else None
     q = torch.randn(2 * heads_per_kv, pos.shape[0], 8, generator=g, dtype=dtype)
     plan = plan_attention(pos, N, window, dtype, group_size=6, heads_per_kv=heads_per_kv)
     # Scattered queries: the split form on CPU for the flash kernel's dtypes, masked groups
     # otherwise (other dtypes, other devices, a sliding window that cuts the keys).
     scattered = "split" if dtype == torch.float32 and window is None else "groups"
-    expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked"}.get(case, scattered)
+    expected_kind = {"all": "causal", "block-short-head": "padded", "decode": "unmasked",
+                     "decode-windowed": "tail"}.get(case, scattered)
     assert plan.kind == expected_kind
     assert torch.allclose(attend_planned(q, k, v, plan), reference(q, k, v, pos, window), atol=1e-5)
 

@@ -5,6 +5,7 @@ the mask must be exact over global positions. An explicit mask forfeits SDPA's c
 fast path, so ``plan_attention`` picks the cheapest exact form:
 
 * ``unmasked`` — one query at the last position (decode): it sees every key;
+* ``tail``    — the same past a sliding window: it sees the window's last keys, unmasked;
 * ``causal``  — queries are exactly positions 0..N-1: ``is_causal``;
 * ``padded``  — queries are a block p0..N-1 with a short head: pad the queries with p0
   dummy rows, run ``is_causal`` and drop the dummies (exact, wastes ~p0²/2);
@@ -53,7 +54,13 @@ def attend(
     q: (Hq, Tq, d); k, v: (Hkv, Tk, d); mask: (Tq, Tk), bool (True = may attend) or
     additive float. ``causal`` is the fast path for Tq == Tk with no mask.
     Returns (Tq, Hq * d).
+
+    One query with no mask (a decode step) on a float32 CPU runs as two matmuls and a
+    softmax (``_attend_one``): SDPA's flash kernel has a fixed cost that made it 1.2-2.2x
+    slower at one query (512-2,048 keys, 2-core CPU).
     """
+    if q.shape[1] == 1 and mask is None and not causal and q.device.type == "cpu" and q.dtype == torch.float32:
+        return _attend_one(q, [(k, v)])
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
     )  # (1, Hq, Tq, d)
@@ -76,15 +83,23 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
         at += k.shape[1]
     if len(visible) == 1:
         return attend(q, *visible[0])
-    hq, tq, d = q.shape
-    if tq != 1:
-        raise ValueError(f"attention over cache parts takes one query (a decode step), got {tq}")
-    hkv = visible[0][0].shape[0]
+    if q.shape[1] != 1:
+        raise ValueError(f"attention over cache parts takes one query (a decode step), got {q.shape[1]}")
+    return _attend_one(q, visible)
+
+
+def _attend_one(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One query q (Hq, 1, d) against keys in consecutive parts [(K, V) each (Hkv, n_i, d)],
+    every key visible: the parts' scores as one softmax (float32), so two parts equal their
+    concatenation without copying the keys. (1, Hq*d)."""
+    hq, _, d = q.shape
+    hkv = parts[0][0].shape[0]
     stacked = q.reshape(hkv, hq // hkv, d)  # (Hkv, g, d): query head i serves KV head i // g
-    scores = torch.cat([torch.matmul(stacked, k.transpose(1, 2)) for k, _ in visible], dim=-1)  # (Hkv, g, N)
-    probs = torch.softmax(scores.float().mul_(1.0 / math.sqrt(d)), dim=-1).to(q.dtype)
+    scores = [torch.matmul(stacked, k.transpose(1, 2)) for k, _ in parts]  # (Hkv, g, n_i) each
+    joined = scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+    probs = torch.softmax(joined.float().mul_(1.0 / math.sqrt(d)), dim=-1).to(q.dtype)
     out, at = None, 0
-    for k, v in visible:
+    for k, v in parts:
         part = torch.matmul(probs[..., at : at + k.shape[1]], v)  # (Hkv, g, d)
         out = part if out is None else out.add_(part)
         at += k.shape[1]
@@ -119,8 +134,8 @@ class QueryGroup(NamedTuple):
 
 
 class AttentionPlan(NamedTuple):
-    kind: str  # "unmasked" | "causal" | "padded" | "groups" | "split"
-    pad: int = 0
+    kind: str  # "unmasked" | "tail" | "causal" | "padded" | "groups" | "split"
+    pad: int = 0  # "padded": dummy query rows; "tail": keys before the window
     groups: tuple[QueryGroup, ...] = ()
     heads_per_kv: int = 1  # query heads per KV head the group masks were stacked for
 
@@ -139,6 +154,8 @@ def plan_attention(
     ``group_size`` caps the queries of one group (scattered queries only).
     ``heads_per_kv`` (query heads / KV heads) must match the q passed to ``attend_planned``."""
     free_window = window is None or n_keys <= window
+    if not free_window and q_pos.shape[0] == 1 and int(q_pos[0]) == n_keys - 1:
+        return AttentionPlan("tail", pad=n_keys - window)  # a decode step past the window: its last keys
     if free_window and _is_block(q_pos, n_keys):
         pad = n_keys - q_pos.shape[0]
         if q_pos.shape[0] == 1:
@@ -192,6 +209,8 @@ def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     """Attention of q (Hq, Tq, d) against k, v (Hkv, N, d) following ``plan``. (Tq, Hq*d)."""
     if plan.kind == "unmasked":
         return attend(q, k, v)
+    if plan.kind == "tail":
+        return attend(q, k[:, plan.pad :], v[:, plan.pad :])
     if plan.kind == "causal":
         return attend(q, k, v, causal=True)
     if plan.kind == "padded":
