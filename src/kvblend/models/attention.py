@@ -54,13 +54,7 @@ def attend(
     q: (Hq, Tq, d); k, v: (Hkv, Tk, d); mask: (Tq, Tk), bool (True = may attend) or
     additive float. ``causal`` is the fast path for Tq == Tk with no mask.
     Returns (Tq, Hq * d).
-
-    One query with no mask (a decode step) on a float32 CPU runs as two matmuls and a
-    softmax (``_attend_one``): SDPA's flash kernel has a fixed cost that made it 1.2-2.2x
-    slower at one query (512-2,048 keys, 2-core CPU).
     """
-    if q.shape[1] == 1 and mask is None and not causal and q.device.type == "cpu" and q.dtype == torch.float32:
-        return _attend_one(q, [(k, v)])
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=q.shape[0] != k.shape[0]
     )  # (1, Hq, Tq, d)
