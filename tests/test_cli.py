@@ -176,7 +176,7 @@ def test_help_is_shown_while_the_settings_are_broken(capsys, monkeypatch) -> Non
     with pytest.raises(SystemExit) as exit_:
         main(["ask", "--help"])
     out = capsys.readouterr()
-    assert exit_.value.code == 0 and "--ratio" in out.out and "default 0.15" in out.out  # built-in defaults
+    assert exit_.value.code == 0 and "--ratio" in out.out and "default 0.2" in out.out  # built-in defaults
     assert "blend.ratio" in out.err  # the error is said first
     assert main(["models"]) == 2  # a command still refuses to run on them
     assert "blend.ratio" in capsys.readouterr().err

@@ -118,6 +118,14 @@ def _count(text: str) -> int:
     return value
 
 
+def _default_ratio() -> float | str:
+    """The blend's ratio as the settings give it (``blend.ratio``; the built-in default
+    ``BlendConfig.ratio``): the demo's default, like the blend flags'."""
+    from kvblend.settings import blend_defaults
+
+    return blend_defaults().ratio
+
+
 def _ratio(text: str) -> float | str:
     return text if text == "auto" else float(text)
 
@@ -299,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="ingest a small MuSiQue corpus, answer by retrieval + blend, TTFT vs full prefill")
     _add_model_args(p)
-    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--ratio", type=_ratio, default=_default_ratio(), help="the blend's ratio (default %(default)s)")
     p.add_argument("--questions", type=_count, default=2, help="questions to answer (of 3)")
     p.add_argument("--chunks", type=top_k_arg, default=4, help="passages retrieved per question (top-k)")
     p.set_defaults(func=cmd_demo)

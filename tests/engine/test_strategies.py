@@ -623,8 +623,8 @@ def test_question_pass_attention_equals_sdpa_in_blocks_of_rows(window: int | Non
 def test_shiftall_names_the_untested_shift_and_the_default_is_tested() -> None:
     assert BlendConfig().shift_test and not BlendConfig().shift_question
     assert BlendConfig().strategy == "question+budget+sinks4+shift"
-    old = parse_method("blend:0.15:q+budget+sinks4+shiftall").blend
+    old = parse_method("blend:0.2:q+budget+sinks4+shiftall").blend
     assert old == replace(BlendConfig(), shift_test=False) and old.strategy == "question+budget+sinks4+shiftall"
-    both = parse_method("blend:0.15:q+budget+sinks4+shiftq").blend  # also tested on what the question reads
+    both = parse_method("blend:0.2:q+budget+sinks4+shiftq").blend  # also tested on what the question reads
     assert both == replace(BlendConfig(), shift_question=True) and both.strategy == "question+budget+sinks4+shiftq"
-    assert parse_method("blend:0.15:q+budget+sinks4+shift").blend == BlendConfig()
+    assert parse_method("blend:0.2:q+budget+sinks4+shift").blend == BlendConfig()

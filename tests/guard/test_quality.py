@@ -330,8 +330,10 @@ def test_a_failing_shadow_check_is_counted_and_the_next_request_served(eng: Engi
 
 
 def test_selection_scores_out_of_their_band_engage_the_fallback_without_shadow_checks(eng: Engine) -> None:
+    # no shadow check at all, risk-first ones included (which blend's risk tops the window
+    # depends on the ratio): the scores alone decide
     guard = QualityGuard(GuardConfig(shadow_fraction=0.0, probe_fraction=1.0, window=2, min_samples=2,
-                                     min_f1=None, max_kl=0.4, calibration=3))
+                                     min_f1=None, max_kl=0.4, calibration=3, risk_quantile=None))
     for q in QUESTIONS[:3]:
         serve(eng, guard, Request(documents=DOCS, question=q, method="auto"), SAMPLING)
     state = guard.state("tiny-llama", "default")

@@ -48,7 +48,7 @@ class Script:
 
 
 def kvblend_block(method: str, options: dict) -> dict:
-    ratio = 1.0 if method == "full" else float(options.get("ratio", 0.15))
+    ratio = 1.0 if method == "full" else float(options.get("ratio", 0.2))
     block = {"method": method, "prefix_hit_tokens": 0, "documents": [{"index": 0, "tokens": 4, "source": "memory"}],
              "doc_hits": {} if method == "full" else {"memory": 1}, "doc_misses": 0, "recompute_fraction": ratio,
              "queue_s": 0.0, "lookup_s": 0.0, "load_s": 0.0, "prefill_s": 0.01, "ttft_s": 0.02 if method == "full" else 0.01}
@@ -210,7 +210,7 @@ def run(driver) -> str:
 def test_a_run_shows_both_answers_and_their_numbers(page, script) -> None:
     assert run(page) == ""
     assert text(page, "#answer-blend [data-field=text]") == "Paris ."
-    assert text(page, "#answer-blend [data-field=recompute]").startswith("15.0 %")
+    assert text(page, "#answer-blend [data-field=recompute]").startswith("20.0 %")
     assert text(page, "#answer-blend [data-field=cached]") == "4 of 20"
     assert text(page, "#answer-blend [data-field=risk]") == \
         "0.125 of plain reuse's error left · escalated: recomputed again at twice the ratio"
@@ -253,8 +253,8 @@ def test_the_ratio_and_strategy_recorded_are_those_the_run_sent(page, script) ->
     wait_for(page, lambda d: d.execute_script("return state.finished") > before or banner(d), timeout=20)
     assert banner(page) == ""
     sent = [r["kvblend"] for r in script.received if r["kvblend"]["method"] == "blend"]
-    assert sent == [{"method": "blend", "ratio": 0.15, "explain": True}]
-    assert page.execute_script("return state.runs.map((r) => [r.ratio, r.strategy])") == [[0.15, "blend"]]
+    assert sent == [{"method": "blend", "ratio": 0.2, "explain": True}]
+    assert page.execute_script("return state.runs.map((r) => [r.ratio, r.strategy])") == [[0.2, "blend"]]
 
 
 def test_a_failed_run_leaves_nothing_of_the_run_before(page, script) -> None:

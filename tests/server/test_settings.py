@@ -30,7 +30,7 @@ def test_defaults() -> None:
     s = Settings.load()
     assert (s.host, s.port, s.model, s.device, s.dtype) == ("127.0.0.1", 8000, "smollm2-135m", "cpu", "float32")
     assert s.model_id == "smollm2-135m" and s.api_keys == {} and s.admin_key is None
-    assert s.blend.blend_config().ratio == 0.15 and s.store.store_config().memory_bytes == 1024**3
+    assert s.blend.blend_config().ratio == 0.2 and s.store.store_config().memory_bytes == 1024**3
     assert s.documents.chunk_tokens == ChunkerConfig().size  # the rag chunker's default
 
 

@@ -7,8 +7,8 @@ worse than reuse on 8 of 15 questions, while the same selection without the shif
 worse on none. The per-document held-out test inside the shift judges the KV, not what the
 question reads, and passes Qwen2.5's harmful shift. So the sign is a property of the model:
 it is measured here once, on the model's output, and on a model where it does not help the
-engine runs a blend that asks for the shift without it, recomputing twice its ratio instead
-(``Engine.blend_config``, ``Engine(calibrate=...)``).
+engine runs a blend that asks for the shift without it, recomputing a fixed share more of the
+prompt instead (``blend.config.NO_SHIFT_EXTRA``; ``Engine.blend_config``, ``Engine(calibrate=...)``).
 
 The test: five MuSiQue questions shipped with kvblend (``kvblend.data``; dev examples 0, 1
 and 3-5, four passages each) are answered by full prefill (greedy, ``ANSWER_TOKENS``

@@ -235,7 +235,7 @@ class Engine:
     fails it is refused for reuse/blend/prefix-on-documents (``kvblend.engine.selfcheck``).
     ``calibrate``: test once per model whether the blend's shift helps it
     (``kvblend.engine.calibration``); on a model where it does not, a blend that asks for
-    it runs without it at twice its ratio (``blend_config``) and its stats say so. A packaged
+    it runs without it, recomputing ``NO_SHIFT_EXTRA`` more (``blend_config``), and its stats say so. A packaged
     model's verdict ships with kvblend; ``"background"`` tests a model with none shipped or
     stored on a thread, blending without the shift until its verdict is in (the server).
 
@@ -673,10 +673,10 @@ class Engine:
 
     def blend_config(self, cfg: BlendConfig) -> BlendConfig:
         """``cfg`` as this model runs it. Where the model's test found that the shift does
-        not help (``calibrate``), a blend asking for it runs without it and recomputes twice
-        its ratio instead (``BlendConfig.without_shift``): the shift is what corrects the
-        tokens not recomputed, and on such a model more of them are recomputed instead
-        (docs/results.md, issue #23: Qwen2.5's mean KL ratio 0.30 at 15 %, 0.16 at 30 %)."""
+        not help (``calibrate``), a blend asking for it runs without it and recomputes
+        ``NO_SHIFT_EXTRA`` more of the prompt instead (``BlendConfig.without_shift``): the
+        shift is what corrects the tokens not recomputed, and on such a model more of them are
+        recomputed instead (docs/results.md 2.1: Qwen2.5 at 35 % without it)."""
         if cfg.shift and (self.shift_pending or self.shift_verdict is not None and not self.shift_verdict.helps):
             return cfg.without_shift()
         return cfg
