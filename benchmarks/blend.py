@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--dataset", default=str(DEFAULT_DATA))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--ratios", default="0.05,0.15,0.3,0.5")
-    ap.add_argument("--ratio", type=float, default=0.15, help="blend ratio for the TTFT part")
+    ap.add_argument("--ratio", type=float, default=BlendConfig.ratio, help="blend ratio for the TTFT part (default: the default blend's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--blend-method", default=None,
