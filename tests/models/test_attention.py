@@ -104,3 +104,17 @@ def test_split_plan_in_bfloat16_matches_the_masked_reference() -> None:
     assert out.dtype == torch.bfloat16
     expected = reference(q.float(), k.float(), v.float(), pos)
     assert torch.allclose(out.float(), expected, atol=3e-2)
+
+
+def test_attention_over_cache_parts_refuses_more_than_one_query() -> None:
+    """A forked cache's parts are attended unmasked, which is right for one query at the
+    last position only: two queries are refused, also when a window leaves one part visible."""
+    from kvblend.models.attention import attend_parts
+
+    k, v = torch.randn(2, 10, 8), torch.randn(2, 10, 8)
+    parts = [(k[:, :6], v[:, :6]), (k[:, 6:], v[:, 6:])]
+    q = torch.randn(2, 1, 8)
+    torch.testing.assert_close(attend_parts(q, parts, 9, None), attend(q, k, v), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(attend_parts(q, parts, 9, 3), attend(q, k[:, 7:], v[:, 7:]), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="one query"):
+        attend_parts(torch.randn(2, 2, 8), parts, 9, 3)

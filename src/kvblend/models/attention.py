@@ -68,6 +68,8 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
     the shared prompt, then the choice's own tokens), with the layer's sliding ``window``.
     Exact: the parts' scores are one softmax, so the result equals ``attend`` over the
     concatenated keys up to rounding, without concatenating them. (1, Hq*d)."""
+    if q.shape[1] != 1:  # the visible keys below are one query's (and unmasked)
+        raise ValueError(f"attention over cache parts takes one query (a decode step), got {q.shape[1]}")
     first = 0 if window is None else max(0, position - window + 1)
     visible, at = [], 0
     for k, v in parts:
@@ -77,8 +79,6 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
         at += k.shape[1]
     if len(visible) == 1:
         return attend(q, *visible[0])
-    if q.shape[1] != 1:
-        raise ValueError(f"attention over cache parts takes one query (a decode step), got {q.shape[1]}")
     return _attend_one(q, visible)
 
 
