@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvblend.cliargs import add_model_args as _add_model_args
-from kvblend.cliargs import DECODE_WEIGHTS, DTYPES
+from kvblend.cliargs import DECODE_WEIGHTS, DTYPES, LOGPROBS_MODES
 from kvblend.cliargs import load_from_args as _load
 from kvblend.cliargs import print_stats as _print_stats
 from kvblend.errors import KvblendError
@@ -259,7 +259,7 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--decode-weights", default=None, choices=DECODE_WEIGHTS,
                    help="packed weights decode steps read (default auto: int8 on the CPU; fp32 = the reference)")
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
-    p.add_argument("--logprobs-mode", default=None, choices=("processed", "raw"),
+    p.add_argument("--logprobs-mode", default=None, choices=LOGPROBS_MODES,
                    help="logprobs of the logits the draw used, after mask, bias and penalties (default), "
                         "or of the model's raw ones")
     p.add_argument("--replicas", type=int, default=None,

@@ -10,6 +10,7 @@ from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
 DECODE_WEIGHTS = ("auto", "fp32", "fp16", "int8")  # models.packed.DECODE_WEIGHTS (kept here: no torch import)
+LOGPROBS_MODES = ("processed", "raw")  # generation.sampling.LOGPROBS_MODES (kept here: no torch import)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

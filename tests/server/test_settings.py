@@ -239,3 +239,16 @@ def test_decode_weights_reach_every_model_load_from_one_source(monkeypatch) -> N
     monkeypatch.setenv("KVBLEND_DECODE_WEIGHTS", "int4")
     with pytest.raises(Exception, match="decode_weights"):
         Settings.load()
+
+
+def test_logprobs_mode_is_one_list_in_the_settings_the_flags_and_the_sampler() -> None:
+    """The three spellings of the logprobs modes (the settings' type, the serve flag's
+    choices, the sampler's check) are the same list, and the flag reaches the settings."""
+    import typing
+
+    from kvblend.cliargs import LOGPROBS_MODES
+    from kvblend.generation.sampling import LOGPROBS_MODES as SAMPLER_MODES
+
+    assert LOGPROBS_MODES == SAMPLER_MODES == typing.get_args(Settings.model_fields["logprobs_mode"].annotation)
+    assert Settings().logprobs_mode == "processed"
+    assert build_parser().parse_args(["serve", "--logprobs-mode", "raw"]).logprobs_mode == "raw"
