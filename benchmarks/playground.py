@@ -16,6 +16,7 @@ answer and both, i.e. the answer time after the warm-up) and the ratios to the f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -79,28 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
-    with tempfile.TemporaryDirectory() as home:
-        servers, urls = [], {}
-        try:
+    with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as servers:
+        urls = {}
+        for kind in kinds:
+            loaded = load_model(args.model, decode_weights=kind)
+            settings = Settings.load(model=args.model, state_dir=str(Path(home) / kind))
+            urls[kind] = servers.enter_context(uvicorn_thread(create_app(Engine(loaded), settings)))
+        for question, docs in questions(args.questions):
+            body = {"model": args.model, "messages": [{"role": "user", "content": question}], "temperature": 0,
+                    "max_tokens": args.tokens, "ignore_eos": True, "documents": [{"text": d} for d in docs],
+                    "logprobs": True, "top_logprobs": TOP_LOGPROBS}
             for kind in kinds:
-                loaded = load_model(args.model, decode_weights=kind)
-                settings = Settings.load(model=args.model, state_dir=str(Path(home) / kind))
-                server = uvicorn_thread(create_app(Engine(loaded), settings))
-                urls[kind] = server.__enter__()
-                servers.append(server)
-            for question, docs in questions(args.questions):
-                body = {"model": args.model, "messages": [{"role": "user", "content": question}], "temperature": 0,
-                        "max_tokens": args.tokens, "ignore_eos": True, "documents": [{"text": d} for d in docs],
-                        "logprobs": True, "top_logprobs": TOP_LOGPROBS}
-                for kind in kinds:
-                    url = urls[kind]
-                    warm(url, body)
-                    blend = streamed_s(url, {**body, "kvblend": {"method": "blend", "explain": True}})
-                    full = streamed_s(url, {**body, "kvblend": {"method": "full"}})
-                    times[kind].append((blend, full))
-        finally:
-            for server in reversed(servers):
-                server.__exit__(None, None, None)
+                url = urls[kind]
+                warm(url, body)
+                blend = streamed_s(url, {**body, "kvblend": {"method": "blend", "explain": True}})
+                full = streamed_s(url, {**body, "kvblend": {"method": "full"}})
+                times[kind].append((blend, full))
     base = None
     for kind in kinds:
         blend = statistics.median(b for b, _ in times[kind])

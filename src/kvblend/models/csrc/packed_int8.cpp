@@ -6,7 +6,7 @@
 // R rows of what FBGEMM's 7-bit grid over [-1, 1] rounds away from them (times 127: at most
 // half a step of 2/127), then a pinned row (+1, 0, ..., 0, -1) that fixes the range at
 // [-1, 1] whatever the other rows hold. The result row r is (out[r] + out[R + r] / 127) *
-// max|x[r]| (+ bias). The same arithmetic as PackedWeight.__call__'s Python path, in float32.
+// max|x[r]| (+ bias). The same arithmetic as PackedWeight.int8_linear_ops, in float32.
 #include <ATen/ATen.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
