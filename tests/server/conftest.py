@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from kvblend.store.localredis import LocalRedis
-from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess, save_tiny_model
+from tests.server.helpers import ADMIN, ALICE, BOB, CAROL, ServerProcess, save_tiny_model
 
 MAIN_CONFIG = {
-    "api_keys": {ALICE: "alice", BOB: "bob"},
+    "api_keys": {ALICE: "alice", BOB: "bob", CAROL: "carol"},
     "admin_key": ADMIN,
     "store": {"tiers": ["memory", "redis"], "memory_bytes": "64MiB"},
     "limits": {"max_documents": 4, "max_document_bytes": 4000, "max_document_tokens": 300,

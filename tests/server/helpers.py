@@ -20,6 +20,10 @@ import yaml
 from kvblend.store.localredis import free_port
 
 ALICE, BOB, ADMIN = "key-alice-0001", "key-bob-00001", "key-admin-001"
+# a tenant only test_guard_shadow_checks_every_blend_without_changing_answers uses, on the shared
+# server and its own: a blend's escalation depends on its tenant's earlier risks, so the two
+# servers' answers are comparable only for a tenant with the same history on both
+CAROL = "key-carol-0001"
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import WORDS
-from tests.server.helpers import ADMIN, ALICE, BOB, ServerProcess
+from tests.server.helpers import ADMIN, ALICE, BOB, CAROL, ServerProcess
 
 PLANTED = "the budget was approved in lisbon by the doctor ."
 BOB_OWN = "the budget of bob was small ."
@@ -51,7 +51,7 @@ def rag_server(tiny_model_dir, tmp_path_factory):
             [(f"alice-{i}.txt", t) for i, t in enumerate(_filler(12, 0))] + [("alice-planted.txt", PLANTED)])
     _ingest(tiny_model_dir, index, "bob", [(f"bob-{i}.txt", t) for i, t in enumerate(_filler(6, 1))]
             + [("bob-notes.txt", BOB_OWN)])
-    config = {"api_keys": {ALICE: "alice", BOB: "bob"}, "admin_key": ADMIN,
+    config = {"api_keys": {ALICE: "alice", BOB: "bob", CAROL: "carol"}, "admin_key": ADMIN,
               "store": {"tiers": ["memory"], "memory_bytes": "64MiB"},
               "retrieval": {"enabled": True, "index_dir": str(index), "mode": "bm25", "max_top_k": 4},
               "guard": {"enabled": True, "shadow_fraction": 1.0, "min_samples": 2, "window": 4, "min_f1": None},
@@ -127,31 +127,40 @@ def _wait_checks(server, n: int, timeout_s: float = 90.0) -> str:
 DOCS = ["the river of oslo runs north to the city .", "the company in rome published a novel in year one ."]
 
 
-def test_guard_shadow_checks_every_blend_without_changing_answers(rag_server, alice) -> None:
+def test_guard_shadow_checks_every_blend_without_changing_answers(rag_server, server) -> None:
     """Guard on, shadow fraction 1: each blended request is shadow-checked (metrics, log),
-    and every answer equals the guard-off server's answer to the same request."""
+    and every answer equals the guard-off server's answer to the same request.
+
+    Both servers are asked as carol, a tenant no other test uses: whether a blend escalates
+    depends on its tenant's earlier risks (``engine.escalation``), so only a tenant with the
+    same history on both servers makes their answers comparable (as alice, the shared
+    server's many earlier blends once escalated a blend the guard server's did not)."""
     questions = ["where does the river run ?", "who published a novel ?", "where is the company ?"]
     # stored synchronously on both servers: every request below hits, so no answer depends on
     # whether a background write-back finished before it (the shared server's copies are
     # deleted at the end)
-    stored = [alice.post("/v1/documents", json={"text": doc}).json()["id"] for doc in DOCS]
-    with _client(rag_server, ALICE) as client:
-        for doc in DOCS:
-            assert client.post("/v1/documents", json={"text": doc}).status_code == 200
-        guarded = []
-        for q in questions:
-            r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
-            assert r.status_code == 200, r.text
-            assert r.json()["kvblend"]["method"] == "blend"  # auto routed to blend by the guard
-            guarded.append(r.json()["choices"][0]["message"]["content"])
-        text = _wait_checks(rag_server, len(questions))
-        # after the shadow checks ran, the same requests still get the same answers
-        again = [_ask(client, documents=DOCS, messages=[{"role": "user", "content": q}],
-                      kvblend={"method": "auto"}).json()["choices"][0]["message"]["content"] for q in questions]
-    plain = [_ask(alice, documents=DOCS, messages=[{"role": "user", "content": q}],
-                  kvblend={"method": "auto"}).json()["choices"][0]["message"]["content"] for q in questions]
-    for doc_id in stored:
-        assert alice.delete(f"/v1/documents/{doc_id}").json()["deleted"] is True
+    def ask(client: httpx.Client, q: str) -> tuple[str, bool]:
+        r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["kvblend"].get("escalated", False)
+
+    with _client(server, CAROL) as shared:
+        stored = [shared.post("/v1/documents", json={"text": doc}).json()["id"] for doc in DOCS]
+        with _client(rag_server, CAROL) as client:
+            for doc in DOCS:
+                assert client.post("/v1/documents", json={"text": doc}).status_code == 200
+            guarded = []
+            for q in questions:
+                r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
+                assert r.status_code == 200, r.text
+                assert r.json()["kvblend"]["method"] == "blend"  # auto routed to blend by the guard
+                guarded.append((r.json()["choices"][0]["message"]["content"], r.json()["kvblend"].get("escalated", False)))
+            text = _wait_checks(rag_server, len(questions))
+            # after the shadow checks ran, the same requests still get the same answers
+            again = [ask(client, q) for q in questions]
+        plain = [ask(shared, q) for q in questions]
+        for doc_id in stored:
+            assert shared.delete(f"/v1/documents/{doc_id}").json()["deleted"] is True
     # after the checks the same requests get the answers they got before (a repeat is served
     # its first blend whole; the guard-off server's repeat is the same replay, whose last
     # prompt token is computed by another attention path: on this random tiny model a near
