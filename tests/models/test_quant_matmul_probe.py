@@ -45,4 +45,7 @@ def test_the_probe_prints_one_json_line(capsys: pytest.CaptureFixture[str], monk
     assert step["int4_speedup"] == pytest.approx(step["fp32_us"] / step["int4_us"])
     assert all(r["int8_err"] < 1e-5 and r["int4_err"] < 1e-5 for r in rows.values())
     assert step["fbgemm8_speedup"] == pytest.approx(step["fp32_us"] / step["fbgemm8_us"])
+    assert step["kvblend8_speedup"] == pytest.approx(step["fp32_us"] / step["kvblend8_us"])
     assert all(r["fbgemm8_err_vs_fp32"] < 0.05 and r["fbgemm16_err_vs_fp32"] < 1e-3 for r in rows.values())
+    # weight-only: the weights' rounding alone, well under FBGEMM's 7-bit activations'
+    assert all(r["kvblend8_err_vs_fp32"] < 0.01 for r in rows.values())

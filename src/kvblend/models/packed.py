@@ -6,20 +6,19 @@ rows and is bound by arithmetic, where fp32 GEMM is fastest here. So the model k
 fp32 weights for prefill (the reference path, and what every stored KV is computed with)
 and, beside them, a packed copy that only decode passes read:
 
-* ``int8`` — FBGEMM's dynamically quantized linear (``quantized::linear_dynamic``):
-  weights int8 with one scale per output row (a quarter of fp32's bytes), activations
-  quantized at each call. FBGEMM takes one activation range for the whole input: each row
-  is scaled to max |x| = 1 and a pinning row (+1, -1) is added, so every row is quantized
-  over its own range and a row's result does not depend on the other rows of its batch (a
-  stream's tokens do not change with load). FBGEMM's activations have 7 bits, which alone
-  cost SmolLM2 a next-token KL of 0.047 to fp32: each row goes in twice, as itself and as
-  what its rounding lost (at most half a step, so times 127 it fits [-1, 1] again), so activations carry ~14 bits and the
-  KL is the int8 weights' alone (0.0017, as weight-only int8 with fp32 activations). The
-  extra rows ride on the same pass over the weights, which is what decode pays for.
-  That arithmetic around the kernel is a dozen small tensor ops, which from Python cost as
-  much as the matmul at a decode step's shapes: ``csrc/packed_int8.cpp`` does it in one
-  call (``native_int8``: compiled once per machine with torch's extension builder, ~15 s;
-  where no compiler is found the same arithmetic runs as tensor ops, ``int8_linear_ops``).
+* ``int8`` — weight-only int8: one scale per output row (a quarter of fp32's bytes), the
+  activations stay float32, so the only error is the weights' rounding (SmolLM2's
+  next-token KL to fp32 ~0.002) and a row's result never depends on the rows beside it (a
+  stream's tokens do not change with load). The kernels are kvblend's own
+  (``csrc/packed_int8.cpp``: each weight row widened to float32 in vector registers and
+  multiplied into several accumulators, output rows split over threads), compiled once
+  per machine with torch's extension builder (~20 s, ``native_int8``): measured, FBGEMM's
+  dynamically quantized linear (7-bit activations over one range per call, which cost
+  SmolLM2 a KL of 0.047 as is and needed a remainder pass to match) and torch's own
+  weight-pack matmuls were slower at a decode step's shapes (docs/results.md 9). The same
+  library runs a decoder layer's decode step around its attention in two calls
+  (``native_layer_ops``). Where it cannot be built, ``auto`` decodes fp32 and an explicit
+  ``int8`` multiplies by the dequantized weight as tensor ops (correct, not fast).
 * ``fp16`` — FBGEMM's fp16 GEMM (``quantized::linear_dynamic_fp16``): weights stored in
   fp16, converted and multiplied in fp32. Half the bytes, error ~2e-4 relative per matmul.
 * ``fp32`` — no packed copy: decode reads the fp32 weights (the exact reference).
@@ -37,23 +36,20 @@ import contextlib
 import hashlib
 import logging
 import os
+import platform
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvblend.errors import KvblendError
 
 log = logging.getLogger(__name__)
 
 DECODE_WEIGHTS = ("auto", "fp32", "fp16", "int8")
-
-# FBGEMM's activation grid over the pinned range [-1, 1]: 7 bits (reduce_range, which keeps
-# AVX2's 16-bit pair sums from saturating), a step of 2/127, so x rounds to round(x * 63.5) / 63.5.
-STEPS = 63.5
 
 _DECODING: ContextVar[bool] = ContextVar("kvblend_decoding", default=False)
 
@@ -84,17 +80,19 @@ def fbgemm_available() -> bool:
 
 
 def resolve_decode_weights(kind: str, device: str | torch.device, dtype: torch.dtype) -> str:
-    """``auto`` -> ``int8`` for fp32 on a CPU with FBGEMM, else ``fp32`` (no packed copy:
-    on CUDA decode reads the compute-dtype weights). An explicit packed kind off the CPU,
-    or with another compute dtype, is an error (FBGEMM kernels are CPU and fp32 only)."""
+    """``auto`` -> ``int8`` for fp32 on a CPU where the int8 kernels are built with a vector
+    path (``native_int8``), else ``fp32`` (no packed copy: on CUDA decode reads the
+    compute-dtype weights). An explicit packed kind off the CPU or with another compute
+    dtype is an error (the kernels are CPU and fp32 only); ``fp16`` also needs FBGEMM."""
     if kind not in DECODE_WEIGHTS:
         raise KvblendError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {kind!r}")
-    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available()
+    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
     if kind == "auto":
-        return "int8" if cpu_fp32 else "fp32"
-    if kind != "fp32" and not cpu_fp32:
-        raise KvblendError(f"decode_weights {kind!r} needs the CPU, float32 compute and FBGEMM "
-                         f"(got device {device}, dtype {dtype}); use 'fp32' or 'auto'")
+        return "int8" if cpu_fp32 and native_int8() is not None and native_lanes() > 0 else "fp32"
+    if kind != "fp32" and not (cpu_fp32 and (kind == "int8" or fbgemm_available())):
+        raise KvblendError(f"decode_weights {kind!r} needs the CPU and float32 compute"
+                           f"{' and FBGEMM' if kind == 'fp16' else ''} (got device {device}, dtype {dtype}); "
+                           "use 'fp32' or 'auto'")
     return kind
 
 
@@ -104,12 +102,14 @@ _NATIVE_LOCK = threading.Lock()
 
 
 def native_int8() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.kvblend_packed.int8_linear`` (``csrc/packed_int8.cpp``: x, packed FBGEMM
-    params, bias -> the int8 decode linear in one call), compiled on first use and kept in
-    torch's extension folder (``TORCH_EXTENSIONS_DIR``), keyed by the source and torch's
-    version; None where it cannot be built (no C++ compiler): callers then run the same
-    arithmetic as tensor ops. Tried once per process."""
+    """``torch.ops.kvblend_packed.int8_linear`` (``csrc/packed_int8.cpp``: x, int8 weight,
+    per-row scales, bias -> x W^T + b), compiled on first use for this CPU (``-march=native``)
+    and kept in torch's extension folder (``TORCH_EXTENSIONS_DIR``), keyed by the source,
+    torch's version and the CPU's features; None where it cannot be built (no C++
+    compiler). Tried once per process."""
     global _NATIVE
+    if _NATIVE is not None:  # settled: no lock on a decode step's path
+        return _NATIVE or None
     with _NATIVE_LOCK:
         if _NATIVE is None:
             try:
@@ -120,11 +120,37 @@ def native_int8() -> Callable[..., torch.Tensor] | None:
         return _NATIVE or None
 
 
+def native_lanes() -> int:
+    """Float32 lanes of the built kernels' vector path (16 AVX-512, 8 AVX2; 0 none or not built)."""
+    return int(torch.ops.kvblend_packed.simd_lanes()) if native_int8() is not None else 0
+
+
+def native_layer_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """``decode_project`` and ``decode_finish`` of ``native_int8``'s library (a decoder layer's
+    decode step around its attention in two calls, ``DecoderLayer.project``/``.finish``), or
+    None where it could not be built."""
+    if native_int8() is None:
+        return None
+    return torch.ops.kvblend_packed.decode_project, torch.ops.kvblend_packed.decode_finish
+
+
+def _cpu_features() -> bytes:
+    """What ``-march=native`` compiles for: the CPU's flags (Linux), else its name."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode() + platform.machine().encode()
+
+
 def _load_native() -> Callable[..., torch.Tensor]:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"kvblend_packed_{digest}"
+    key = NATIVE_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_features()
+    name = f"kvblend_packed_{hashlib.sha256(key).hexdigest()[:12]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     folder = root / name
     library = folder / f"{name}.so"
@@ -132,9 +158,10 @@ def _load_native() -> Callable[..., torch.Tensor]:
         torch.ops.load_library(str(library))
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        log.info("building kvblend's int8 decode kernel once for this machine (~15 s) in %s", folder)
+        log.info("building kvblend's int8 decode kernels once for this machine (~20 s) in %s", folder)
         with _ninja_on_path():
-            cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)], extra_cflags=["-O3"],
+            cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                build_directory=str(folder), is_python_module=False, verbose=False)
     return torch.ops.kvblend_packed.int8_linear
 
@@ -158,50 +185,41 @@ def _ninja_on_path() -> Iterator[None]:
 
 class PackedWeight:
     """One linear layer's weight (out, in) and optional bias (out,), packed for decode.
-    ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``native``
-    (int8): run through ``native_int8``'s one-call kernel when it is available (the
-    default), else as tensor ops; the two agree to float32 rounding."""
+    ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``int8``: the
+    weight rounded per output row to 127 levels of its max |w| (``q``, ``scale``), multiplied
+    by ``native_int8``'s kernel when it is built and ``native`` (the default), else as tensor
+    ops over the dequantized weight; the two agree to float32 rounding."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, native: bool = True) -> None:
         if kind not in ("int8", "fp16"):
             raise ValueError(f"no packed form {kind!r}")
         self.kind = kind
         self.in_features = weight.shape[1]
-        w = weight.detach().float().contiguous()
-        self.bias = None if bias is None else bias.detach().float().clone()
+        w = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        self.fused = False
         if kind == "fp16":
-            self._packed = torch.ops.quantized.linear_prepack_fp16(w, self.bias)
+            self._packed = torch.ops.quantized.linear_prepack_fp16(w.contiguous(), self.bias)
             return
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # per output row, symmetric
-        zero = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated for creation, not for FBGEMM's packing
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None)
-        pin = torch.zeros(self.in_features)
-        pin[0], pin[-1] = 1.0, -1.0
-        self._pin = pin  # fixes the input's range at [-1, 1] whatever the other rows hold
+        scale = w.abs().amax(dim=1).clamp_min(1e-12).div_(127.0)  # per output row, symmetric
+        self.q = torch.round(w / scale[:, None]).to(torch.int8).contiguous()
+        self.scale = scale.contiguous()
         self._native = native_int8() if native else None
+        # a decoder layer whose weights all run natively runs its decode step as two native
+        # calls (``native_layer_ops``); False keeps it per op (A/B measurements)
+        self.fused = self._native is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if self._native is not None:
-            return self._native(x, self._packed, self.bias)
+            return self._native(x, self.q, self.scale, self.bias)
         return self.int8_linear_ops(x)
 
     def int8_linear_ops(self, x: torch.Tensor) -> torch.Tensor:
-        """The int8 path as tensor ops (where the one-call kernel is not built)."""
-        rows = x.shape[0]
-        norm = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)  # max |x| a row
-        rows_in = x.new_empty(2 * rows + 1, self.in_features)
-        hi = torch.div(x, norm, out=rows_in[:rows])  # each row in [-1, 1]
-        lo = torch.mul(hi, STEPS, out=rows_in[rows : 2 * rows])
-        lo.sub_(lo.round()).mul_(2)  # what the grid rounds away (at most half a step, 1/127), times 127
-        rows_in[-1] = self._pin
-        out = torch.ops.quantized.linear_dynamic(rows_in, self._packed, True)
-        y = torch.add(out[:rows], out[rows : 2 * rows], alpha=1 / 127).mul_(norm)
-        return y if self.bias is None else y.add_(self.bias)
+        """The int8 matmul as tensor ops (where the kernel is not built): the dequantized
+        weight's matmul."""
+        return F.linear(x, self.q.float().mul_(self.scale[:, None]), self.bias)
 
 
 def packed_bytes(weight: torch.Tensor, kind: str) -> int:

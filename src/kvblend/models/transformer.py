@@ -30,8 +30,8 @@ from kvblend.errors import ContextLengthError
 from kvblend.models.attention import AttentionPlan, attend, attend_parts, attend_planned, plan_attention
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
-from kvblend.models.packed import (PackedWeight, decode_pass, decoding, is_decoding, packed_bytes,
-                                   resolve_decode_weights)
+from kvblend.models.packed import (PackedWeight, decode_pass, decoding, is_decoding, native_layer_ops,
+                                   packed_bytes, resolve_decode_weights)
 
 
 # Measured on SmolLM2 at 3072 tokens (2-core CPU): the MLP over blocks of 1024 rows took
@@ -146,11 +146,31 @@ class DecoderLayer(nn.Module):
         k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
         return rope_lib.apply_rope(self.k_norm(k) if c.qk_norm else k, cos, sin, self.rope.interleaved)
 
+    def _native_step(self) -> bool:
+        """Whether this pass runs the layer as ``models.packed.native_layer_ops``: a decode pass
+        reading int8 weights with the native kernels built (the same arithmetic as the ops
+        below, to float rounding)."""
+        packed = self.qkv._packed_now()
+        return packed is not None and packed.kind == "int8" and packed.fused and native_layer_ops() is not None
+
+    def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, project = self.cfg, native_layer_ops()[0]
+        qkv = self.qkv.packed
+        return project(h, self.input_norm.weight, self.input_norm.eps, qkv.q, qkv.scale, qkv.bias, cos, sin,
+                       c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved,
+                       self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
+                       1.0 if self.q_mult is None else self.q_mult)
+
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual stream h (T, D) -> post-RoPE q (Hq, T, d), k (Hkv, T, d), v (Hkv, T, d)."""
         c = self.cfg
+        if self._native_step():  # q and k normed, rotated and scaled there
+            qkv = self._native_project(h, cos, sin)
+            q, k, v = (part.view(-1, n, c.head_dim).transpose(0, 1) for part, n in zip(
+                qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
+            return q, k, v
         qkv = self.qkv(self.input_norm(h))  # (T, Hq*d + 2*Hkv*d)
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
         v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # a view: callers copy it into the cache
@@ -199,6 +219,13 @@ class DecoderLayer(nn.Module):
         The MLP runs over blocks of ``MLP_BLOCK_TOKENS`` rows: its (T, 2I) intermediate
         then stays small enough to be reused from cache (rows are independent, so this is
         exact)."""
+        if self._native_step():
+            o, gate_up, down = self.o.packed, self.gate_up.packed, self.down.packed
+            return native_layer_ops()[1](
+                h, attn, o.q, o.scale, o.bias, self.attn_out_norm.weight if self.cfg.sandwich_norm else None,
+                self.post_norm.weight, self.post_norm.eps, gate_up.q, gate_up.scale, gate_up.bias,
+                down.q, down.scale, down.bias, self.mlp_out_norm.weight if self.cfg.sandwich_norm else None,
+                self.cfg.hidden_act == "gelu_tanh")
         h = self.o.plus(h, attn) if not self.cfg.sandwich_norm else h + self.attn_out_norm(self.o(attn))
         if h.shape[0] <= MLP_BLOCK_TOKENS:
             self.add_mlp(h)

@@ -1,82 +1,302 @@
-// kvblend's int8 decode linear in one call: what models/packed.py's PackedWeight does around
-// FBGEMM's dynamically quantized linear, without a dozen small tensor ops dispatched from
-// Python for each matmul (they cost as much as the matmul at a decode step's shapes).
+// kvblend's int8 decode kernels (models/packed.py builds this file once per machine, with
+// -march=native and OpenMP; torch's own libgomp is the one loaded, so torch.set_num_threads
+// sets their threads too).
 //
-// For x (R, in) fp32: each row scaled to max |x| = 1; the input to FBGEMM is those R rows, then
-// R rows of what FBGEMM's 7-bit grid over [-1, 1] rounds away from them (times 127: at most
-// half a step of 2/127), then a pinned row (+1, 0, ..., 0, -1) that fixes the range at
-// [-1, 1] whatever the other rows hold. The result row r is (out[r] + out[R + r] / 127) *
-// max|x[r]| (+ bias). The same arithmetic as PackedWeight.int8_linear_ops, in float32.
+// int8_linear: y = x (q * scale)^T + bias for x (R, in) float32, q (out, in) int8 and one
+// float32 scale per output row. Weight-only: x stays float32, so the only error against the
+// fp32 matmul is the weights' rounding, and a row's result never depends on the rows beside
+// it. A decode step's matmul reads each weight byte once for its few rows, so it is bound by
+// memory: each weight row is widened to float32 16 (AVX-512) or 8 (AVX2) at a time and
+// multiplied into several independent accumulators; output rows are split over threads.
+// Measured against FBGEMM's dynamically quantized linear on SmolLM2's decode shapes (2
+// threads, AVX-512 host, docs/results.md 9): 1.27x faster for one row, the same for 8.
+//
+// decode_project and decode_finish run a whole decoder layer's decode step around the
+// attention in two calls (models/transformer.py's DecoderLayer.project and .finish as a
+// decode pass reads them): RMS norms, RoPE, the gated MLP's activation and the residual adds
+// as loops over a step's few rows, the four matmuls through int8_linear. Dispatched from
+// Python a decode step was ~40 small tensor ops a layer, as long as its matmuls.
 #include <ATen/ATen.h>
-#include <ATen/native/quantized/PackedParams.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <optional>
-#include <vector>
 
 namespace {
 
-constexpr float kSteps = 63.5f;  // FBGEMM's grid over the pinned range [-1, 1]: 127 steps
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec wload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec wload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#else
+constexpr int64_t kLanes = 0;  // no vector path: plain loops (the compiler may still vectorise them)
+#endif
 
-at::Tensor int8_linear(const at::Tensor& x, const c10::intrusive_ptr<LinearPackedParamsBase>& packed,
+// The lanes of the vector path this file was built with (0: none).
+int64_t simd_lanes() { return kLanes; }
+
+// sum_k w[k] x[k] from k0 on, in plain loops (a vector path's tail, or the whole row without one).
+inline float dot_tail(const int8_t* w, const float* x, int64_t k0, int64_t n) {
+  float s = 0.f;
+  for (int64_t k = k0; k < n; ++k) s += static_cast<float>(w[k]) * x[k];
+  return s;
+}
+
+// One weight row against one input row: four accumulators, so the adds do not wait on each other.
+inline float dot1(const int8_t* w, const float* x, int64_t n) {
+  int64_t k = 0;
+  float s = 0.f;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
+    a0 = vfma(wload(w + k), vload(x + k), a0);
+    a1 = vfma(wload(w + k + kLanes), vload(x + k + kLanes), a1);
+    a2 = vfma(wload(w + k + 2 * kLanes), vload(x + k + 2 * kLanes), a2);
+    a3 = vfma(wload(w + k + 3 * kLanes), vload(x + k + 3 * kLanes), a3);
+  }
+  for (; k + kLanes <= n; k += kLanes) a0 = vfma(wload(w + k), vload(x + k), a0);
+  s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+#endif
+  return s + dot_tail(w, x, k, n);
+}
+
+// kJ weight rows (from w, stride n) against kR input rows (from x, stride n): each widened
+// weight vector serves every input row. out[j * kR + r].
+template <int kJ, int kR>
+inline void dot_tile(const int8_t* w, const float* x, int64_t n, float* out) {
+  int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec acc[kJ][kR];
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r) acc[j][r] = vzero();
+  for (; k + kLanes <= n; k += kLanes) {
+    Vec xv[kR];
+    for (int r = 0; r < kR; ++r) xv[r] = vload(x + r * n + k);
+    for (int j = 0; j < kJ; ++j) {
+      const Vec wv = wload(w + j * n + k);
+      for (int r = 0; r < kR; ++r) acc[j][r] = vfma(wv, xv[r], acc[j][r]);
+    }
+  }
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r) out[j * kR + r] = vsum(acc[j][r]) + dot_tail(w + j * n, x + r * n, k, n);
+#else
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r) out[j * kR + r] = dot_tail(w + j * n, x + r * n, k, n);
+#endif
+}
+
+constexpr int kTileRows = 4;  // weight rows a task takes at once
+
+// Weight rows [j0, j0 + kTileRows) against every input row, into y (R, outs).
+void weight_tile(const int8_t* W, const float* X, int64_t rows, int64_t n, int64_t outs, int64_t j0,
+                 const float* scale, const float* bias, float* Y) {
+  float acc[kTileRows * 4];
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int rt = static_cast<int>(std::min<int64_t>(4, rows - r0));
+    const int8_t* w = W + j0 * n;
+    const float* x = X + r0 * n;
+    switch (rt) {
+      case 1: dot_tile<kTileRows, 1>(w, x, n, acc); break;
+      case 2: dot_tile<kTileRows, 2>(w, x, n, acc); break;
+      case 3: dot_tile<kTileRows, 3>(w, x, n, acc); break;
+      default: dot_tile<kTileRows, 4>(w, x, n, acc); break;
+    }
+    for (int j = 0; j < kTileRows; ++j)
+      for (int r = 0; r < rt; ++r)
+        Y[(r0 + r) * outs + j0 + j] = acc[j * rt + r] * scale[j0 + j] + (bias ? bias[j0 + j] : 0.f);
+  }
+}
+
+const float* optional_weight(const std::optional<at::Tensor>& w, int64_t n, const char* what) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  TORCH_CHECK(w->numel() == n && w->is_contiguous() && w->scalar_type() == at::kFloat, what,
+              " must be contiguous float32 of width ", n);
+  return w->const_data_ptr<float>();
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "int8_linear takes a 2-d float32 CPU input");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
+              "int8_linear's weight must be contiguous int8 (out, in) with in = ", x.size(1));
+  const int64_t rows = x.size(0), n = x.size(1), outs = q.size(0);
+  const float* s = optional_weight(scale, outs, "scale");
+  TORCH_CHECK(s != nullptr, "int8_linear needs one scale per output row");
+  const float* b = optional_weight(bias, outs, "bias");
   const at::Tensor in = x.contiguous();
-  const int64_t rows = in.size(0), width = in.size(1);
-  TORCH_CHECK(width >= 2, "int8_linear needs at least 2 input features (the pinned row)");
-  at::Tensor stacked = at::zeros({2 * rows + 1, width}, in.options());
-  const float* src = in.const_data_ptr<float>();
-  float* dst = stacked.mutable_data_ptr<float>();
-  std::vector<float> norms(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = src + r * width;
-    float norm = 0.f;
-    for (int64_t j = 0; j < width; ++j) norm = std::max(norm, std::fabs(row[j]));
-    norm = std::max(norm, 1e-30f);
-    norms[r] = norm;
-    float* hi = dst + r * width;
-    float* lo = dst + (rows + r) * width;
-    for (int64_t j = 0; j < width; ++j) {
-      const float h = row[j] / norm;
-      const float scaled = h * kSteps;
-      hi[j] = h;
-      lo[j] = (scaled - std::nearbyint(scaled)) * 2.f;
-    }
-  }
-  float* pin = dst + 2 * rows * width;
-  pin[0] = 1.f;
-  pin[width - 1] = -1.f;
-  const at::Tensor out = packed->apply_dynamic(stacked, /*reduce_range=*/true).contiguous();
-  const int64_t outs = out.size(1);
   at::Tensor y = at::empty({rows, outs}, in.options());
-  const float* o = out.const_data_ptr<float>();
-  float* dst_y = y.mutable_data_ptr<float>();
-  const float* b = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.numel() == outs && bias_c.scalar_type() == at::kFloat, "bias must be float32 of the output width");
-    b = bias_c.const_data_ptr<float>();
+  const int8_t* W = q.const_data_ptr<int8_t>();
+  const float* X = in.const_data_ptr<float>();
+  float* Y = y.mutable_data_ptr<float>();
+  const int64_t tiles = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
+  at::parallel_for(0, tiles, 16, [&](int64_t first, int64_t end) {
+    for (int64_t t = first; t < end; ++t) {
+      const int64_t j0 = t * kTileRows;
+      if (rows == 1) {
+        for (int64_t j = j0; j < j0 + kTileRows; ++j) Y[j] = dot1(W + j * n, X, n) * s[j] + (b ? b[j] : 0.f);
+      } else {
+        weight_tile(W, X, rows, n, outs, j0, s, b, Y);
+      }
+    }
+  });
+  for (int64_t j = tiles * kTileRows; j < outs; ++j)
+    for (int64_t r = 0; r < rows; ++r) Y[r * outs + j] = dot1(W + j * n, X + r * n, n) * s[j] + (b ? b[j] : 0.f);
+  return y;
+}
+
+// x * rsqrt(mean(x^2) + eps) * w over one row of n (out may be x).
+void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  double squares = 0.0;
+  for (int64_t j = 0; j < n; ++j) squares += static_cast<double>(x[j]) * x[j];
+  const float inv = 1.f / std::sqrt(static_cast<float>(squares / n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * inv * w[j];
+}
+
+// Each row of x (R, n) RMS-normed by w into a new tensor.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const at::Tensor in = x.contiguous();
+  const int64_t rows = in.size(0), n = in.size(1);
+  const float* wn = optional_weight(w, n, "the norm's weight");
+  at::Tensor out = at::empty_like(in);
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(in.const_data_ptr<float>() + r * n, wn, static_cast<float>(eps), n, out.mutable_data_ptr<float>() + r * n);
+  return out;
+}
+
+// One head's values rotated in place by a position's cos/sin (half each); dims past 2 half unchanged.
+void rope_head(float* p, const float* cos, const float* sin, int64_t half, bool interleaved) {
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float x1 = p[a], x2 = p[b];
+    p[a] = x1 * cos[i] - x2 * sin[i];
+    p[b] = x2 * cos[i] + x1 * sin[i];
   }
-  const float inv127 = 1.f / 127.f;
+}
+
+// h (R, D): norm, the fused q|k|v projection, per-head q/k norms, RoPE on q and k, q scaled
+// by q_mult. Returns (R, (Hq + 2 Hkv) d): q and k rotated, v as projected.
+at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at::Tensor& qkv,
+                          const at::Tensor& qkv_scale, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                          const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, bool interleaved,
+                          const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                          double q_mult) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_project takes a 2-d float32 h");
+  const int64_t rows = h.size(0), width = (heads + 2 * kv_heads) * head_dim, half = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes() && 2 * half <= head_dim &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos/sin must be float32 (R, rotary_dim / 2) with rotary_dim <= head_dim");
+  TORCH_CHECK(qkv.size(0) == width, "the q|k|v weight has ", qkv.size(0), " outputs, expected ", width);
+  at::Tensor y = int8_linear(rms_norm_rows(h, norm_w, eps), qkv, qkv_scale, bias);
+  const float* qn = optional_weight(q_norm, head_dim, "q_norm");
+  const float* kn = optional_weight(k_norm, head_dim, "k_norm");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const float mult = static_cast<float>(q_mult), e = static_cast<float>(eps);
+  float* out = y.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* hi = o + r * outs;
-    const float* lo = o + (rows + r) * outs;
-    float* yr = dst_y + r * outs;
-    for (int64_t j = 0; j < outs; ++j) {
-      float v = (hi[j] + lo[j] * inv127) * norms[r];
-      yr[j] = b ? v + b[j] : v;
+    const float* cr = c.const_data_ptr<float>() + r * half;
+    const float* sr = s.const_data_ptr<float>() + r * half;
+    for (int64_t head = 0; head < heads + kv_heads; ++head) {
+      float* p = out + r * width + head * head_dim;
+      const bool query = head < heads;
+      const float* norm = query ? qn : kn;
+      if (norm) rms_norm_row(p, norm, e, head_dim, p);
+      rope_head(p, cr, sr, half, interleaved);
+      if (query && mult != 1.f)
+        for (int64_t j = 0; j < head_dim; ++j) p[j] *= mult;
     }
   }
   return y;
 }
 
+// After attention: h + o(attn) (the o branch normed first where attn_out_norm is given), then
+// + down(act(gate) * up) of its post norm (normed by mlp_out_norm where given). act: SiLU, or
+// GELU's tanh form where gelu. Returns the new h (R, D).
+at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o, const at::Tensor& o_scale,
+                         const std::optional<at::Tensor>& o_bias, const std::optional<at::Tensor>& attn_out_norm,
+                         const at::Tensor& post_norm_w, double eps, const at::Tensor& gate_up,
+                         const at::Tensor& gate_up_scale, const std::optional<at::Tensor>& gate_up_bias,
+                         const at::Tensor& down, const at::Tensor& down_scale, const std::optional<at::Tensor>& down_bias,
+                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_finish takes a 2-d float32 h");
+  const int64_t rows = h.size(0), dim = h.size(1);
+  TORCH_CHECK(o.size(0) == dim && down.size(0) == dim && gate_up.size(0) == 2 * down.size(1),
+              "decode_finish's weights do not fit a hidden size of ", dim);
+  const float e = static_cast<float>(eps);
+  at::Tensor out = int8_linear(attn, o, o_scale, o_bias);  // (R, D): becomes the new h
+  const float* an = optional_weight(attn_out_norm, dim, "attn_out_norm");
+  const float* mn = optional_weight(mlp_out_norm, dim, "mlp_out_norm");
+  const at::Tensor hc = h.contiguous();
+  float* hn = out.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = hn + r * dim;
+    if (an) rms_norm_row(row, an, e, dim, row);
+    const float* res = hc.const_data_ptr<float>() + r * dim;
+    for (int64_t j = 0; j < dim; ++j) row[j] += res[j];
+  }
+  const at::Tensor gu = int8_linear(rms_norm_rows(out, post_norm_w, eps), gate_up, gate_up_scale, gate_up_bias);
+  const int64_t inter = gu.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, out.options());
+  const float* g = gu.const_data_ptr<float>();
+  float* a = act.mutable_data_ptr<float>();
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < inter; ++j) {
+      const float x = g[r * 2 * inter + j], up = g[r * 2 * inter + inter + j];
+      const float f = gelu ? 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)))
+                           : x / (1.f + std::exp(-x));
+      a[r * inter + j] = f * up;
+    }
+  }
+  at::Tensor d = int8_linear(act, down, down_scale, down_bias);  // (R, D)
+  float* dd = d.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = dd + r * dim;
+    if (mn) rms_norm_row(row, mn, e, dim, row);
+    float* target = hn + r * dim;
+    for (int64_t j = 0; j < dim; ++j) target[j] += row[j];
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvblend_packed, m) {
-  m.def("int8_linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor? bias) -> Tensor",
-        &int8_linear);
+  m.def("simd_lanes() -> int", &simd_lanes);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &int8_linear);
+  m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor? bias, Tensor cos, "
+        "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
+        "float q_mult) -> Tensor", &decode_project);
+  m.def("decode_finish(Tensor h, Tensor attn, Tensor o, Tensor o_scale, Tensor? o_bias, Tensor? attn_out_norm, "
+        "Tensor post_norm_w, float eps, Tensor gate_up, Tensor gate_up_scale, Tensor? gate_up_bias, Tensor down, "
+        "Tensor down_scale, Tensor? down_bias, Tensor? mlp_out_norm, bool gelu) -> Tensor", &decode_finish);
 }
