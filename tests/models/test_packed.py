@@ -77,6 +77,24 @@ def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
         packed(torch.randn(2, inp + 1))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 16), (14, 2, 37)])
+def test_native_decode_attention_is_sdpa(heads: int, kv_heads: int, dim: int) -> None:
+    """One query a head against a cache's first N slots (strided views of its buffers), over
+    one key, a chunk's worth and several chunks merged (``kKeyChunk`` 256), is SDPA's result."""
+    from kvblend.models.attention import attend
+    from kvblend.models.packed import native_layer_ops
+
+    ops = native_layer_ops()
+    gen = torch.Generator().manual_seed(heads)
+    keys, values = (torch.randn(kv_heads, 700, dim, generator=gen) * 3 for _ in range(2))
+    q = torch.randn(heads, 1, dim, generator=gen) * 3
+    for n in (1, 256, 600):
+        k, v = keys[:, :n], values[:, :n]
+        torch.testing.assert_close(ops.attend(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="whole groups"):
+        ops.attend(torch.randn(3, 1, dim), torch.randn(2, 5, dim), torch.randn(2, 5, dim))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_the_native_decode_layer_equals_the_layer_as_ops(arch: str) -> None:
     """``decode_project``/``decode_finish`` (a decode step's layer in two native calls) give

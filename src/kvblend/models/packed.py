@@ -41,6 +41,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,13 +126,21 @@ def native_lanes() -> int:
     return int(torch.ops.kvblend_packed.simd_lanes()) if native_int8() is not None else 0
 
 
-def native_layer_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
-    """``decode_project`` and ``decode_finish`` of ``native_int8``'s library (a decoder layer's
-    decode step around its attention in two calls, ``DecoderLayer.project``/``.finish``), or
-    None where it could not be built."""
+class NativeLayerOps(NamedTuple):
+    """A decoder layer's decode step in native calls (``csrc/packed_int8.cpp``)."""
+
+    project: Callable[..., torch.Tensor]  # DecoderLayer.project: norm, q|k|v, q/k norms, RoPE
+    attend: Callable[..., torch.Tensor]  # one query a head against the cache (models.attention)
+    finish: Callable[..., torch.Tensor]  # DecoderLayer.finish: o, residual, norm, MLP, residual
+    layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_step: the three, the K/V written between
+
+
+def native_layer_ops() -> NativeLayerOps | None:
+    """The decode-step ops of ``native_int8``'s library, or None where it could not be built."""
     if native_int8() is None:
         return None
-    return torch.ops.kvblend_packed.decode_project, torch.ops.kvblend_packed.decode_finish
+    ops = torch.ops.kvblend_packed
+    return NativeLayerOps(ops.decode_project, ops.decode_attend, ops.decode_finish, ops.decode_layer)
 
 
 def _cpu_features() -> bytes:

@@ -146,15 +146,46 @@ class DecoderLayer(nn.Module):
         k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)  # (Hkv, T, d)
         return rope_lib.apply_rope(self.k_norm(k) if c.qk_norm else k, cos, sin, self.rope.interleaved)
 
-    def _native_step(self) -> bool:
+    def native_step(self) -> bool:
         """Whether this pass runs the layer as ``models.packed.native_layer_ops``: a decode pass
         reading int8 weights with the native kernels built (the same arithmetic as the ops
         below, to float rounding)."""
         packed = self.qkv._packed_now()
         return packed is not None and packed.kind == "int8" and packed.fused and native_layer_ops() is not None
 
+    def native_weights(self) -> list[torch.Tensor | None]:
+        """This layer's weights in the order ``decode_layer`` takes them (``LayerWeight`` in
+        ``csrc/packed_int8.cpp``), made once per packing."""
+        qkv, o, gate_up, down = self.qkv.packed, self.o.packed, self.gate_up.packed, self.down.packed
+        made = getattr(self, "_native_weights", None)
+        if made is None or made[0] is not qkv:
+            c = self.cfg
+            weights = [self.input_norm.weight, qkv.q, qkv.scale, qkv.bias,
+                       self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
+                       o.q, o.scale, o.bias, self.attn_out_norm.weight if c.sandwich_norm else None,
+                       self.post_norm.weight, gate_up.q, gate_up.scale, gate_up.bias, down.q, down.scale, down.bias,
+                       self.mlp_out_norm.weight if c.sandwich_norm else None]
+            made = self._native_weights = (qkv, weights)
+        return made[1]
+
+    def decode_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                    start: int) -> torch.Tensor | None:
+        """The whole layer for one decode row h (1, D) at position ``start`` of ``cache``, its
+        K/V written there, in one native call (``decode_layer``); None where that does not
+        apply (not a native step, more than one row, or a forked cache's two parts): the
+        caller then runs project, attention and finish."""
+        if h.shape[0] != 1 or type(cache) is not KVCache or not self.native_step():
+            return None
+        c = self.cfg
+        cache.reserve(start + 1)
+        first = 0 if self.window is None else max(0, start + 1 - self.window)
+        return native_layer_ops().layer(
+            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], start, first,
+            c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved, self.input_norm.eps,
+            1.0 if self.q_mult is None else self.q_mult, c.hidden_act == "gelu_tanh")
+
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        c, project = self.cfg, native_layer_ops()[0]
+        c, project = self.cfg, native_layer_ops().project
         qkv = self.qkv.packed
         return project(h, self.input_norm.weight, self.input_norm.eps, qkv.q, qkv.scale, qkv.bias, cos, sin,
                        c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved,
@@ -166,7 +197,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual stream h (T, D) -> post-RoPE q (Hq, T, d), k (Hkv, T, d), v (Hkv, T, d)."""
         c = self.cfg
-        if self._native_step():  # q and k normed, rotated and scaled there
+        if self.native_step():  # q and k normed, rotated and scaled there
             qkv = self._native_project(h, cos, sin)
             q, k, v = (part.view(-1, n, c.head_dim).transpose(0, 1) for part, n in zip(
                 qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
@@ -219,9 +250,9 @@ class DecoderLayer(nn.Module):
         The MLP runs over blocks of ``MLP_BLOCK_TOKENS`` rows: its (T, 2I) intermediate
         then stays small enough to be reused from cache (rows are independent, so this is
         exact)."""
-        if self._native_step():
+        if self.native_step():
             o, gate_up, down = self.o.packed, self.gate_up.packed, self.down.packed
-            return native_layer_ops()[1](
+            return native_layer_ops().finish(
                 h, attn, o.q, o.scale, o.bias, self.attn_out_norm.weight if self.cfg.sandwich_norm else None,
                 self.post_norm.weight, self.post_norm.eps, gate_up.q, gate_up.scale, gate_up.bias,
                 down.q, down.scale, down.bias, self.mlp_out_norm.weight if self.cfg.sandwich_norm else None,
@@ -374,6 +405,9 @@ class Transformer(nn.Module):
                logits_for: str) -> torch.Tensor:
         """Layer i of ``forward_steps`` over h (T, D): its K/V written at ``start``; returns the next h."""
         n = positions.shape[0]
+        stepped = layer.decode_step(h, *table, cache, i, start)
+        if stepped is not None:
+            return stepped
         q, k, v = layer.project(h, *table)
         parts = cache.write_parts(i, start, k, v)
         if len(parts) > 1:  # a forked cache (another choice's decode): its prompt is its parent's
@@ -385,7 +419,7 @@ class Transformer(nn.Module):
         if layer.window not in plans:
             plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
                                                  heads_per_kv=self.cfg.heads_per_kv)
-        return layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
+        return layer.finish(h, attend_planned(q, keys, values, plans[layer.window], native=layer.native_step()))
 
     def sees_all(self, n_keys: int) -> bool:
         """Whether the last layer's query at position n_keys - 1 sees every key (no sliding

@@ -16,6 +16,11 @@
 // decode pass reads them): RMS norms, RoPE, the gated MLP's activation and the residual adds
 // as loops over a step's few rows, the four matmuls through int8_linear. Dispatched from
 // Python a decode step was ~40 small tensor ops a layer, as long as its matmuls.
+//
+// decode_layer: the three in one call, the step's K and V written into the cache between.
+//
+// decode_attend: one query per head against a cache's keys, the softmax in float32 (SDPA's
+// flash kernel took ~100 us a layer for it at 512 keys, as long as the layer's matmuls).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -288,11 +294,205 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
   return out;
 }
 
+// sum_j a[j] b[j] over n floats.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t j = 0;
+  float s = 0.f;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec acc = vzero();
+  for (; j + kLanes <= n; j += kLanes) acc = vfma(vload(a + j), vload(b + j), acc);
+  s = vsum(acc);
+#endif
+  for (; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+
+// y[j] += p x[j] over n floats.
+inline void axpy_f32(float p, const float* x, float* y, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const Vec pv = _mm512_set1_ps(p);
+  for (; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(y + j, vfma(pv, vload(x + j), vload(y + j)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const Vec pv = _mm256_set1_ps(p);
+  for (; j + kLanes <= n; j += kLanes) _mm256_storeu_ps(y + j, vfma(pv, vload(x + j), vload(y + j)));
+#endif
+  for (; j < n; ++j) y[j] += p * x[j];
+}
+
+// exp(x) for x <= 0 (a softmax's shifted scores), kLanes at a time: 2^n p(r) with
+// x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' degree-6 polynomial (~1 ulp; below -87, 0).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline Vec vexp_neg(Vec x);
+#endif
+#if defined(__AVX512F__)
+inline Vec vexp_neg(Vec x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec vexp_neg(Vec x) {
+  const Vec under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// x[i] = exp(x[i] - top) over n floats; returns their sum.
+inline float exp_shifted(float* x, int64_t n, float top) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec acc = vzero();
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec e;
+#if defined(__AVX512F__)
+    e = vexp_neg(_mm512_sub_ps(vload(x + i), _mm512_set1_ps(top)));
+    _mm512_storeu_ps(x + i, e);
+#else
+    e = vexp_neg(_mm256_sub_ps(vload(x + i), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(x + i, e);
+#endif
+    acc = vadd(acc, e);
+  }
+  total = vsum(acc);
+#endif
+  for (; i < n; ++i) total += x[i] = std::exp(x[i] - top);
+  return total;
+}
+
+constexpr int64_t kKeyChunk = 256;  // keys a task takes: a cache's keys split over threads
+
+// q (Hq, 1, d) against k, v (Hkv, N, d) (each key's d values contiguous; query head h reads KV
+// head h / (Hq / Hkv)), scores scaled by 1/sqrt(d), every key visible. Returns (1, Hq d).
+// Tasks are (KV head, chunk of keys): each key and value is read once for the query heads
+// that share it, and the chunks' partial softmaxes are merged by their maxima and sums.
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && q.size(1) == 1 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
+              "decode_attend takes q (Hq, 1, d) and k, v (Hkv, N, d)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attend takes float32");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "decode_attend needs each key's values contiguous");
+  const int64_t heads = q.size(0), kv_heads = k.size(0), n = k.size(1), d = k.size(2);
+  TORCH_CHECK(n > 0 && heads % kv_heads == 0, "decode_attend needs keys and whole groups of query heads");
+  const at::Tensor qc = q.reshape({heads, d}).contiguous();
+  const int64_t group = heads / kv_heads, chunks = (n + kKeyChunk - 1) / kKeyChunk;
+  // per (task, head of its group): the chunk's max score, sum of exps and unnormalised output
+  std::vector<float> top(kv_heads * chunks * group), total(top.size()), part(top.size() * d, 0.f);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* Q = qc.const_data_ptr<float>();
+  const float* K = k.const_data_ptr<float>();
+  const float* V = v.const_data_ptr<float>();
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t first, int64_t end) {
+    std::vector<float> scores(group * kKeyChunk);
+    for (int64_t t = first; t < end; ++t) {
+      const int64_t g = t / chunks, i0 = (t % chunks) * kKeyChunk, len = std::min(kKeyChunk, n - i0);
+      const float* kg = K + g * k.stride(0) + i0 * k.stride(1);
+      const float* vg = V + g * v.stride(0) + i0 * v.stride(1);
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t h = 0; h < group; ++h)
+          scores[h * kKeyChunk + i] = dot_f32(Q + (g * group + h) * d, kg + i * k.stride(1), d) * scale;
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores.data() + h * kKeyChunk;
+        const float m = *std::max_element(sh, sh + len);
+        top[t * group + h] = m;
+        total[t * group + h] = exp_shifted(sh, len, m);
+      }
+      float* out = part.data() + t * group * d;
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t h = 0; h < group; ++h) axpy_f32(scores[h * kKeyChunk + i], vg + i * v.stride(1), out + h * d, d);
+    }
+  });
+  at::Tensor result = at::zeros({1, heads * d}, q.options());
+  float* O = result.mutable_data_ptr<float>();
+  for (int64_t g = 0; g < kv_heads; ++g)
+    for (int64_t h = 0; h < group; ++h) {
+      float m = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, top[(g * chunks + c) * group + h]);
+      float sum = 0.f;
+      float* oh = O + (g * group + h) * d;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (g * chunks + c) * group + h;
+        const float w = std::exp(top[at] - m);
+        sum += total[at] * w;
+        axpy_f32(w, part.data() + at * d, oh, d);
+      }
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < d; ++j) oh[j] *= inv;
+    }
+  return result;
+}
+
+// The weights decode_layer takes, in this order (models/transformer.py DecoderLayer.native_weights).
+enum LayerWeight {
+  kInputNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOBias, kAttnOutNorm,
+  kPostNorm, kGateUp, kGateUpScale, kGateUpBias, kDown, kDownScale, kDownBias, kMlpOutNorm, kLayerWeights
+};
+
+// One decode step of a decoder layer for one row h (1, D) at cache slot `slot`: project,
+// write its K and V at the slot of k_cache/v_cache (Hkv, capacity, d), attend over slots
+// first..slot, finish. Returns the new h (1, D).
+at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, int64_t slot, int64_t first, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
+  TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer takes one row");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads &&
+                  k_cache.size(2) == head_dim && k_cache.scalar_type() == at::kFloat && k_cache.stride(2) == 1 &&
+                  v_cache.stride(2) == 1,
+              "decode_layer's caches must be float32 (Hkv, capacity, head_dim)");
+  TORCH_CHECK(0 <= first && first <= slot && slot < k_cache.size(1), "decode_layer's slot is outside the cache");
+  auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
+  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), w(kQkvBias), cos, sin,
+                                        heads, kv_heads, head_dim, interleaved, w(kQNorm), w(kKNorm), q_mult);
+  const float* row = qkv.const_data_ptr<float>();
+  float* K = k_cache.mutable_data_ptr<float>();
+  float* V = v_cache.mutable_data_ptr<float>();
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    std::copy_n(row + (heads + g) * head_dim, head_dim, K + g * k_cache.stride(0) + slot * k_cache.stride(1));
+    std::copy_n(row + (heads + kv_heads + g) * head_dim, head_dim, V + g * v_cache.stride(0) + slot * v_cache.stride(1));
+  }
+  const at::Tensor q = qkv.narrow(1, 0, heads * head_dim).view({heads, 1, head_dim});
+  const at::Tensor attn = decode_attend(q, k_cache.narrow(1, first, slot + 1 - first), v_cache.narrow(1, first, slot + 1 - first));
+  return decode_finish(h, attn, *w(kO), *w(kOScale), w(kOBias), w(kAttnOutNorm), *w(kPostNorm), eps, *w(kGateUp),
+                       *w(kGateUpScale), w(kGateUpBias), *w(kDown), *w(kDownScale), w(kDownBias), w(kMlpOutNorm), gelu);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvblend_packed, m) {
   m.def("simd_lanes() -> int", &simd_lanes);
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &int8_linear);
+  m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
+        "bool gelu) -> Tensor", &decode_layer);
+  m.def("decode_attend(Tensor q, Tensor k, Tensor v) -> Tensor", &decode_attend);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor? bias, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
         "float q_mult) -> Tensor", &decode_project);
