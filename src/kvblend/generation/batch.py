@@ -71,14 +71,20 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
                  for p, s, t in zip(positions, starts, sizes)]
              for w in {layer.window for layer in model.layers}}
     rows = list(itertools.accumulate(sizes, initial=0))  # row offsets of each step
-    with decoding(decode_pass(sizes)):  # decode steps alone read the packed decode weights
+    decode = decode_pass(sizes)
+    with decoding(decode):  # decode steps alone read the packed decode weights
         h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
         for i, layer in enumerate(model.layers):
-            if len(forwards) == 1:  # one decode row: the whole layer in one native call where it can
+            # decode rows alone: the whole layer in one native call where it can (one row), or
+            # every row's K/V write and attention in one
+            stepped = None
+            if decode and len(forwards) == 1:
                 stepped = layer.decode_step(h, *tables[i], forwards[0].cache, i, starts[0])
-                if stepped is not None:
-                    h = stepped
-                    continue
+            elif decode:
+                stepped = layer.decode_rows(h, *tables[i], [f.cache for f in forwards], i, starts)
+            if stepped is not None:
+                h = stepped
+                continue
             q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
             native = layer.native_step()
             if len(forwards) == 1:  # one step: its attention is the whole output, no copy

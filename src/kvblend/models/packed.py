@@ -133,6 +133,7 @@ class NativeLayerOps(NamedTuple):
     attend: Callable[..., torch.Tensor]  # one query a head against the cache (models.attention)
     finish: Callable[..., torch.Tensor]  # DecoderLayer.finish: o, residual, norm, MLP, residual
     layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_step: the three, the K/V written between
+    attend_rows: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: many rows' K/V writes and attention
 
 
 def native_layer_ops() -> NativeLayerOps | None:
@@ -140,7 +141,8 @@ def native_layer_ops() -> NativeLayerOps | None:
     if native_int8() is None:
         return None
     ops = torch.ops.kvblend_packed
-    return NativeLayerOps(ops.decode_project, ops.decode_attend, ops.decode_finish, ops.decode_layer)
+    return NativeLayerOps(ops.decode_project, ops.decode_attend, ops.decode_finish, ops.decode_layer,
+                          ops.decode_attend_rows)
 
 
 def _cpu_features() -> bytes:

@@ -19,7 +19,7 @@ with ``layer.window``.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +183,23 @@ class DecoderLayer(nn.Module):
             h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], start, first,
             c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved, self.input_norm.eps,
             1.0 if self.q_mult is None else self.q_mult, c.hidden_act == "gelu_tanh")
+
+    def decode_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[KVCache],
+                    layer: int, starts: Sequence[int]) -> torch.Tensor | None:
+        """The layer for decode rows h (R, D), row r one token at position ``starts[r]`` of
+        ``caches[r]``, its K/V written there: projections and MLP over all rows, every row's
+        attention in one native call (``decode_attend_rows``); None where that does not
+        apply (not a native step, or a forked cache among them)."""
+        if any(type(c) is not KVCache for c in caches) or not self.native_step():
+            return None
+        c = self.cfg
+        for cache, start in zip(caches, starts):
+            cache.reserve(start + 1)
+        firsts = [0 if self.window is None else max(0, s + 1 - self.window) for s in starts]
+        attn = native_layer_ops().attend_rows(
+            self._native_project(h, cos, sin), [cache.keys[layer] for cache in caches],
+            [cache.values[layer] for cache in caches], list(starts), firsts, c.num_heads, c.num_kv_heads, c.head_dim)
+        return self.finish(h, attn)
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, project = self.cfg, native_layer_ops().project

@@ -388,10 +388,77 @@ inline float exp_shifted(float* x, int64_t n, float top) {
 
 constexpr int64_t kKeyChunk = 256;  // keys a task takes: a cache's keys split over threads
 
-// q (Hq, 1, d) against k, v (Hkv, N, d) (each key's d values contiguous; query head h reads KV
-// head h / (Hq / Hkv)), scores scaled by 1/sqrt(d), every key visible. Returns (1, Hq d).
-// Tasks are (KV head, chunk of keys): each key and value is read once for the query heads
-// that share it, and the chunks' partial softmaxes are merged by their maxima and sums.
+// One row's attention: its query heads (heads x d, contiguous) against n keys and values
+// (per KV head, keys `key_stride` apart from `kv_head_stride` apart bases), into out (heads x d).
+struct AttendJob {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t n, kv_head_stride_k, key_stride_k, kv_head_stride_v, key_stride_v;
+  float* out;
+};
+
+// Every job's attention (scores scaled by 1/sqrt(d), every key visible; query head h reads KV
+// head h / (heads / kv_heads)). Tasks are (job, KV head, chunk of keys), split over threads:
+// each key and value is read once for the query heads that share it, and a job's chunks'
+// partial softmaxes are merged by their maxima and sums.
+void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t group = heads / kv_heads;
+  std::vector<int64_t> first_task(jobs.size() + 1, 0), chunks(jobs.size());
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    chunks[j] = (jobs[j].n + kKeyChunk - 1) / kKeyChunk;
+    first_task[j + 1] = first_task[j] + kv_heads * chunks[j];
+  }
+  const int64_t tasks = first_task.back();
+  // per (task, head of its group): the chunk's max score, sum of exps and unnormalised output
+  std::vector<float> top(tasks * group), total(top.size()), part(top.size() * d, 0.f);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t end) {
+    std::vector<float> scores(group * kKeyChunk);
+    size_t j = std::upper_bound(first_task.begin(), first_task.end(), first) - first_task.begin() - 1;
+    for (int64_t t = first; t < end; ++t) {
+      while (t >= first_task[j + 1]) ++j;
+      const AttendJob& job = jobs[j];
+      const int64_t local = t - first_task[j], g = local / chunks[j], i0 = (local % chunks[j]) * kKeyChunk;
+      const int64_t len = std::min(kKeyChunk, job.n - i0);
+      const float* kg = job.k + g * job.kv_head_stride_k + i0 * job.key_stride_k;
+      const float* vg = job.v + g * job.kv_head_stride_v + i0 * job.key_stride_v;
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t h = 0; h < group; ++h)
+          scores[h * kKeyChunk + i] = dot_f32(job.q + (g * group + h) * d, kg + i * job.key_stride_k, d) * scale;
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores.data() + h * kKeyChunk;
+        const float m = *std::max_element(sh, sh + len);
+        top[t * group + h] = m;
+        total[t * group + h] = exp_shifted(sh, len, m);
+      }
+      float* out = part.data() + t * group * d;
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t h = 0; h < group; ++h)
+          axpy_f32(scores[h * kKeyChunk + i], vg + i * job.key_stride_v, out + h * d, d);
+    }
+  });
+  for (size_t j = 0; j < jobs.size(); ++j)
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t base = first_task[j] + g * chunks[j];
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks[j]; ++c) m = std::max(m, top[(base + c) * group + h]);
+        float sum = 0.f;
+        float* oh = jobs[j].out + (g * group + h) * d;
+        std::fill_n(oh, d, 0.f);
+        for (int64_t c = 0; c < chunks[j]; ++c) {
+          const int64_t at = (base + c) * group + h;
+          const float w = std::exp(top[at] - m);
+          sum += total[at] * w;
+          axpy_f32(w, part.data() + at * d, oh, d);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < d; ++i) oh[i] *= inv;
+      }
+}
+
+// q (Hq, 1, d) against k, v (Hkv, N, d) (each key's d values contiguous). Returns (1, Hq d).
 at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 3 && q.size(1) == 1 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
               "decode_attend takes q (Hq, 1, d) and k, v (Hkv, N, d)");
@@ -401,50 +468,51 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t heads = q.size(0), kv_heads = k.size(0), n = k.size(1), d = k.size(2);
   TORCH_CHECK(n > 0 && heads % kv_heads == 0, "decode_attend needs keys and whole groups of query heads");
   const at::Tensor qc = q.reshape({heads, d}).contiguous();
-  const int64_t group = heads / kv_heads, chunks = (n + kKeyChunk - 1) / kKeyChunk;
-  // per (task, head of its group): the chunk's max score, sum of exps and unnormalised output
-  std::vector<float> top(kv_heads * chunks * group), total(top.size()), part(top.size() * d, 0.f);
-  const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const float* Q = qc.const_data_ptr<float>();
-  const float* K = k.const_data_ptr<float>();
-  const float* V = v.const_data_ptr<float>();
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t first, int64_t end) {
-    std::vector<float> scores(group * kKeyChunk);
-    for (int64_t t = first; t < end; ++t) {
-      const int64_t g = t / chunks, i0 = (t % chunks) * kKeyChunk, len = std::min(kKeyChunk, n - i0);
-      const float* kg = K + g * k.stride(0) + i0 * k.stride(1);
-      const float* vg = V + g * v.stride(0) + i0 * v.stride(1);
-      for (int64_t i = 0; i < len; ++i)
-        for (int64_t h = 0; h < group; ++h)
-          scores[h * kKeyChunk + i] = dot_f32(Q + (g * group + h) * d, kg + i * k.stride(1), d) * scale;
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * kKeyChunk;
-        const float m = *std::max_element(sh, sh + len);
-        top[t * group + h] = m;
-        total[t * group + h] = exp_shifted(sh, len, m);
-      }
-      float* out = part.data() + t * group * d;
-      for (int64_t i = 0; i < len; ++i)
-        for (int64_t h = 0; h < group; ++h) axpy_f32(scores[h * kKeyChunk + i], vg + i * v.stride(1), out + h * d, d);
+  at::Tensor result = at::empty({1, heads * d}, q.options());
+  attend_jobs({AttendJob{qc.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(), n,
+                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), result.mutable_data_ptr<float>()}},
+              heads, kv_heads, d);
+  return result;
+}
+
+// Several decode rows at once, each of its own cache: qkv (R, (Hq + 2 Hkv) d) as decode_project
+// returns it; row r's K and V are written at slots[r] of k_caches[r]/v_caches[r] (Hkv,
+// capacity, d), and its queries attend over slots firsts[r]..slots[r]. Returns (R, Hq d).
+at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at::TensorList v_caches,
+                              at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim) {
+  const int64_t rows = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == width && qkv.scalar_type() == at::kFloat,
+              "decode_attend_rows takes decode_project's contiguous float32 (R, (Hq + 2 Hkv) d)");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == rows && static_cast<int64_t>(v_caches.size()) == rows &&
+                  static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(firsts.size()) == rows,
+              "decode_attend_rows takes one cache, slot and first slot per row");
+  TORCH_CHECK(heads % kv_heads == 0, "decode_attend_rows needs whole groups of query heads");
+  const float* in = qkv.const_data_ptr<float>();
+  at::Tensor result = at::empty({rows, heads * head_dim}, qkv.options());
+  std::vector<AttendJob> jobs;
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::Tensor& kc = k_caches[r];
+    const at::Tensor& vc = v_caches[r];
+    TORCH_CHECK(kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.size(0) == kv_heads && kc.size(2) == head_dim &&
+                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.stride(2) == 1 &&
+                    vc.stride(2) == 1,
+                "decode_attend_rows' caches must be float32 (Hkv, capacity, head_dim)");
+    TORCH_CHECK(0 <= firsts[r] && firsts[r] <= slots[r] && slots[r] < kc.size(1), "a row's slot is outside its cache");
+    for (int64_t r2 = 0; r2 < r; ++r2)
+      TORCH_CHECK(!k_caches[r2].is_same(kc), "a cache appears twice in one batch");
+    float* K = kc.mutable_data_ptr<float>();
+    float* V = vc.mutable_data_ptr<float>();
+    const float* row = in + r * width;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      std::copy_n(row + (heads + g) * head_dim, head_dim, K + g * kc.stride(0) + slots[r] * kc.stride(1));
+      std::copy_n(row + (heads + kv_heads + g) * head_dim, head_dim, V + g * vc.stride(0) + slots[r] * vc.stride(1));
     }
-  });
-  at::Tensor result = at::zeros({1, heads * d}, q.options());
-  float* O = result.mutable_data_ptr<float>();
-  for (int64_t g = 0; g < kv_heads; ++g)
-    for (int64_t h = 0; h < group; ++h) {
-      float m = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, top[(g * chunks + c) * group + h]);
-      float sum = 0.f;
-      float* oh = O + (g * group + h) * d;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (g * chunks + c) * group + h;
-        const float w = std::exp(top[at] - m);
-        sum += total[at] * w;
-        axpy_f32(w, part.data() + at * d, oh, d);
-      }
-      const float inv = 1.f / sum;
-      for (int64_t j = 0; j < d; ++j) oh[j] *= inv;
-    }
+    jobs.push_back(AttendJob{row, K + firsts[r] * kc.stride(1), V + firsts[r] * vc.stride(1), slots[r] + 1 - firsts[r],
+                             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                             result.mutable_data_ptr<float>() + r * heads * head_dim});
+  }
+  attend_jobs(jobs, heads, kv_heads, head_dim);
   return result;
 }
 
@@ -493,6 +561,8 @@ TORCH_LIBRARY(kvblend_packed, m) {
         "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
         "bool gelu) -> Tensor", &decode_layer);
   m.def("decode_attend(Tensor q, Tensor k, Tensor v) -> Tensor", &decode_attend);
+  m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] slots, int[] firsts, "
+        "int heads, int kv_heads, int head_dim) -> Tensor", &decode_attend_rows);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor? bias, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
         "float q_mult) -> Tensor", &decode_project);
