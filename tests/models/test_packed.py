@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
-from kvblend.models.packed import (PackedWeight, decode_pass, decoding, native_int8, native_lanes,
-                                   resolve_decode_weights)
+from kvblend.models.packed import (PackedWeight, decode_pass, decoding, native_activation_error, native_int8,
+                                   native_lanes, resolve_decode_weights)
 from tests.conftest import make_loaded
 
 
@@ -31,15 +31,28 @@ def test_packed_matmul_is_the_fp32_matmul_up_to_its_rounding(kind: str, tol: flo
     assert err < tol
 
 
+def _assert_int8_matmul(got: torch.Tensor, x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """got is x w_deq^T + bias within the kernel's activation rounding (each activation off
+    by at most ``native_activation_error`` x its row's max |x|, so each output by that x
+    sum |w_deq| of its weight row) and float32 rounding."""
+    want = F.linear(x, w_deq, bias)
+    rounding = x.abs().amax(dim=1, keepdim=True) * native_activation_error() * w_deq.abs().sum(dim=1)
+    float_error = 1e-5 * (x.abs() @ w_deq.abs().T) + 1e-6
+    excess = (got - want).abs() - rounding - float_error
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bound"
+
+
 def test_int8_is_the_matmul_of_the_rounded_weights() -> None:
-    """Weight-only int8: exactly the fp32 matmul of W rounded per output row to 127 levels of
-    its max |w|, whatever the rows' scales (activations are not quantized)."""
+    """The int8 matmul is the fp32 matmul of W rounded per output row to 127 levels of its
+    max |w|, within the activations' rounding (~16 bits on the VNNI path), whatever the rows'
+    scales."""
     w, b = _weights()
     packed = PackedWeight(w, b, "int8")
     scale = w.abs().amax(dim=1, keepdim=True) / 127
     w_deq = (w / scale).round() * scale
     x = torch.randn(3, 64) * torch.tensor([[0.01], [1.0], [30.0]])
-    torch.testing.assert_close(packed(x), F.linear(x, w_deq, b), rtol=1e-5, atol=1e-6)
+    _assert_int8_matmul(packed(x), x, w_deq, b)
+    assert native_activation_error() <= 1 / 64000  # two 8-bit rows, or float32
 
 
 @pytest.mark.parametrize(("kind", "native"), [("int8", True), ("int8", False), ("fp16", True)])
@@ -56,8 +69,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, native: bool
 
 
 def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
-    """``csrc/packed_int8.cpp`` equals the dequantized weight's matmul to float32 rounding for
-    every row count (its one-row and tiled paths) and width (a vector path's tail, output rows
+    """``csrc/packed_int8.cpp`` equals the dequantized weight's matmul within its activation
+    rounding (``_assert_int8_matmul``) for every row count (its one-row and tiled paths) and width (a vector path's tail, output rows
     outside a whole tile), with or without a bias; it builds on this machine with a vector
     path (setup installs ninja; a compiler is part of every supported machine)."""
     assert native_int8() is not None and native_lanes() in (8, 16)
@@ -67,10 +80,11 @@ def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
             packed = PackedWeight(w, b if bias else None, "int8")
             assert packed._native is not None
             for rows in (1, 2, 3, 5, 8):
-                size = torch.logspace(-3, 2, rows)[:, None]  # each row's error is relative to its size
-                x = torch.randn(rows, inp) * size
+                x = torch.randn(rows, inp) * torch.logspace(-3, 2, rows)[:, None]
+                w_deq = packed.q.float() * packed.scale[:, None]
                 with torch.inference_mode():
-                    torch.testing.assert_close(packed(x) / size, packed.int8_linear_ops(x) / size, rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(packed.int8_linear_ops(x), F.linear(x, w_deq, packed.bias))
+                    _assert_int8_matmul(packed(x), x, w_deq, packed.bias)
     with pytest.raises(RuntimeError, match="2-d float32"):
         packed(torch.randn(2, inp, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="int8 \\(out, in\\)"):
@@ -97,9 +111,11 @@ def test_native_decode_attention_is_sdpa(heads: int, kv_heads: int, dim: int) ->
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_the_native_decode_layer_equals_the_layer_as_ops(arch: str) -> None:
-    """``decode_project``/``decode_finish`` (a decode step's layer in two native calls) give
-    the logits the same int8 weights give op by op, on each family's layer: Qwen2's q/k/v
-    bias, Gemma 3's q/k norms, sandwich norms, GELU, query scale and sliding window."""
+    """``decode_project``/``decode_finish``/``decode_layer`` (a decode step's layer in native
+    calls) give the logits the same int8 weights give op by op, on each family's layer:
+    Qwen2's q/k/v bias, Gemma 3's q/k norms, sandwich norms, GELU, query scale and sliding
+    window. The two compute norms in different float order, which can move an activation's
+    ~16-bit rounding on the VNNI path by a step: there they agree to ~1e-3, else to float32."""
     from kvblend.models.transformer import Linear
 
     model = make_loaded(arch).model
@@ -118,7 +134,8 @@ def test_the_native_decode_layer_equals_the_layer_as_ops(arch: str) -> None:
             model(p, c)
         return torch.cat((torch.stack(steps), decode_batch(model, [5, 7], batched)))
 
-    torch.testing.assert_close(decode(True), decode(False), rtol=1e-5, atol=1e-5)
+    tol = 2e-3 if native_activation_error() else 1e-5
+    torch.testing.assert_close(decode(True), decode(False), rtol=tol, atol=tol)
 
 
 def test_linear_reads_the_packed_copy_only_while_decoding(tiny) -> None:

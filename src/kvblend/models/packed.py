@@ -6,16 +6,17 @@ rows and is bound by arithmetic, where fp32 GEMM is fastest here. So the model k
 fp32 weights for prefill (the reference path, and what every stored KV is computed with)
 and, beside them, a packed copy that only decode passes read:
 
-* ``int8`` — weight-only int8: one scale per output row (a quarter of fp32's bytes), the
-  activations stay float32, so the only error is the weights' rounding (SmolLM2's
-  next-token KL to fp32 ~0.002) and a row's result never depends on the rows beside it (a
-  stream's tokens do not change with load). The kernels are kvblend's own
-  (``csrc/packed_int8.cpp``: each weight row widened to float32 in vector registers and
-  multiplied into several accumulators, output rows split over threads), compiled once
-  per machine with torch's extension builder (~20 s, ``native_int8``): measured, FBGEMM's
-  dynamically quantized linear (7-bit activations over one range per call, which cost
-  SmolLM2 a KL of 0.047 as is and needed a remainder pass to match) and torch's own
-  weight-pack matmuls were slower at a decode step's shapes (docs/results.md 9). The same
+* ``int8`` — int8 weights with one scale per output row (a quarter of fp32's bytes). The
+  kernels are kvblend's own (``csrc/packed_int8.cpp``), compiled once per machine for its
+  CPU with torch's extension builder (~20 s, ``native_int8``). With AVX-512 VNNI each
+  activation row goes in as two 8-bit rows, itself and its rounding remainder (~16 bits,
+  ``native_activation_error``), through VNNI's int8 dot products; elsewhere activations
+  stay float32 and the weights are widened to float32 in vector registers. Either way the
+  error is the weights' rounding (SmolLM2's next-token KL to fp32 ~0.002) and a row's
+  result never depends on the rows beside it (a stream's tokens do not change with load).
+  Measured first and slower at a decode step's shapes: FBGEMM's dynamically quantized
+  linear (7-bit activations over one range per call, which alone cost SmolLM2 a KL of
+  0.047) and torch's own weight-pack matmuls (docs/results.md 9). The same
   library runs a decoder layer's decode step around its attention in two calls
   (``native_layer_ops``). Where it cannot be built, ``auto`` decodes fp32 and an explicit
   ``int8`` multiplies by the dequantized weight as tensor ops (correct, not fast).
@@ -136,6 +137,12 @@ class NativeLayerOps(NamedTuple):
     attend_rows: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: many rows' K/V writes and attention
 
 
+def native_activation_error() -> float:
+    """The int8 kernels' largest activation error relative to a row's max |x| (their VNNI
+    path rounds activations to ~16 bits; 0: float32 activations, or not built)."""
+    return float(torch.ops.kvblend_packed.activation_error()) if native_int8() is not None else 0.0
+
+
 def native_layer_ops() -> NativeLayerOps | None:
     """The decode-step ops of ``native_int8``'s library, or None where it could not be built."""
     if native_int8() is None:
@@ -197,9 +204,10 @@ def _ninja_on_path() -> Iterator[None]:
 class PackedWeight:
     """One linear layer's weight (out, in) and optional bias (out,), packed for decode.
     ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``int8``: the
-    weight rounded per output row to 127 levels of its max |w| (``q``, ``scale``), multiplied
-    by ``native_int8``'s kernel when it is built and ``native`` (the default), else as tensor
-    ops over the dequantized weight; the two agree to float32 rounding."""
+    weight rounded per output row to 127 levels of its max |w| (``q``, ``scale``; ``rowsum``
+    for the VNNI path), multiplied by ``native_int8``'s kernel when it is built and
+    ``native`` (the default), else as tensor ops over the dequantized weight; the two agree
+    within the kernel's activation rounding (``native_activation_error``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, native: bool = True) -> None:
         if kind not in ("int8", "fp16"):
@@ -215,6 +223,7 @@ class PackedWeight:
         scale = w.abs().amax(dim=1).clamp_min(1e-12).div_(127.0)  # per output row, symmetric
         self.q = torch.round(w / scale[:, None]).to(torch.int8).contiguous()
         self.scale = scale.contiguous()
+        self.rowsum = self.q.sum(dim=1, dtype=torch.int32)  # what the kernels' VNNI path corrects by
         self._native = native_int8() if native else None
         # a decoder layer whose weights all run natively runs its decode step as two native
         # calls (``native_layer_ops``); False keeps it per op (A/B measurements)
@@ -224,7 +233,7 @@ class PackedWeight:
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if self._native is not None:
-            return self._native(x, self.q, self.scale, self.bias)
+            return self._native(x, self.q, self.scale, self.rowsum, self.bias)
         return self.int8_linear_ops(x)
 
     def int8_linear_ops(self, x: torch.Tensor) -> torch.Tensor:

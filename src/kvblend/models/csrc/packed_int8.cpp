@@ -3,13 +3,13 @@
 // sets their threads too).
 //
 // int8_linear: y = x (q * scale)^T + bias for x (R, in) float32, q (out, in) int8 and one
-// float32 scale per output row. Weight-only: x stays float32, so the only error against the
-// fp32 matmul is the weights' rounding, and a row's result never depends on the rows beside
-// it. A decode step's matmul reads each weight byte once for its few rows, so it is bound by
-// memory: each weight row is widened to float32 16 (AVX-512) or 8 (AVX2) at a time and
-// multiplied into several independent accumulators; output rows are split over threads.
-// Measured against FBGEMM's dynamically quantized linear on SmolLM2's decode shapes (2
-// threads, AVX-512 host, docs/results.md 9): 1.27x faster for one row, the same for 8.
+// float32 scale per output row; a row's result never depends on the rows beside it. On a CPU
+// with AVX-512 VNNI each row of x goes in as two 8-bit rows, itself and what its rounding
+// lost (~16 bits together, activation_error), multiplied by VNNI's int8 dot products: a
+// decode step's matmul was compute-bound widening int8 weights to float32 (measured on
+// SmolLM2's shapes, 2 threads: the layers' matmuls 7.5 -> 4.6 ms, the LM head 1.84 -> 1.05).
+// Elsewhere x stays float32 and each weight row is widened to float32 16 (AVX-512) or 8
+// (AVX2) at a time into several accumulators. Output rows are split over threads.
 //
 // decode_project and decode_finish run a whole decoder layer's decode step around the
 // attention in two calls (models/transformer.py's DecoderLayer.project and .finish as a
@@ -69,6 +69,16 @@ constexpr int64_t kLanes = 0;  // no vector path: plain loops (the compiler may 
 
 // The lanes of the vector path this file was built with (0: none).
 int64_t simd_lanes() { return kLanes; }
+
+// The largest error of an activation int8_linear multiplies, relative to its row's max |x|:
+// half a step of the lo row, 1 / (127 * 254 * 2), on the VNNI path; 0 (float32) otherwise.
+double activation_error() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return 1.0 / (127.0 * 254.0 * 2.0);
+#else
+  return 0.0;
+#endif
+}
 
 // sum_k w[k] x[k] from k0 on, in plain loops (a vector path's tail, or the whole row without one).
 inline float dot_tail(const int8_t* w, const float* x, int64_t k0, int64_t n) {
@@ -149,7 +159,86 @@ const float* optional_weight(const std::optional<at::Tensor>& w, int64_t n, cons
   return w->const_data_ptr<float>();
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVBLEND_VNNI 1
+// Each row of x as two rows of 8-bit integers, hi and lo: x = s (hi + lo / 254), hi and lo
+// within [-127, 127] (lo: what rounding hi lost, at most half a step, times 254), so the
+// activations keep ~16 bits and the error is the weights' rounding. Stored plus 128 (the
+// unsigned operand of AVX-512 VNNI's u8 x s8 dot products); dot_rows takes the 128 back out.
+struct QuantizedRows {
+  std::vector<uint8_t> hi, lo;
+  std::vector<float> scale;
+};
+
+QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
+  QuantizedRows out{std::vector<uint8_t>(rows * n), std::vector<uint8_t>(rows * n), std::vector<float>(rows)};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = X + r * n;
+    float top = 0.f;
+    for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(x[k]));
+    const float step = top > 0.f ? top / 127.f : 1.f, inv = 1.f / step;
+    out.scale[r] = step;
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = x[k] * inv, hi = std::nearbyint(v);
+      out.hi[r * n + k] = static_cast<uint8_t>(static_cast<int32_t>(hi) + 128);
+      out.lo[r * n + k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint((v - hi) * 254.f)) + 128);
+    }
+  }
+  return out;
+}
+
+// kR input rows (hi/lo, stride n) against one weight row w: the hi and lo dot products, each
+// still holding 128 x sum(w).
+template <int kR>
+inline void vnni_dots(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int64_t n, int32_t* dh, int32_t* dl) {
+  __m512i ah[kR], al[kR];
+  for (int r = 0; r < kR; ++r) ah[r] = al[r] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int r = 0; r < kR; ++r) {
+      ah[r] = _mm512_dpbusd_epi32(ah[r], _mm512_loadu_si512(hi + r * n + k), wv);
+      al[r] = _mm512_dpbusd_epi32(al[r], _mm512_loadu_si512(lo + r * n + k), wv);
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    int32_t sh = _mm512_reduce_add_epi32(ah[r]), sl = _mm512_reduce_add_epi32(al[r]);
+    for (int64_t kk = k; kk < n; ++kk) {
+      sh += static_cast<int32_t>(hi[r * n + kk]) * w[kk];
+      sl += static_cast<int32_t>(lo[r * n + kk]) * w[kk];
+    }
+    dh[r] = sh;
+    dl[r] = sl;
+  }
+}
+
+// y[r, j] for weight rows [j0, j1) and every row r.
+void vnni_rows(const int8_t* W, const QuantizedRows& x, int64_t rows, int64_t n, int64_t outs, int64_t j0, int64_t j1,
+               const float* scale, const int32_t* rowsum, const float* bias, float* Y) {
+  int32_t dh[4], dl[4];
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* w = W + j * n;
+    const int32_t offset = 128 * rowsum[j];
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int rt = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      const uint8_t* hi = x.hi.data() + r0 * n;
+      const uint8_t* lo = x.lo.data() + r0 * n;
+      switch (rt) {
+        case 1: vnni_dots<1>(w, hi, lo, n, dh, dl); break;
+        case 2: vnni_dots<2>(w, hi, lo, n, dh, dl); break;
+        case 3: vnni_dots<3>(w, hi, lo, n, dh, dl); break;
+        default: vnni_dots<4>(w, hi, lo, n, dh, dl); break;
+      }
+      for (int r = 0; r < rt; ++r) {
+        const float dot = static_cast<float>(dh[r] - offset) + static_cast<float>(dl[r] - offset) * (1.f / 254.f);
+        Y[(r0 + r) * outs + j] = dot * x.scale[r0 + r] * scale[j] + (bias ? bias[j] : 0.f);
+      }
+    }
+  }
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "int8_linear takes a 2-d float32 CPU input");
@@ -158,12 +247,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t rows = x.size(0), n = x.size(1), outs = q.size(0);
   const float* s = optional_weight(scale, outs, "scale");
   TORCH_CHECK(s != nullptr, "int8_linear needs one scale per output row");
+  TORCH_CHECK(rowsum.numel() == outs && rowsum.scalar_type() == at::kInt && rowsum.is_contiguous(),
+              "int8_linear needs each weight row's sum (int32)");
   const float* b = optional_weight(bias, outs, "bias");
   const at::Tensor in = x.contiguous();
   at::Tensor y = at::empty({rows, outs}, in.options());
   const int8_t* W = q.const_data_ptr<int8_t>();
   const float* X = in.const_data_ptr<float>();
   float* Y = y.mutable_data_ptr<float>();
+#ifdef KVBLEND_VNNI
+  const QuantizedRows xq = quantize_rows(X, rows, n);
+  const int32_t* sums = rowsum.const_data_ptr<int32_t>();
+  at::parallel_for(0, outs, 64, [&](int64_t first, int64_t end) { vnni_rows(W, xq, rows, n, outs, first, end, s, sums, b, Y); });
+#else
   const int64_t tiles = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
   at::parallel_for(0, tiles, 16, [&](int64_t first, int64_t end) {
     for (int64_t t = first; t < end; ++t) {
@@ -177,6 +273,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   });
   for (int64_t j = tiles * kTileRows; j < outs; ++j)
     for (int64_t r = 0; r < rows; ++r) Y[r * outs + j] = dot1(W + j * n, X + r * n, n) * s[j] + (b ? b[j] : 0.f);
+#endif
   return y;
 }
 
@@ -212,7 +309,7 @@ void rope_head(float* p, const float* cos, const float* sin, int64_t half, bool 
 // h (R, D): norm, the fused q|k|v projection, per-head q/k norms, RoPE on q and k, q scaled
 // by q_mult. Returns (R, (Hq + 2 Hkv) d): q and k rotated, v as projected.
 at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at::Tensor& qkv,
-                          const at::Tensor& qkv_scale, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                          const at::Tensor& qkv_scale, const at::Tensor& qkv_rowsum, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
                           const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, bool interleaved,
                           const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                           double q_mult) {
@@ -222,7 +319,7 @@ at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double 
                   cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos/sin must be float32 (R, rotary_dim / 2) with rotary_dim <= head_dim");
   TORCH_CHECK(qkv.size(0) == width, "the q|k|v weight has ", qkv.size(0), " outputs, expected ", width);
-  at::Tensor y = int8_linear(rms_norm_rows(h, norm_w, eps), qkv, qkv_scale, bias);
+  at::Tensor y = int8_linear(rms_norm_rows(h, norm_w, eps), qkv, qkv_scale, qkv_rowsum, bias);
   const float* qn = optional_weight(q_norm, head_dim, "q_norm");
   const float* kn = optional_weight(k_norm, head_dim, "k_norm");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -248,17 +345,19 @@ at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double 
 // + down(act(gate) * up) of its post norm (normed by mlp_out_norm where given). act: SiLU, or
 // GELU's tanh form where gelu. Returns the new h (R, D).
 at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o, const at::Tensor& o_scale,
-                         const std::optional<at::Tensor>& o_bias, const std::optional<at::Tensor>& attn_out_norm,
-                         const at::Tensor& post_norm_w, double eps, const at::Tensor& gate_up,
-                         const at::Tensor& gate_up_scale, const std::optional<at::Tensor>& gate_up_bias,
-                         const at::Tensor& down, const at::Tensor& down_scale, const std::optional<at::Tensor>& down_bias,
-                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
+                         const at::Tensor& o_rowsum, const std::optional<at::Tensor>& o_bias,
+                         const std::optional<at::Tensor>& attn_out_norm, const at::Tensor& post_norm_w, double eps,
+                         const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& gate_up_rowsum,
+                         const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                         const at::Tensor& down_scale, const at::Tensor& down_rowsum,
+                         const std::optional<at::Tensor>& down_bias, const std::optional<at::Tensor>& mlp_out_norm,
+                         bool gelu) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_finish takes a 2-d float32 h");
   const int64_t rows = h.size(0), dim = h.size(1);
   TORCH_CHECK(o.size(0) == dim && down.size(0) == dim && gate_up.size(0) == 2 * down.size(1),
               "decode_finish's weights do not fit a hidden size of ", dim);
   const float e = static_cast<float>(eps);
-  at::Tensor out = int8_linear(attn, o, o_scale, o_bias);  // (R, D): becomes the new h
+  at::Tensor out = int8_linear(attn, o, o_scale, o_rowsum, o_bias);  // (R, D): becomes the new h
   const float* an = optional_weight(attn_out_norm, dim, "attn_out_norm");
   const float* mn = optional_weight(mlp_out_norm, dim, "mlp_out_norm");
   const at::Tensor hc = h.contiguous();
@@ -269,7 +368,8 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
     const float* res = hc.const_data_ptr<float>() + r * dim;
     for (int64_t j = 0; j < dim; ++j) row[j] += res[j];
   }
-  const at::Tensor gu = int8_linear(rms_norm_rows(out, post_norm_w, eps), gate_up, gate_up_scale, gate_up_bias);
+  const at::Tensor gu = int8_linear(rms_norm_rows(out, post_norm_w, eps), gate_up, gate_up_scale, gate_up_rowsum,
+                                    gate_up_bias);
   const int64_t inter = gu.size(1) / 2;
   at::Tensor act = at::empty({rows, inter}, out.options());
   const float* g = gu.const_data_ptr<float>();
@@ -283,7 +383,7 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
       a[r * inter + j] = f * up;
     }
   }
-  at::Tensor d = int8_linear(act, down, down_scale, down_bias);  // (R, D)
+  at::Tensor d = int8_linear(act, down, down_scale, down_rowsum, down_bias);  // (R, D)
   float* dd = d.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = dd + r * dim;
@@ -518,8 +618,9 @@ at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at
 
 // The weights decode_layer takes, in this order (models/transformer.py DecoderLayer.native_weights).
 enum LayerWeight {
-  kInputNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOBias, kAttnOutNorm,
-  kPostNorm, kGateUp, kGateUpScale, kGateUpBias, kDown, kDownScale, kDownBias, kMlpOutNorm, kLayerWeights
+  kInputNorm, kQkv, kQkvScale, kQkvRowsum, kQkvBias, kQNorm, kKNorm, kO, kOScale, kORowsum, kOBias, kAttnOutNorm,
+  kPostNorm, kGateUp, kGateUpScale, kGateUpRowsum, kGateUpBias, kDown, kDownScale, kDownRowsum, kDownBias,
+  kMlpOutNorm, kLayerWeights
 };
 
 // One decode step of a decoder layer for one row h (1, D) at cache slot `slot`: project,
@@ -537,7 +638,7 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
               "decode_layer's caches must be float32 (Hkv, capacity, head_dim)");
   TORCH_CHECK(0 <= first && first <= slot && slot < k_cache.size(1), "decode_layer's slot is outside the cache");
   auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
-  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), w(kQkvBias), cos, sin,
+  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvBias), cos, sin,
                                         heads, kv_heads, head_dim, interleaved, w(kQNorm), w(kKNorm), q_mult);
   const float* row = qkv.const_data_ptr<float>();
   float* K = k_cache.mutable_data_ptr<float>();
@@ -548,25 +649,29 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
   }
   const at::Tensor q = qkv.narrow(1, 0, heads * head_dim).view({heads, 1, head_dim});
   const at::Tensor attn = decode_attend(q, k_cache.narrow(1, first, slot + 1 - first), v_cache.narrow(1, first, slot + 1 - first));
-  return decode_finish(h, attn, *w(kO), *w(kOScale), w(kOBias), w(kAttnOutNorm), *w(kPostNorm), eps, *w(kGateUp),
-                       *w(kGateUpScale), w(kGateUpBias), *w(kDown), *w(kDownScale), w(kDownBias), w(kMlpOutNorm), gelu);
+  return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOBias), w(kAttnOutNorm), *w(kPostNorm), eps,
+                       *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpBias), *w(kDown), *w(kDownScale),
+                       *w(kDownRowsum), w(kDownBias), w(kMlpOutNorm), gelu);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvblend_packed, m) {
   m.def("simd_lanes() -> int", &simd_lanes);
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &int8_linear);
+  m.def("activation_error() -> float", &activation_error);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias) -> Tensor", &int8_linear);
   m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
         "bool gelu) -> Tensor", &decode_layer);
   m.def("decode_attend(Tensor q, Tensor k, Tensor v) -> Tensor", &decode_attend);
   m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] slots, int[] firsts, "
         "int heads, int kv_heads, int head_dim) -> Tensor", &decode_attend_rows);
-  m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor? bias, Tensor cos, "
+  m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor qkv_rowsum, "
+        "Tensor? bias, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
         "float q_mult) -> Tensor", &decode_project);
-  m.def("decode_finish(Tensor h, Tensor attn, Tensor o, Tensor o_scale, Tensor? o_bias, Tensor? attn_out_norm, "
-        "Tensor post_norm_w, float eps, Tensor gate_up, Tensor gate_up_scale, Tensor? gate_up_bias, Tensor down, "
-        "Tensor down_scale, Tensor? down_bias, Tensor? mlp_out_norm, bool gelu) -> Tensor", &decode_finish);
+  m.def("decode_finish(Tensor h, Tensor attn, Tensor o, Tensor o_scale, Tensor o_rowsum, Tensor? o_bias, "
+        "Tensor? attn_out_norm, Tensor post_norm_w, float eps, Tensor gate_up, Tensor gate_up_scale, "
+        "Tensor gate_up_rowsum, Tensor? gate_up_bias, Tensor down, Tensor down_scale, Tensor down_rowsum, "
+        "Tensor? down_bias, Tensor? mlp_out_norm, bool gelu) -> Tensor", &decode_finish);
 }
