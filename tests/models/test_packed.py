@@ -287,3 +287,26 @@ def test_a_one_token_forward_reads_the_packed_weights_by_every_entry(tiny) -> No
         model.pack_decode_weights("fp32")
     assert torch.equal(via_steps, via_forward) and not torch.equal(via_forward, exact)
     assert flags and not any(flags)
+
+
+def test_int8_weights_move_into_one_huge_page_mapping(tiny) -> None:
+    """``pack_decode_weights("int8")`` moves every int8 weight into one mapping advised for
+    huge pages (``in_huge_pages``), starting at a 2 MiB boundary, with the same values and
+    results as where they were packed."""
+    from kvblend.models.packed import HUGE_PAGE, in_huge_pages
+    from kvblend.models.transformer import Linear
+
+    model = tiny.model
+    model.pack_decode_weights("int8")
+    try:
+        packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+        arenas = {id(p.arena) for p in packed}
+        assert len(arenas) == 1 and packed[0].arena is not None
+        assert min(p.q.data_ptr() for p in packed) % HUGE_PAGE == 0
+        x = torch.randn(2, packed[0].in_features)
+        before, q = packed[0](x), packed[0].q.clone()
+        assert in_huge_pages(packed[:1]) is not None  # moved again: same numbers, same result
+        assert torch.equal(packed[0].q, q) and torch.equal(packed[0](x), before)
+        assert in_huge_pages([PackedWeight(*_weights(), "fp16")]) is None  # only int8 moves
+    finally:
+        model.pack_decode_weights("fp32")

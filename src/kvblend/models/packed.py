@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import threading
@@ -214,6 +215,7 @@ class PackedWeight:
             raise ValueError(f"no packed form {kind!r}")
         self.kind = kind
         self.in_features = weight.shape[1]
+        self.arena: mmap.mmap | None = None  # the mapping ``q`` lives in (``in_huge_pages``)
         w = weight.detach().float()
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.fused = False
@@ -240,6 +242,37 @@ class PackedWeight:
         """The int8 matmul as tensor ops (where the kernel is not built): the dequantized
         weight's matmul."""
         return F.linear(x, self.q.float().mul_(self.scale[:, None]), self.bias)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def in_huge_pages(weights: list[PackedWeight]) -> mmap.mmap | None:
+    """Move the int8 weights' bytes into one anonymous mapping advised for transparent huge
+    pages (Linux, THP ``madvise`` or ``always``), each weight's ``q`` a view of it. A decode
+    step streams every weight once: in 4 KiB pages that is a TLB miss every 4 KiB, and on
+    SmolLM2 (135 MB) one stream decoded 12.3 -> 11.6 ms a step with huge pages (in-process,
+    2 threads, AnonHugePages confirmed). Where the advice is refused the mapping still
+    works, in small pages. Each weight keeps the mapping alive; returns it (None: nothing
+    to move, or no ``madvise`` on this platform)."""
+    int8 = [w for w in weights if w.kind == "int8"]
+    if not int8 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    sizes = [(w.q.numel() + 63) // 64 * 64 for w in int8]
+    # private: THP covers private anonymous memory (a shared mapping is shmem, another setting)
+    mapping = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        log.debug("transparent huge pages refused; decode weights in small pages")
+    arena = torch.frombuffer(mapping, dtype=torch.int8)
+    at = -arena.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
+    for weight, size in zip(int8, sizes):
+        moved = arena[at : at + weight.q.numel()].view(weight.q.shape)
+        moved.copy_(weight.q)
+        weight.q, weight.arena = moved, mapping
+        at += size
+    return mapping
 
 
 def packed_bytes(weight: torch.Tensor, kind: str) -> int:
