@@ -80,6 +80,49 @@ double activation_error() {
 #endif
 }
 
+// exp(x), kLanes at a time: 2^n p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes'
+// degree-6 polynomial (~1 ulp); 0 below -87, x clamped at 88 above (e^88 ~ 1.7e38).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline Vec vexp(Vec x);
+#endif
+#if defined(__AVX512F__)
+inline Vec vexp(Vec x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec vexp(Vec x) {
+  const Vec under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
 // sum_k w[k] x[k] from k0 on, in plain loops (a vector path's tail, or the whole row without one).
 inline float dot_tail(const int8_t* w, const float* x, int64_t k0, int64_t n) {
   float s = 0.f;
@@ -174,11 +217,25 @@ QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
   QuantizedRows out{std::vector<uint8_t>(rows * n), std::vector<uint8_t>(rows * n), std::vector<float>(rows)};
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = X + r * n;
-    float top = 0.f;
-    for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(x[k]));
+    __m512 most = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    float top = _mm512_reduce_max_ps(most);
+    for (; k < n; ++k) top = std::max(top, std::fabs(x[k]));
     const float step = top > 0.f ? top / 127.f : 1.f, inv = 1.f / step;
     out.scale[r] = step;
-    for (int64_t k = 0; k < n; ++k) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (k = 0; k + 16 <= n; k += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(inv));
+      const __m512 hi = _mm512_roundscale_ps(v, kNearest);
+      const __m512 lo = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, hi), _mm512_set1_ps(254.f)), kNearest);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi.data() + r * n + k),
+                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(hi), offset)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo.data() + r * n + k),
+                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(lo), offset)));
+    }
+    for (; k < n; ++k) {
       const float v = x[k] * inv, hi = std::nearbyint(v);
       out.hi[r * n + k] = static_cast<uint8_t>(static_cast<int32_t>(hi) + 128);
       out.lo[r * n + k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint((v - hi) * 254.f)) + 128);
@@ -376,7 +433,25 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
   float* a = act.mutable_data_ptr<float>();
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < inter; ++j) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; j + 16 <= inter; j += 16) {
+      const __m512 x = _mm512_loadu_ps(g + r * 2 * inter + j), up = _mm512_loadu_ps(g + r * 2 * inter + inter + j);
+      __m512 f;
+      if (gelu) {  // 0.5 x (1 + tanh(z)), tanh(z) = 1 - 2 / (e^2z + 1)
+        const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kSqrt2OverPi),
+                                       _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+        const __m512 e = vexp(_mm512_add_ps(z, z));
+        const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+        f = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, tanh));
+      } else {  // x / (1 + e^-x)
+        f = _mm512_div_ps(x, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      }
+      _mm512_storeu_ps(a + r * inter + j, _mm512_mul_ps(f, up));
+    }
+#endif
+    for (; j < inter; ++j) {
       const float x = g[r * 2 * inter + j], up = g[r * 2 * inter + inter + j];
       const float f = gelu ? 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)))
                            : x / (1.f + std::exp(-x));
@@ -420,49 +495,6 @@ inline void axpy_f32(float p, const float* x, float* y, int64_t n) {
   for (; j < n; ++j) y[j] += p * x[j];
 }
 
-// exp(x) for x <= 0 (a softmax's shifted scores), kLanes at a time: 2^n p(r) with
-// x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' degree-6 polynomial (~1 ulp; below -87, 0).
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-inline Vec vexp_neg(Vec x);
-#endif
-#if defined(__AVX512F__)
-inline Vec vexp_neg(Vec x) {
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  Vec p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline Vec vexp_neg(Vec x) {
-  const Vec under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  Vec p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-#endif
-
 // x[i] = exp(x[i] - top) over n floats; returns their sum.
 inline float exp_shifted(float* x, int64_t n, float top) {
   int64_t i = 0;
@@ -472,10 +504,10 @@ inline float exp_shifted(float* x, int64_t n, float top) {
   for (; i + kLanes <= n; i += kLanes) {
     Vec e;
 #if defined(__AVX512F__)
-    e = vexp_neg(_mm512_sub_ps(vload(x + i), _mm512_set1_ps(top)));
+    e = vexp(_mm512_sub_ps(vload(x + i), _mm512_set1_ps(top)));
     _mm512_storeu_ps(x + i, e);
 #else
-    e = vexp_neg(_mm256_sub_ps(vload(x + i), _mm256_set1_ps(top)));
+    e = vexp(_mm256_sub_ps(vload(x + i), _mm256_set1_ps(top)));
     _mm256_storeu_ps(x + i, e);
 #endif
     acc = vadd(acc, e);
