@@ -104,7 +104,7 @@ def test_native_decode_attention_is_sdpa(heads: int, kv_heads: int, dim: int) ->
     q = torch.randn(heads, 1, dim, generator=gen) * 3
     for n in (1, 256, 600):
         k, v = keys[:, :n], values[:, :n]
-        torch.testing.assert_close(ops.attend(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ops.attend(q, k, v), attend(q, k, v), rtol=1e-5, atol=5e-5)  # values ~3
     with pytest.raises(RuntimeError, match="whole groups"):
         ops.attend(torch.randn(3, 1, dim), torch.randn(2, 5, dim), torch.randn(2, 5, dim))
 

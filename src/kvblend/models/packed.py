@@ -168,7 +168,10 @@ def _cpu_features() -> bytes:
 def _load_native() -> Callable[..., torch.Tensor]:
     from torch.utils import cpp_extension
 
-    key = NATIVE_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_features()
+    # KVBLEND_NATIVE_ARCH: the -march to build for (default "native"; "haswell" builds the AVX2
+    # path on an AVX-512 machine, as tests of that path do)
+    arch = os.environ.get("KVBLEND_NATIVE_ARCH", "native")
+    key = NATIVE_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_features() + arch.encode()
     name = f"kvblend_packed_{hashlib.sha256(key).hexdigest()[:12]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     folder = root / name
@@ -180,7 +183,7 @@ def _load_native() -> Callable[..., torch.Tensor]:
         log.info("building kvblend's int8 decode kernels once for this machine (~20 s) in %s", folder)
         with _ninja_on_path():
             cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                build_directory=str(folder), is_python_module=False, verbose=False)
     return torch.ops.kvblend_packed.int8_linear
 
