@@ -36,6 +36,7 @@ import argparse
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -109,9 +110,11 @@ class Weights:
         self.int8 = [quantize_int8(w) for w in self.fp32]
         self.int4 = [quantize_int4(w) for w in self.fp32]
         self.packed = [(torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES), sz) for q, sz in self.int4]
-        self.fbgemm8 = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
-            w, (w.abs().amax(dim=1) / 127).double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8), None)
-            for w in self.fp32]
+        with warnings.catch_warnings():  # quantized tensors are deprecated for creation, not for FBGEMM's packing
+            warnings.simplefilter("ignore")
+            self.fbgemm8 = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
+                w, (w.abs().amax(dim=1) / 127).double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8), None)
+                for w in self.fp32]
         self.kvblend8 = [PackedWeight(w, None, "int8") for w in self.fp32]
         self.fbgemm16 = [PackedWeight(w, None, "fp16") for w in self.fp32]
         self.turn = [0] * len(FORMS)

@@ -92,21 +92,28 @@ def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 16), (14, 2, 37)])
-def test_native_decode_attention_is_sdpa(heads: int, kv_heads: int, dim: int) -> None:
-    """One query a head against a cache's first N slots (strided views of its buffers), over
-    one key, a chunk's worth and several chunks merged (``kKeyChunk`` 256), is SDPA's result."""
+def test_native_decode_attention_writes_each_rows_kv_and_is_sdpa(heads: int, kv_heads: int, dim: int) -> None:
+    """``decode_attend_rows``: each row's K and V land at its slot of its own cache, and its
+    one query a head over slots first..slot is SDPA's result, over one key, a chunk's worth
+    and several chunks merged (``kKeyChunk`` 256), with a sliding window's first slot."""
     from kvblend.models.attention import attend
     from kvblend.models.packed import native_layer_ops
 
     ops = native_layer_ops()
     gen = torch.Generator().manual_seed(heads)
-    keys, values = (torch.randn(kv_heads, 700, dim, generator=gen) * 3 for _ in range(2))
-    q = torch.randn(heads, 1, dim, generator=gen) * 3
-    for n in (1, 256, 600):
-        k, v = keys[:, :n], values[:, :n]
-        torch.testing.assert_close(ops.attend(q, k, v), attend(q, k, v), rtol=1e-5, atol=5e-5)  # values ~3
+    slots, firsts = [0, 255, 599, 599], [0, 0, 0, 100]
+    caches = [[torch.randn(kv_heads, 700, dim, generator=gen) * 3 for _ in range(2)] for _ in slots]
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    got = ops.attend_rows(qkv, [k for k, _ in caches], [v for _, v in caches], slots, firsts, heads, kv_heads, dim)
+    for r, ((keys, values), slot, first) in enumerate(zip(caches, slots, firsts)):
+        q, k, v = qkv[r].split((heads * dim, kv_heads * dim, kv_heads * dim))
+        assert torch.equal(keys[:, slot], k.view(kv_heads, dim)) and torch.equal(values[:, slot], v.view(kv_heads, dim))
+        want = attend(q.view(heads, 1, dim), keys[:, first : slot + 1], values[:, first : slot + 1])
+        torch.testing.assert_close(got[r : r + 1], want, rtol=1e-5, atol=5e-5)  # values ~3
     with pytest.raises(RuntimeError, match="whole groups"):
-        ops.attend(torch.randn(3, 1, dim), torch.randn(2, 5, dim), torch.randn(2, 5, dim))
+        ops.attend_rows(torch.randn(1, 7 * dim), [torch.randn(2, 5, dim)], [torch.randn(2, 5, dim)], [0], [0], 3, 2, dim)
+    with pytest.raises(RuntimeError, match="outside its cache"):
+        ops.attend_rows(qkv[:1], [caches[0][0]], [caches[0][1]], [700], [0], heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

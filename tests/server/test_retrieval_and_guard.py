@@ -136,29 +136,30 @@ def test_guard_shadow_checks_every_blend_without_changing_answers(rag_server, se
     same history on both servers makes their answers comparable (as alice, the shared
     server's many earlier blends once escalated a blend the guard server's did not)."""
     questions = ["where does the river run ?", "who published a novel ?", "where is the company ?"]
+
+    def ask(client: httpx.Client, q: str) -> dict:
+        r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def answer(body: dict) -> tuple[str, bool]:
+        return body["choices"][0]["message"]["content"], body["kvblend"].get("escalated", False)
+
     # stored synchronously on both servers: every request below hits, so no answer depends on
     # whether a background write-back finished before it (the shared server's copies are
     # deleted at the end)
-    def ask(client: httpx.Client, q: str) -> tuple[str, bool]:
-        r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["message"]["content"], r.json()["kvblend"].get("escalated", False)
-
     with _client(server, CAROL) as shared:
         stored = [shared.post("/v1/documents", json={"text": doc}).json()["id"] for doc in DOCS]
         with _client(rag_server, CAROL) as client:
             for doc in DOCS:
                 assert client.post("/v1/documents", json={"text": doc}).status_code == 200
-            guarded = []
-            for q in questions:
-                r = _ask(client, documents=DOCS, messages=[{"role": "user", "content": q}], kvblend={"method": "auto"})
-                assert r.status_code == 200, r.text
-                assert r.json()["kvblend"]["method"] == "blend"  # auto routed to blend by the guard
-                guarded.append((r.json()["choices"][0]["message"]["content"], r.json()["kvblend"].get("escalated", False)))
+            bodies = [ask(client, q) for q in questions]
+            assert all(b["kvblend"]["method"] == "blend" for b in bodies)  # auto routed to blend by the guard
+            guarded = [answer(b) for b in bodies]
             text = _wait_checks(rag_server, len(questions))
             # after the shadow checks ran, the same requests still get the same answers
-            again = [ask(client, q) for q in questions]
-        plain = [ask(shared, q) for q in questions]
+            again = [answer(ask(client, q)) for q in questions]
+        plain = [answer(ask(shared, q)) for q in questions]
         for doc_id in stored:
             assert shared.delete(f"/v1/documents/{doc_id}").json()["deleted"] is True
     # after the checks the same requests get the answers they got before (a repeat is served

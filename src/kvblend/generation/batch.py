@@ -86,16 +86,15 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
                 h = stepped
                 continue
             q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
-            native = layer.native_step()
             if len(forwards) == 1:  # one step: its attention is the whole output, no copy
                 parts = forwards[0].cache.write_parts(i, starts[0], k, v)
-                h = layer.finish(h, attend_cache(q, parts, plans[layer.window][0], starts[0], layer.window, native))
+                h = layer.finish(h, attend_cache(q, parts, plans[layer.window][0], starts[0], layer.window))
                 continue
             attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
             for b, f in enumerate(forwards):
                 a, z = rows[b], rows[b + 1]
                 parts = f.cache.write_parts(i, starts[b], k[:, a:z], v[:, a:z])
-                attn[a:z] = attend_cache(q[:, a:z], parts, plans[layer.window][b], starts[b], layer.window, native)
+                attn[a:z] = attend_cache(q[:, a:z], parts, plans[layer.window][b], starts[b], layer.window)
             h = layer.finish(h, attn)
         for f, start, size in zip(forwards, starts, sizes):
             f.cache.length = start + size

@@ -35,8 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvblend.models.packed import native_layer_ops
-
 
 # The CPU flash kernel behind SDPA, which also returns each row's log-sum-exp (None when
 # this build lacks it: plans then fall back to "groups").
@@ -63,6 +61,11 @@ def attend(
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def first_visible(position: int, window: int | None) -> int:
+    """The first key position a query at ``position`` sees under a sliding ``window``."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], position: int,
                  window: int | None) -> torch.Tensor:
     """One query q (Hq, 1, d) at ``position`` against keys held in consecutive parts
@@ -72,7 +75,7 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
     concatenated keys up to rounding, without concatenating them. (1, Hq*d)."""
     if q.shape[1] != 1:  # the visible keys below are one query's (and unmasked)
         raise ValueError(f"attention over cache parts takes one query (a decode step), got {q.shape[1]}")
-    first = 0 if window is None else max(0, position - window + 1)
+    first = first_visible(position, window)
     visible, at = [], 0
     for k, v in parts:
         skip = max(first - at, 0)
@@ -103,12 +106,11 @@ def _attend_one(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 def attend_cache(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], plan: AttentionPlan,
-                 start: int, window: int | None, native: bool = False) -> torch.Tensor:
+                 start: int, window: int | None) -> torch.Tensor:
     """q (Hq, T, d) of the tokens written at ``start`` against a cache's ``write_parts``:
-    one part by ``plan`` (``native`` as ``attend_planned``'s); a forked cache's two by
-    ``attend_parts`` (a decode step)."""
+    one part by ``plan``; a forked cache's two by ``attend_parts`` (a decode step)."""
     if len(parts) == 1:
-        return attend_planned(q, *parts[0], plan, native)
+        return attend_planned(q, *parts[0], plan)
     return attend_parts(q, parts, start, window)
 
 
@@ -202,14 +204,8 @@ def _partition(q_pos: torch.Tensor, max_rows: int) -> list[tuple[int, int]]:
     return runs[::-1]
 
 
-def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                   native: bool = False) -> torch.Tensor:
-    """Attention of q (Hq, Tq, d) against k, v (Hkv, N, d) following ``plan``. (Tq, Hq*d).
-    ``native`` (a decode step run by ``models.packed.native_layer_ops``): one query's
-    unmasked or tail attention runs as its native ``attend`` (SDPA's result to float rounding)."""
-    if native and plan.kind in ("unmasked", "tail") and q.shape[1] == 1:
-        pad = plan.pad if plan.kind == "tail" else 0
-        return native_layer_ops().attend(q, k[:, pad:], v[:, pad:])
+def attend_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Attention of q (Hq, Tq, d) against k, v (Hkv, N, d) following ``plan``. (Tq, Hq*d)."""
     if plan.kind == "unmasked":
         return attend(q, k, v)
     if plan.kind == "tail":

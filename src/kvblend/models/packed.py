@@ -17,8 +17,8 @@ and, beside them, a packed copy that only decode passes read:
   Measured first and slower at a decode step's shapes: FBGEMM's dynamically quantized
   linear (7-bit activations over one range per call, which alone cost SmolLM2 a KL of
   0.047) and torch's own weight-pack matmuls (docs/results.md 9). The same
-  library runs a decoder layer's decode step around its attention in two calls
-  (``native_layer_ops``). Where it cannot be built, ``auto`` decodes fp32 and an explicit
+  library runs a decoder layer's decode step, its K/V write and attention included, as
+  native calls (``native_layer_ops``). Where it cannot be built, ``auto`` decodes fp32 and an explicit
   ``int8`` multiplies by the dequantized weight as tensor ops (correct, not fast).
 * ``fp16`` — FBGEMM's fp16 GEMM (``quantized::linear_dynamic_fp16``): weights stored in
   fp16, converted and multiplied in fp32. Half the bytes, error ~2e-4 relative per matmul.
@@ -132,10 +132,12 @@ class NativeLayerOps(NamedTuple):
     """A decoder layer's decode step in native calls (``csrc/packed_int8.cpp``)."""
 
     project: Callable[..., torch.Tensor]  # DecoderLayer.project: norm, q|k|v, q/k norms, RoPE
-    attend: Callable[..., torch.Tensor]  # one query a head against the cache (models.attention)
+    attend_rows: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: each row's K/V write and attention
     finish: Callable[..., torch.Tensor]  # DecoderLayer.finish: o, residual, norm, MLP, residual
-    layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_step: the three, the K/V written between
-    attend_rows: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: many rows' K/V writes and attention
+    layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_step: one row's project, attend_rows, finish
+
+
+_LAYER_OPS: NativeLayerOps | None = None
 
 
 def native_activation_error() -> float:
@@ -145,12 +147,13 @@ def native_activation_error() -> float:
 
 
 def native_layer_ops() -> NativeLayerOps | None:
-    """The decode-step ops of ``native_int8``'s library, or None where it could not be built."""
-    if native_int8() is None:
-        return None
-    ops = torch.ops.kvblend_packed
-    return NativeLayerOps(ops.decode_project, ops.decode_attend, ops.decode_finish, ops.decode_layer,
-                          ops.decode_attend_rows)
+    """The decode-step ops of ``native_int8``'s library, or None where it could not be built
+    (looked up once: this is on every decode layer's path)."""
+    global _LAYER_OPS
+    if _LAYER_OPS is None and native_int8() is not None:
+        ops = torch.ops.kvblend_packed
+        _LAYER_OPS = NativeLayerOps(ops.decode_project, ops.decode_attend_rows, ops.decode_finish, ops.decode_layer)
+    return _LAYER_OPS
 
 
 def _cpu_features() -> bytes:

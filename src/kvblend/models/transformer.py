@@ -27,7 +27,8 @@ from torch import nn
 
 from kvblend import rope as rope_lib
 from kvblend.errors import ContextLengthError
-from kvblend.models.attention import AttentionPlan, attend, attend_parts, attend_planned, plan_attention
+from kvblend.models.attention import (AttentionPlan, attend, attend_parts, attend_planned, first_visible,
+                                      plan_attention)
 from kvblend.models.config import ModelConfig
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.packed import (PackedWeight, decode_pass, decoding, in_huge_pages, is_decoding,
@@ -149,7 +150,7 @@ class DecoderLayer(nn.Module):
     def native_step(self) -> bool:
         """Whether this pass runs the layer as ``models.packed.native_layer_ops``: a decode pass
         reading int8 weights with the native kernels built (the same arithmetic as the ops
-        below, to float rounding)."""
+        below, up to rounding: ``tests/models/test_packed.py`` holds them together)."""
         packed = self.qkv._packed_now()
         return packed is not None and packed.kind == "int8" and packed.fused and native_layer_ops() is not None
 
@@ -178,9 +179,9 @@ class DecoderLayer(nn.Module):
             return None
         c = self.cfg
         cache.reserve(start + 1)
-        first = 0 if self.window is None else max(0, start + 1 - self.window)
         return native_layer_ops().layer(
-            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], start, first,
+            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], start,
+            first_visible(start, self.window),
             c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved, self.input_norm.eps,
             1.0 if self.q_mult is None else self.q_mult, c.hidden_act == "gelu_tanh")
 
@@ -195,10 +196,10 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         for cache, start in zip(caches, starts):
             cache.reserve(start + 1)
-        firsts = [0 if self.window is None else max(0, s + 1 - self.window) for s in starts]
         attn = native_layer_ops().attend_rows(
             self._native_project(h, cos, sin), [cache.keys[layer] for cache in caches],
-            [cache.values[layer] for cache in caches], list(starts), firsts, c.num_heads, c.num_kv_heads, c.head_dim)
+            [cache.values[layer] for cache in caches], list(starts), [first_visible(s, self.window) for s in starts],
+            c.num_heads, c.num_kv_heads, c.head_dim)
         return self.finish(h, attn)
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -438,7 +439,7 @@ class Transformer(nn.Module):
         if layer.window not in plans:
             plans[layer.window] = plan_attention(positions, start + n, layer.window, self.dtype,
                                                  heads_per_kv=self.cfg.heads_per_kv)
-        return layer.finish(h, attend_planned(q, keys, values, plans[layer.window], native=layer.native_step()))
+        return layer.finish(h, attend_planned(q, keys, values, plans[layer.window]))
 
     def sees_all(self, n_keys: int) -> bool:
         """Whether the last layer's query at position n_keys - 1 sees every key (no sliding

@@ -17,10 +17,10 @@
 // as loops over a step's few rows, the four matmuls through int8_linear. Dispatched from
 // Python a decode step was ~40 small tensor ops a layer, as long as its matmuls.
 //
-// decode_layer: the three in one call, the step's K and V written into the cache between.
-//
-// decode_attend: one query per head against a cache's keys, the softmax in float32 (SDPA's
-// flash kernel took ~100 us a layer for it at 512 keys, as long as the layer's matmuls).
+// decode_attend_rows: each decode row's K and V written into its own cache and its one query
+// a head attending over it, the softmax in float32 (SDPA's flash kernel took ~100 us a layer
+// for one query at 512 keys, as long as the layer's matmuls); decode_layer: one row's
+// project, attend_rows and finish in one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -85,6 +85,8 @@ double activation_error() {
 #if defined(__AVX512F__)
 inline Vec vset(float a) { return _mm512_set1_ps(a); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vclamp(Vec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
 inline Vec vround(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2(Vec n) {  // 2^n for whole n in [-126, 127]
@@ -93,6 +95,8 @@ inline Vec vpow2(Vec n) {  // 2^n for whole n in [-126, 127]
 #elif defined(__AVX2__) && defined(__FMA__)
 inline Vec vset(float a) { return _mm256_set1_ps(a); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vclamp(Vec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
 inline Vec vround(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2(Vec n) {
@@ -478,12 +482,9 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 // y[j] += p x[j] over n floats.
 inline void axpy_f32(float p, const float* x, float* y, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  const Vec pv = _mm512_set1_ps(p);
-  for (; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(y + j, vfma(pv, vload(x + j), vload(y + j)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  const Vec pv = _mm256_set1_ps(p);
-  for (; j + kLanes <= n; j += kLanes) _mm256_storeu_ps(y + j, vfma(pv, vload(x + j), vload(y + j)));
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const Vec pv = vset(p);
+  for (; j + kLanes <= n; j += kLanes) vstore(y + j, vfma(pv, vload(x + j), vload(y + j)));
 #endif
   for (; j < n; ++j) y[j] += p * x[j];
 }
@@ -495,14 +496,8 @@ inline float exp_shifted(float* x, int64_t n, float top) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   Vec acc = vzero();
   for (; i + kLanes <= n; i += kLanes) {
-    Vec e;
-#if defined(__AVX512F__)
-    e = vexp(_mm512_sub_ps(vload(x + i), _mm512_set1_ps(top)));
-    _mm512_storeu_ps(x + i, e);
-#else
-    e = vexp(_mm256_sub_ps(vload(x + i), _mm256_set1_ps(top)));
-    _mm256_storeu_ps(x + i, e);
-#endif
+    const Vec e = vexp(vsub(vload(x + i), vset(top)));
+    vstore(x + i, e);
     acc = vadd(acc, e);
   }
   total = vsum(acc);
@@ -583,23 +578,6 @@ void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_h
       }
 }
 
-// q (Hq, 1, d) against k, v (Hkv, N, d) (each key's d values contiguous). Returns (1, Hq d).
-at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 3 && q.size(1) == 1 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
-              "decode_attend takes q (Hq, 1, d) and k, v (Hkv, N, d)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attend takes float32");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "decode_attend needs each key's values contiguous");
-  const int64_t heads = q.size(0), kv_heads = k.size(0), n = k.size(1), d = k.size(2);
-  TORCH_CHECK(n > 0 && heads % kv_heads == 0, "decode_attend needs keys and whole groups of query heads");
-  const at::Tensor qc = q.reshape({heads, d}).contiguous();
-  at::Tensor result = at::empty({1, heads * d}, q.options());
-  attend_jobs({AttendJob{qc.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(), n,
-                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), result.mutable_data_ptr<float>()}},
-              heads, kv_heads, d);
-  return result;
-}
-
 // Several decode rows at once, each of its own cache: qkv (R, (Hq + 2 Hkv) d) as decode_project
 // returns it; row r's K and V are written at slots[r] of k_caches[r]/v_caches[r] (Hkv,
 // capacity, d), and its queries attend over slots firsts[r]..slots[r]. Returns (R, Hq d).
@@ -657,23 +635,10 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
                         int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
   TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer takes one row");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads &&
-                  k_cache.size(2) == head_dim && k_cache.scalar_type() == at::kFloat && k_cache.stride(2) == 1 &&
-                  v_cache.stride(2) == 1,
-              "decode_layer's caches must be float32 (Hkv, capacity, head_dim)");
-  TORCH_CHECK(0 <= first && first <= slot && slot < k_cache.size(1), "decode_layer's slot is outside the cache");
   auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
   const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvBias), cos, sin,
                                         heads, kv_heads, head_dim, interleaved, w(kQNorm), w(kKNorm), q_mult);
-  const float* row = qkv.const_data_ptr<float>();
-  float* K = k_cache.mutable_data_ptr<float>();
-  float* V = v_cache.mutable_data_ptr<float>();
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    std::copy_n(row + (heads + g) * head_dim, head_dim, K + g * k_cache.stride(0) + slot * k_cache.stride(1));
-    std::copy_n(row + (heads + kv_heads + g) * head_dim, head_dim, V + g * v_cache.stride(0) + slot * v_cache.stride(1));
-  }
-  const at::Tensor q = qkv.narrow(1, 0, heads * head_dim).view({heads, 1, head_dim});
-  const at::Tensor attn = decode_attend(q, k_cache.narrow(1, first, slot + 1 - first), v_cache.narrow(1, first, slot + 1 - first));
+  const at::Tensor attn = decode_attend_rows(qkv, {k_cache}, {v_cache}, {slot}, {first}, heads, kv_heads, head_dim);
   return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOBias), w(kAttnOutNorm), *w(kPostNorm), eps,
                        *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpBias), *w(kDown), *w(kDownScale),
                        *w(kDownRowsum), w(kDownBias), w(kMlpOutNorm), gelu);
@@ -688,7 +653,6 @@ TORCH_LIBRARY(kvblend_packed, m) {
   m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
         "bool gelu) -> Tensor", &decode_layer);
-  m.def("decode_attend(Tensor q, Tensor k, Tensor v) -> Tensor", &decode_attend);
   m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] slots, int[] firsts, "
         "int heads, int kv_heads, int head_dim) -> Tensor", &decode_attend_rows);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor qkv_rowsum, "
