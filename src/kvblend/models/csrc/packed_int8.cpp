@@ -241,54 +241,98 @@ QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
   return out;
 }
 
-// kR input rows (hi/lo, stride n) against one weight row w: the hi and lo dot products, each
-// still holding 128 x sum(w).
-template <int kR>
-inline void vnni_dots(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int64_t n, int32_t* dh, int32_t* dl) {
-  __m512i ah[kR], al[kR];
-  for (int r = 0; r < kR; ++r) ah[r] = al[r] = _mm512_setzero_si512();
+// The four sums of a, b, c, d (sixteen lanes each) as one 128-bit vector: pairs added
+// across lanes first, so four sums cost about as much as one reduction.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d per 128 bits
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// kJ weight rows (from w, stride n) against kR input rows (hi/lo, stride n): each weight
+// vector loaded once serves every input row, each input vector every weight row. out[j * kR
+// + r] = hi dot + lo dot / 254, both still holding 128 x sum(w) (x 1 + 1/254 together); the
+// int32 partial sums go to float32 before the reduction (exact: below 2^24 a lane up to n = 8,192).
+template <int kJ, int kR>
+inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int64_t n, float* out, bool prefetch) {
+  __m512i ah[kJ][kR], al[kJ][kR];
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r) ah[j][r] = al[j][r] = _mm512_setzero_si512();
   int64_t k = 0;
   for (; k + 64 <= n; k += 64) {
-    const __m512i wv = _mm512_loadu_si512(w + k);
+    __m512i xh[kR], xl[kR];
     for (int r = 0; r < kR; ++r) {
-      ah[r] = _mm512_dpbusd_epi32(ah[r], _mm512_loadu_si512(hi + r * n + k), wv);
-      al[r] = _mm512_dpbusd_epi32(al[r], _mm512_loadu_si512(lo + r * n + k), wv);
+      xh[r] = _mm512_loadu_si512(hi + r * n + k);
+      xl[r] = _mm512_loadu_si512(lo + r * n + k);
+    }
+    for (int j = 0; j < kJ; ++j) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (j + 2 * kJ) * n + k), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(w + j * n + k);
+      for (int r = 0; r < kR; ++r) {
+        ah[j][r] = _mm512_dpbusd_epi32(ah[j][r], xh[r], wv);
+        al[j][r] = _mm512_dpbusd_epi32(al[j][r], xl[r], wv);
+      }
     }
   }
+  __m512 f[kJ][kR];
+  const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r)
+      f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[j][r]), lo_weight, _mm512_cvtepi32_ps(ah[j][r]));
   for (int r = 0; r < kR; ++r) {
-    int32_t sh = _mm512_reduce_add_epi32(ah[r]), sl = _mm512_reduce_add_epi32(al[r]);
-    for (int64_t kk = k; kk < n; ++kk) {
-      sh += static_cast<int32_t>(hi[r * n + kk]) * w[kk];
-      sl += static_cast<int32_t>(lo[r * n + kk]) * w[kk];
+    float sums[kJ];
+    if constexpr (kJ == 4) {
+      _mm_storeu_ps(sums, sum4(f[0][r], f[1][r], f[2][r], f[3][r]));
+    } else {
+      for (int j = 0; j < kJ; ++j) sums[j] = _mm512_reduce_add_ps(f[j][r]);
     }
-    dh[r] = sh;
-    dl[r] = sl;
+    for (int j = 0; j < kJ; ++j) {
+      int32_t th = 0, tl = 0;  // the tail past the last whole 64
+      for (int64_t kk = k; kk < n; ++kk) {
+        th += static_cast<int32_t>(hi[r * n + kk]) * w[j * n + kk];
+        tl += static_cast<int32_t>(lo[r * n + kk]) * w[j * n + kk];
+      }
+      out[j * kR + r] = sums[j] + static_cast<float>(th) + static_cast<float>(tl) * (1.f / 254.f);
+    }
+  }
+}
+
+constexpr int kVnniRows = 4;  // weight rows a tile takes
+constexpr int kVnniInputs = 2;  // input rows a tile takes
+
+// kJ weight rows from j against every input row, into Y.
+template <int kJ>
+void vnni_weight_rows(const int8_t* W, const QuantizedRows& x, int64_t rows, int64_t n, int64_t outs, int64_t j,
+                      const float* scale, const int32_t* rowsum, const float* bias, float* Y) {
+  float acc[kJ * kVnniInputs];
+  for (int64_t r0 = 0; r0 < rows; r0 += kVnniInputs) {
+    const int rt = static_cast<int>(std::min<int64_t>(kVnniInputs, rows - r0));
+    const uint8_t* hi = x.hi.data() + r0 * n;
+    const uint8_t* lo = x.lo.data() + r0 * n;
+    if (rt == 1) {
+      vnni_tile<kJ, 1>(W + j * n, hi, lo, n, acc, r0 == 0);
+    } else {
+      vnni_tile<kJ, kVnniInputs>(W + j * n, hi, lo, n, acc, r0 == 0);
+    }
+    for (int jj = 0; jj < kJ; ++jj) {
+      const float offset = 128.f * static_cast<float>(rowsum[j + jj]) * (1.f + 1.f / 254.f);
+      for (int r = 0; r < rt; ++r)
+        Y[(r0 + r) * outs + j + jj] =
+            (acc[jj * rt + r] - offset) * x.scale[r0 + r] * scale[j + jj] + (bias ? bias[j + jj] : 0.f);
+    }
   }
 }
 
 // y[r, j] for weight rows [j0, j1) and every row r.
 void vnni_rows(const int8_t* W, const QuantizedRows& x, int64_t rows, int64_t n, int64_t outs, int64_t j0, int64_t j1,
                const float* scale, const int32_t* rowsum, const float* bias, float* Y) {
-  int32_t dh[4], dl[4];
-  for (int64_t j = j0; j < j1; ++j) {
-    const int8_t* w = W + j * n;
-    const int32_t offset = 128 * rowsum[j];
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int rt = static_cast<int>(std::min<int64_t>(4, rows - r0));
-      const uint8_t* hi = x.hi.data() + r0 * n;
-      const uint8_t* lo = x.lo.data() + r0 * n;
-      switch (rt) {
-        case 1: vnni_dots<1>(w, hi, lo, n, dh, dl); break;
-        case 2: vnni_dots<2>(w, hi, lo, n, dh, dl); break;
-        case 3: vnni_dots<3>(w, hi, lo, n, dh, dl); break;
-        default: vnni_dots<4>(w, hi, lo, n, dh, dl); break;
-      }
-      for (int r = 0; r < rt; ++r) {
-        const float dot = static_cast<float>(dh[r] - offset) + static_cast<float>(dl[r] - offset) * (1.f / 254.f);
-        Y[(r0 + r) * outs + j] = dot * x.scale[r0 + r] * scale[j] + (bias ? bias[j] : 0.f);
-      }
-    }
-  }
+  int64_t j = j0;
+  for (; j + kVnniRows <= j1; j += kVnniRows) vnni_weight_rows<kVnniRows>(W, x, rows, n, outs, j, scale, rowsum, bias, Y);
+  for (; j < j1; ++j) vnni_weight_rows<1>(W, x, rows, n, outs, j, scale, rowsum, bias, Y);
 }
 #endif
 
