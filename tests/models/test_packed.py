@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
-from kvblend.models.packed import (PackedWeight, decode_pass, decoding, native_activation_error, native_int8,
+from kvblend.models.packed import (PackedWeight, amx_available, decode_pass, decoding, native_activation_error, native_int8,
                                    native_lanes, resolve_decode_weights)
 from tests.conftest import make_loaded
 
@@ -89,6 +89,36 @@ def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
         packed(torch.randn(2, inp, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="int8 \\(out, in\\)"):
         packed(torch.randn(2, inp + 1))
+
+
+def test_amx_tiles_give_the_row_major_weights_result() -> None:
+    """Where the kernels have AMX (``amx_available``), a packed int8 weight also holds
+    ``amx_pack``'s tiles of q (16 outputs x 64 inputs, zero past the edges), and steps of
+    several rows multiply by them: the same result as the row-major weight through the VNNI
+    path, at every row count (up to 8 rows a tile with their lo rows, more in several) and at
+    widths and output counts off the tiles' edges. Tiles that are not q's are refused, and a
+    process without AMX refuses tiles."""
+    op = torch.ops.kvblend_packed.int8_linear
+    w, b = _weights(out=16, inp=64, seed=5)
+    plain = PackedWeight(w, b, "int8")
+    if not amx_available():
+        assert plain.tiles is None
+        with pytest.raises(RuntimeError, match="without AMX"):
+            op(torch.randn(4, 64), plain.q, plain.scale, plain.rowsum, None, torch.zeros(1, 1, 1024, dtype=torch.int8))
+        return
+    with pytest.raises(RuntimeError, match="amx_pack's of its weight"):
+        op(torch.randn(4, 64), plain.q, plain.scale, plain.rowsum, None, torch.zeros(2, 1, 1024, dtype=torch.int8))
+    for out, inp in ((130, 77), (64, 64), (7, 200), (40, 1536)):
+        w, b = _weights(out=out, inp=inp, seed=5)
+        packed = PackedWeight(w, b, "int8")
+        assert packed.tiles is not None and packed.tiles.shape == ((out + 15) // 16, (inp + 63) // 64, 1024)
+        for rows in (1, 2, 4, 7, 8, 9, 17):
+            x = torch.randn(rows, inp) * torch.logspace(-3, 2, rows)[:, None]
+            tiled = op(x, packed.q, packed.scale, packed.rowsum, packed.bias, packed.tiles)
+            row_major = op(x, packed.q, packed.scale, packed.rowsum, packed.bias)
+            torch.testing.assert_close(tiled, row_major, rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+            _assert_int8_matmul(tiled, x, packed.q.float() * packed.scale[:, None], packed.bias)
+            torch.testing.assert_close(packed(x), tiled)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 16), (14, 2, 37)])
@@ -297,9 +327,9 @@ def test_a_one_token_forward_reads_the_packed_weights_by_every_entry(tiny) -> No
 
 
 def test_int8_weights_move_into_one_huge_page_mapping(tiny) -> None:
-    """``pack_decode_weights("int8")`` moves every int8 weight into one mapping advised for
-    huge pages (``in_huge_pages``), starting at a 2 MiB boundary, with the same values and
-    results as where they were packed."""
+    """``pack_decode_weights("int8")`` moves every int8 weight (``q``, and its AMX tiles where
+    it has them) into one mapping advised for huge pages (``in_huge_pages``), starting at a
+    2 MiB boundary, with the same values and results as where they were packed."""
     from kvblend.models.packed import HUGE_PAGE, in_huge_pages
     from kvblend.models.transformer import Linear
 
@@ -310,9 +340,13 @@ def test_int8_weights_move_into_one_huge_page_mapping(tiny) -> None:
         arenas = {id(p.arena) for p in packed}
         assert len(arenas) == 1 and packed[0].arena is not None
         assert min(p.q.data_ptr() for p in packed) % HUGE_PAGE == 0
-        x = torch.randn(2, packed[0].in_features)
+        mapped = [t for p in packed for t in (p.q, p.tiles) if t is not None]
+        start = torch.frombuffer(packed[0].arena, dtype=torch.int8).data_ptr()
+        assert all(start <= t.data_ptr() < start + len(packed[0].arena) for t in mapped)
+        x = torch.randn(4, packed[0].in_features)  # four rows: through the tiles where there are some
         before, q = packed[0](x), packed[0].q.clone()
         assert in_huge_pages(packed[:1]) is not None  # moved again: same numbers, same result
+        assert packed[0].q.data_ptr() % HUGE_PAGE == 0
         assert torch.equal(packed[0].q, q) and torch.equal(packed[0](x), before)
         assert in_huge_pages([PackedWeight(*_weights(), "fp16")]) is None  # only int8 moves
     finally:

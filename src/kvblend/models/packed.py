@@ -208,6 +208,12 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
+def amx_available() -> bool:
+    """Whether the built kernels multiply by AMX tiles here (built with AMX, and Linux granted
+    this process the tile registers)."""
+    return native_int8() is not None and bool(torch.ops.kvblend_packed.amx_available())
+
+
 class PackedWeight:
     """One linear layer's weight (out, in) and optional bias (out,), packed for decode.
     ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``int8``: the
@@ -233,6 +239,9 @@ class PackedWeight:
         self.scale = scale.contiguous()
         self.rowsum = self.q.sum(dim=1, dtype=torch.int32)  # what the kernels' VNNI path corrects by
         self._native = native_int8() if native else None
+        # where the kernels have AMX, a copy of q as its tiles (``amx_pack``): steps of several
+        # rows multiply by it, one row by q (measured faster through VNNI)
+        self.tiles = torch.ops.kvblend_packed.amx_pack(self.q) if self._native is not None and amx_available() else None
         # a decoder layer whose weights all run natively runs its decode step as two native
         # calls (``native_layer_ops``); False keeps it per op (A/B measurements)
         self.fused = self._native is not None
@@ -241,7 +250,7 @@ class PackedWeight:
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if self._native is not None:
-            return self._native(x, self.q, self.scale, self.rowsum, self.bias)
+            return self._native(x, self.q, self.scale, self.rowsum, self.bias, self.tiles)
         return self.int8_linear_ops(x)
 
     def int8_linear_ops(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,7 +273,8 @@ def in_huge_pages(weights: list[PackedWeight]) -> mmap.mmap | None:
     int8 = [w for w in weights if w.kind == "int8"]
     if not int8 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    sizes = [(w.q.numel() + 63) // 64 * 64 for w in int8]
+    moving = [(w, name) for w in int8 for name in ("q", "tiles") if getattr(w, name) is not None]
+    sizes = [(getattr(w, name).numel() + 63) // 64 * 64 for w, name in moving]
     # private: THP covers private anonymous memory (a shared mapping is shmem, another setting)
     mapping = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -273,10 +283,12 @@ def in_huge_pages(weights: list[PackedWeight]) -> mmap.mmap | None:
         log.debug("transparent huge pages refused; decode weights in small pages")
     arena = torch.frombuffer(mapping, dtype=torch.int8)
     at = -arena.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
-    for weight, size in zip(int8, sizes):
-        moved = arena[at : at + weight.q.numel()].view(weight.q.shape)
-        moved.copy_(weight.q)
-        weight.q, weight.arena = moved, mapping
+    for (weight, name), size in zip(moving, sizes):
+        streamed = getattr(weight, name)
+        moved = arena[at : at + streamed.numel()].view(streamed.shape)
+        moved.copy_(streamed)
+        setattr(weight, name, moved)
+        weight.arena = mapping
         at += size
     return mapping
 

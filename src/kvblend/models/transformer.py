@@ -165,7 +165,8 @@ class DecoderLayer(nn.Module):
                        self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
                        o.q, o.scale, o.rowsum, o.bias, self.attn_out_norm.weight if c.sandwich_norm else None,
                        self.post_norm.weight, gate_up.q, gate_up.scale, gate_up.rowsum, gate_up.bias,
-                       down.q, down.scale, down.rowsum, down.bias, self.mlp_out_norm.weight if c.sandwich_norm else None]
+                       down.q, down.scale, down.rowsum, down.bias, self.mlp_out_norm.weight if c.sandwich_norm else None,
+                       qkv.tiles, o.tiles, gate_up.tiles, down.tiles]
             made = self._native_weights = (qkv, weights)
         return made[1]
 
@@ -205,7 +206,8 @@ class DecoderLayer(nn.Module):
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, project = self.cfg, native_layer_ops().project
         qkv = self.qkv.packed
-        return project(h, self.input_norm.weight, self.input_norm.eps, qkv.q, qkv.scale, qkv.rowsum, qkv.bias, cos, sin,
+        return project(h, self.input_norm.weight, self.input_norm.eps, qkv.q, qkv.scale, qkv.rowsum, qkv.tiles, qkv.bias,
+                       cos, sin,
                        c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved,
                        self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
                        1.0 if self.q_mult is None else self.q_mult)
@@ -271,9 +273,11 @@ class DecoderLayer(nn.Module):
         if self.native_step():
             o, gate_up, down = self.o.packed, self.gate_up.packed, self.down.packed
             return native_layer_ops().finish(
-                h, attn, o.q, o.scale, o.rowsum, o.bias, self.attn_out_norm.weight if self.cfg.sandwich_norm else None,
-                self.post_norm.weight, self.post_norm.eps, gate_up.q, gate_up.scale, gate_up.rowsum, gate_up.bias,
-                down.q, down.scale, down.rowsum, down.bias, self.mlp_out_norm.weight if self.cfg.sandwich_norm else None,
+                h, attn, o.q, o.scale, o.rowsum, o.tiles, o.bias,
+                self.attn_out_norm.weight if self.cfg.sandwich_norm else None, self.post_norm.weight, self.post_norm.eps,
+                gate_up.q, gate_up.scale, gate_up.rowsum, gate_up.tiles, gate_up.bias,
+                down.q, down.scale, down.rowsum, down.tiles, down.bias,
+                self.mlp_out_norm.weight if self.cfg.sandwich_norm else None,
                 self.cfg.hidden_act == "gelu_tanh")
         h = self.o.plus(h, attn) if not self.cfg.sandwich_norm else h + self.attn_out_norm(self.o(attn))
         if h.shape[0] <= MLP_BLOCK_TOKENS:

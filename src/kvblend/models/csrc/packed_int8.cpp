@@ -8,8 +8,12 @@
 // lost (~16 bits together, activation_error), multiplied by VNNI's int8 dot products: a
 // decode step's matmul was compute-bound widening int8 weights to float32 (measured on
 // SmolLM2's shapes, 2 threads: the layers' matmuls 7.5 -> 4.6 ms, the LM head 1.84 -> 1.05).
-// Elsewhere x stays float32 and each weight row is widened to float32 16 (AVX-512) or 8
-// (AVX2) at a time into several accumulators. Output rows are split over threads.
+// Tiles of four weight rows by two input rows, the weights two tiles ahead prefetched (one
+// row: 5.2 -> 2.9 ms for SmolLM2's layers). Where the CPU has AMX, steps of 4 rows or more
+// multiply by the weight's AMX tiles instead (amx_pack, amx_linear): 8 rows through VNNI were
+// compute-bound (10.3 ms against AMX's 6.4 for SmolLM2's layers). Elsewhere x stays float32
+// and each weight row is widened to float32 16 (AVX-512) or 8 (AVX2) at a time into several
+// accumulators. Output rows are split over threads.
 //
 // decode_project and decode_finish run a whole decoder layer's decode step around the
 // attention in two calls (models/transformer.py's DecoderLayer.project and .finish as a
@@ -19,7 +23,9 @@
 //
 // decode_attend_rows: each decode row's K and V written into its own cache and its one query
 // a head attending over it, the softmax in float32 (SDPA's flash kernel took ~100 us a layer
-// for one query at 512 keys, as long as the layer's matmuls); decode_layer: one row's
+// for one query at 512 keys, as long as the layer's matmuls): four keys' scores reduced
+// together, a value block's weighted sums held in registers across the keys, keys and values
+// prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); decode_layer: one row's
 // project, attend_rows and finish in one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +33,11 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -48,6 +59,17 @@ inline Vec wload(const int8_t* p) {
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+// The four sums of a, b, c, d as one 128-bit vector: pairs added across lanes first, so four
+// sums cost about as much as one reduction.
+inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d per 128 bits
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -62,6 +84,10 @@ inline float vsum(Vec a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {  // a b c d per 128 bits, then the halves added
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 #else
 constexpr int64_t kLanes = 0;  // no vector path: plain loops (the compiler may still vectorise them)
@@ -241,18 +267,6 @@ QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
   return out;
 }
 
-// The four sums of a, b, c, d (sixteen lanes each) as one 128-bit vector: pairs added
-// across lanes first, so four sums cost about as much as one reduction.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d per 128 bits
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 // kJ weight rows (from w, stride n) against kR input rows (hi/lo, stride n): each weight
 // vector loaded once serves every input row, each input vector every weight row. out[j * kR
 // + r] = hi dot + lo dot / 254, both still holding 128 x sum(w) (x 1 + 1/254 together); the
@@ -270,7 +284,7 @@ inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int
       xl[r] = _mm512_loadu_si512(lo + r * n + k);
     }
     for (int j = 0; j < kJ; ++j) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (j + 2 * kJ) * n + k), _MM_HINT_T0);
+      if (prefetch) __builtin_prefetch(w + (j + 2 * kJ) * n + k, 0, 3);
       const __m512i wv = _mm512_loadu_si512(w + j * n + k);
       for (int r = 0; r < kR; ++r) {
         ah[j][r] = _mm512_dpbusd_epi32(ah[j][r], xh[r], wv);
@@ -286,7 +300,7 @@ inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int
   for (int r = 0; r < kR; ++r) {
     float sums[kJ];
     if constexpr (kJ == 4) {
-      _mm_storeu_ps(sums, sum4(f[0][r], f[1][r], f[2][r], f[3][r]));
+      _mm_storeu_ps(sums, vsum4(f[0][r], f[1][r], f[2][r], f[3][r]));
     } else {
       for (int j = 0; j < kJ; ++j) sums[j] = _mm512_reduce_add_ps(f[j][r]);
     }
@@ -334,15 +348,146 @@ void vnni_rows(const int8_t* W, const QuantizedRows& x, int64_t rows, int64_t n,
   for (; j + kVnniRows <= j1; j += kVnniRows) vnni_weight_rows<kVnniRows>(W, x, rows, n, outs, j, scale, rowsum, bias, Y);
   for (; j < j1; ++j) vnni_weight_rows<1>(W, x, rows, n, outs, j, scale, rowsum, bias, Y);
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define KVBLEND_AMX 1
+// AMX: a weight as tiles of 16 output rows x 64 inputs (amx_pack), each row of x as its hi and
+// lo rows of one A tile (up to 8 rows of x a tile), TDPBUSD's 16 x 16 int32 dot products
+// exact. A decode step of 8 rows through VNNI was compute-bound (~1.7 cycles a 64-wide dot
+// product); one TDPBUSD does 256 of them.
+
+// Linux hands out the tile registers' state on request, once per process.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, tmm1: two output tiles' sums (2 rt rows x 16 int32); tmm2: the rows' hi|lo bytes (2 rt
+// x 64); tmm3, tmm4: two weight tiles (16 x 64, four inputs of 16 outputs a row).
+void configure_tiles(int rt) {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = static_cast<uint8_t>(2 * rt), cfg.colsb[t] = 64;
+  for (int t = 3; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kAmxRows = 8;  // rows of x an A tile holds (with their lo rows: 16)
+constexpr int64_t kAmxAhead = 4;  // weight tiles a stream is fetched ahead
+
+// q (out, in) int8 -> (ceil(out / 16), ceil(in / 64), 1024): tile (b, c) row kk holds inputs
+// c 64 + 4 kk .. + 3 of outputs b 16 .. + 15, four bytes an output (TDPBUSD's B layout);
+// zero past the weight's edges.
+at::Tensor amx_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "amx_pack takes contiguous int8 (out, in)");
+  const int64_t outs = q.size(0), n = q.size(1), nb = (outs + 15) / 16, kb = (n + 63) / 64;
+  at::Tensor tiles = at::zeros({nb, kb, 1024}, q.options());
+  const int8_t* w = q.const_data_ptr<int8_t>();
+  int8_t* t = tiles.mutable_data_ptr<int8_t>();
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < kb; ++c)
+        for (int64_t kk = 0; kk < 16; ++kk)
+          for (int64_t o = 0; o < 16 && b * 16 + o < outs; ++o)
+            for (int64_t i = 0; i < 4 && c * 64 + 4 * kk + i < n; ++i)
+              t[(b * kb + c) * 1024 + kk * 64 + o * 4 + i] = w[(b * 16 + o) * n + c * 64 + 4 * kk + i];
+  });
+  return tiles;
+}
+
+// y = x W^T + b for tiles (nb, kb, 1024) of W (outs, n): rows of x in groups of kAmxRows, each
+// group's hi and lo rows one A buffer (2 rt x kb 64 bytes); pairs of output tiles over threads.
+void amx_linear(const at::Tensor& tiles, const QuantizedRows& x, int64_t rows, int64_t n, int64_t outs,
+                const float* scale, const int32_t* rowsum, const float* bias, float* Y) {
+  const int64_t nb = tiles.size(0), kb = tiles.size(1), stride = kb * 64, groups = (rows + kAmxRows - 1) / kAmxRows;
+  std::vector<uint8_t> a(groups * 2 * kAmxRows * stride, 128);  // 128: the unsigned zero (the weights there are 0)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * kAmxRows, rt = std::min(kAmxRows, rows - r0);
+    uint8_t* ag = a.data() + g * 2 * kAmxRows * stride;
+    for (int64_t r = 0; r < rt; ++r) {
+      std::copy_n(x.hi.data() + (r0 + r) * n, n, ag + r * stride);
+      std::copy_n(x.lo.data() + (r0 + r) * n, n, ag + (rt + r) * stride);
+    }
+  }
+  const int8_t* T = tiles.const_data_ptr<int8_t>();
+  at::parallel_for(0, (nb + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    alignas(64) int32_t c[2][16 * 16];
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = g * kAmxRows;
+      const int rt = static_cast<int>(std::min(kAmxRows, rows - r0));
+      configure_tiles(rt);
+      const uint8_t* ag = a.data() + g * 2 * kAmxRows * stride;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = 2 * p;
+        const bool two = b + 1 < nb;
+        const int8_t* t0 = T + b * kb * 1024;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < kb; ++k) {
+          if (g == 0)  // both streams' tiles kAmxAhead on (past a row's end: the next pair's)
+            for (int64_t line = 0; line < 1024; line += 64) {
+              __builtin_prefetch(t0 + (k + kAmxAhead) * 1024 + line, 0, 3);
+              __builtin_prefetch(t0 + (kb + k + kAmxAhead) * 1024 + line, 0, 3);
+            }
+          _tile_loadd(2, ag + k * 64, stride);
+          _tile_loadd(3, t0 + k * 1024, 64);
+          _tile_dpbusd(0, 2, 3);
+          if (two) {
+            _tile_loadd(4, t0 + (kb + k) * 1024, 64);
+            _tile_dpbusd(1, 2, 4);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        if (two) _tile_stored(1, c[1], 64);
+        for (int half = 0; half < (two ? 2 : 1); ++half)
+          for (int64_t o = 0; o < 16 && (b + half) * 16 + o < outs; ++o) {
+            const int64_t j = (b + half) * 16 + o;
+            const int32_t offset = 128 * rowsum[j];
+            for (int r = 0; r < rt; ++r) {
+              const float dot = static_cast<float>(c[half][r * 16 + o] - offset) +
+                                static_cast<float>(c[half][(rt + r) * 16 + o] - offset) * (1.f / 254.f);
+              Y[(r0 + r) * outs + j] = dot * x.scale[r0 + r] * scale[j] + (bias ? bias[j] : 0.f);
+            }
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #endif
 
+// Whether int8_linear takes amx_pack's tiles here: built with AMX and granted the tiles.
+bool amx_available() {
+#ifdef KVBLEND_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t kAmxMinRows = 4;  // fewer rows go through VNNI (measured: AMX ~10-25 % slower at one row, even at two)
+
+// y (R, out) = x (R, in) W^T + bias for W as int8 q (out, in) with one float32 scale per
+// output row (rowsum: each row's sum); with amx_pack's tiles of q (where amx_available),
+// kAmxMinRows rows or more are multiplied by them.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "int8_linear takes a 2-d float32 CPU input");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
               "int8_linear's weight must be contiguous int8 (out, in) with in = ", x.size(1));
   const int64_t rows = x.size(0), n = x.size(1), outs = q.size(0);
+  const bool tiled = tiles.has_value() && tiles->defined();
+  TORCH_CHECK(!tiled || (tiles->dim() == 3 && tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
+                         tiles->size(0) == (outs + 15) / 16 && tiles->size(1) == (n + 63) / 64 && tiles->size(2) == 1024),
+              "int8_linear's tiles must be amx_pack's of its weight");
+  TORCH_CHECK(!tiled || amx_available(), "int8_linear got AMX tiles on a build or process without AMX");
   const float* s = optional_weight(scale, outs, "scale");
   TORCH_CHECK(s != nullptr, "int8_linear needs one scale per output row");
   TORCH_CHECK(rowsum.numel() == outs && rowsum.scalar_type() == at::kInt && rowsum.is_contiguous(),
@@ -356,10 +501,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #ifdef KVBLEND_VNNI
   const QuantizedRows xq = quantize_rows(X, rows, n);
   const int32_t* sums = rowsum.const_data_ptr<int32_t>();
+#ifdef KVBLEND_AMX
+  if (tiled && rows >= kAmxMinRows) {
+    amx_linear(*tiles, xq, rows, n, outs, s, sums, b, Y);
+    return y;
+  }
+#endif
   at::parallel_for(0, outs, 64, [&](int64_t first, int64_t end) { vnni_rows(W, xq, rows, n, outs, first, end, s, sums, b, Y); });
 #else
-  const int64_t tiles = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
-  at::parallel_for(0, tiles, 16, [&](int64_t first, int64_t end) {
+  const int64_t whole = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
+  at::parallel_for(0, whole, 16, [&](int64_t first, int64_t end) {
     for (int64_t t = first; t < end; ++t) {
       const int64_t j0 = t * kTileRows;
       if (rows == 1) {
@@ -369,7 +520,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       }
     }
   });
-  for (int64_t j = tiles * kTileRows; j < outs; ++j)
+  for (int64_t j = whole * kTileRows; j < outs; ++j)
     for (int64_t r = 0; r < rows; ++r) Y[r * outs + j] = dot1(W + j * n, X + r * n, n) * s[j] + (b ? b[j] : 0.f);
 #endif
   return y;
@@ -407,7 +558,8 @@ void rope_head(float* p, const float* cos, const float* sin, int64_t half, bool 
 // h (R, D): norm, the fused q|k|v projection, per-head q/k norms, RoPE on q and k, q scaled
 // by q_mult. Returns (R, (Hq + 2 Hkv) d): q and k rotated, v as projected.
 at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at::Tensor& qkv,
-                          const at::Tensor& qkv_scale, const at::Tensor& qkv_rowsum, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                          const at::Tensor& qkv_scale, const at::Tensor& qkv_rowsum, const std::optional<at::Tensor>& qkv_tiles,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& cos,
                           const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, bool interleaved,
                           const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                           double q_mult) {
@@ -417,7 +569,7 @@ at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double 
                   cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos/sin must be float32 (R, rotary_dim / 2) with rotary_dim <= head_dim");
   TORCH_CHECK(qkv.size(0) == width, "the q|k|v weight has ", qkv.size(0), " outputs, expected ", width);
-  at::Tensor y = int8_linear(rms_norm_rows(h, norm_w, eps), qkv, qkv_scale, qkv_rowsum, bias);
+  at::Tensor y = int8_linear(rms_norm_rows(h, norm_w, eps), qkv, qkv_scale, qkv_rowsum, bias, qkv_tiles);
   const float* qn = optional_weight(q_norm, head_dim, "q_norm");
   const float* kn = optional_weight(k_norm, head_dim, "k_norm");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -443,19 +595,19 @@ at::Tensor decode_project(const at::Tensor& h, const at::Tensor& norm_w, double 
 // + down(act(gate) * up) of its post norm (normed by mlp_out_norm where given). act: SiLU, or
 // GELU's tanh form where gelu. Returns the new h (R, D).
 at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o, const at::Tensor& o_scale,
-                         const at::Tensor& o_rowsum, const std::optional<at::Tensor>& o_bias,
+                         const at::Tensor& o_rowsum, const std::optional<at::Tensor>& o_tiles, const std::optional<at::Tensor>& o_bias,
                          const std::optional<at::Tensor>& attn_out_norm, const at::Tensor& post_norm_w, double eps,
                          const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& gate_up_rowsum,
-                         const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
-                         const at::Tensor& down_scale, const at::Tensor& down_rowsum,
-                         const std::optional<at::Tensor>& down_bias, const std::optional<at::Tensor>& mlp_out_norm,
+                         const std::optional<at::Tensor>& gate_up_tiles, const std::optional<at::Tensor>& gate_up_bias,
+                         const at::Tensor& down, const at::Tensor& down_scale, const at::Tensor& down_rowsum,
+                         const std::optional<at::Tensor>& down_tiles, const std::optional<at::Tensor>& down_bias, const std::optional<at::Tensor>& mlp_out_norm,
                          bool gelu) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_finish takes a 2-d float32 h");
   const int64_t rows = h.size(0), dim = h.size(1);
   TORCH_CHECK(o.size(0) == dim && down.size(0) == dim && gate_up.size(0) == 2 * down.size(1),
               "decode_finish's weights do not fit a hidden size of ", dim);
   const float e = static_cast<float>(eps);
-  at::Tensor out = int8_linear(attn, o, o_scale, o_rowsum, o_bias);  // (R, D): becomes the new h
+  at::Tensor out = int8_linear(attn, o, o_scale, o_rowsum, o_bias, o_tiles);  // (R, D): becomes the new h
   const float* an = optional_weight(attn_out_norm, dim, "attn_out_norm");
   const float* mn = optional_weight(mlp_out_norm, dim, "mlp_out_norm");
   const at::Tensor hc = h.contiguous();
@@ -467,7 +619,7 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
     for (int64_t j = 0; j < dim; ++j) row[j] += res[j];
   }
   const at::Tensor gu = int8_linear(rms_norm_rows(out, post_norm_w, eps), gate_up, gate_up_scale, gate_up_rowsum,
-                                    gate_up_bias);
+                                    gate_up_bias, gate_up_tiles);
   const int64_t inter = gu.size(1) / 2;
   at::Tensor act = at::empty({rows, inter}, out.options());
   const float* g = gu.const_data_ptr<float>();
@@ -499,7 +651,7 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
       a[r * inter + j] = f * up;
     }
   }
-  at::Tensor d = int8_linear(act, down, down_scale, down_rowsum, down_bias);  // (R, D)
+  at::Tensor d = int8_linear(act, down, down_scale, down_rowsum, down_bias, down_tiles);  // (R, D)
   float* dd = d.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = dd + r * dim;
@@ -552,6 +704,102 @@ inline float exp_shifted(float* x, int64_t n, float top) {
 
 constexpr int64_t kKeyChunk = 256;  // keys a task takes: a cache's keys split over threads
 
+// Keys (and values) a chunk's loops fetch ahead of the one they read.
+constexpr int64_t kFetchAhead = 8;
+
+// A row of d floats fetched towards L1 (near) or L2.
+inline void prefetch_row(const float* p, int64_t d, bool near) {
+  for (int64_t j = 0; j < d; j += 16) near ? __builtin_prefetch(p + j, 0, 3) : __builtin_prefetch(p + j, 0, 2);
+}
+
+// s[h * kKeyChunk + i] = scale q_h . k_i for `group` query heads (q, stride d) and len keys
+// (k, key stride ks); four keys at a time, their four sums reduced together. The chunk's
+// values (v, stride vs) are fetched towards L2 meanwhile, for chunk_values.
+void chunk_scores(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len, int64_t group,
+                  int64_t d, float scale, float* s) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (d % kLanes == 0) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; i + 4 <= len; i += 4) {
+      for (int64_t r = 0; r < 4; ++r) {
+        prefetch_row(k + (i + r + kFetchAhead) * ks, d, true);
+        prefetch_row(v + (i + r) * vs, d, false);
+      }
+      const float* k0 = k + i * ks;
+      for (int64_t h = 0; h < group; ++h) {
+        const float* qh = q + h * d;
+        Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        for (int64_t j = 0; j < d; j += kLanes) {
+          const Vec qv = vload(qh + j);
+          a0 = vfma(qv, vload(k0 + j), a0);
+          a1 = vfma(qv, vload(k0 + ks + j), a1);
+          a2 = vfma(qv, vload(k0 + 2 * ks + j), a2);
+          a3 = vfma(qv, vload(k0 + 3 * ks + j), a3);
+        }
+        _mm_storeu_ps(s + h * kKeyChunk + i, _mm_mul_ps(vsum4(a0, a1, a2, a3), sc));
+      }
+    }
+  }
+#endif
+  for (; i < len; ++i)
+    for (int64_t h = 0; h < group; ++h) s[h * kKeyChunk + i] = dot_f32(q + h * d, k + i * ks, d) * scale;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// kH heads' weighted sums of len values (v, stride vs) over kV vectors of d from j: out[h d
+// + j ...] = sum_i p[h kKeyChunk + i] v_i[j ...], held in registers across the keys.
+template <int kH, int kV>
+void values_block(const float* p, const float* v, int64_t vs, int64_t len, int64_t d, int64_t j, float* out) {
+  Vec acc[kH][kV];
+  for (int h = 0; h < kH; ++h)
+    for (int x = 0; x < kV; ++x) acc[h][x] = vzero();
+  for (int64_t i = 0; i < len; ++i) {
+    const float* vi = v + i * vs + j;
+    __builtin_prefetch(vi + kFetchAhead * vs, 0, 3);
+    Vec vv[kV];
+    for (int x = 0; x < kV; ++x) vv[x] = vload(vi + x * kLanes);
+    for (int h = 0; h < kH; ++h) {
+      const Vec ph = vset(p[h * kKeyChunk + i]);
+      for (int x = 0; x < kV; ++x) acc[h][x] = vfma(ph, vv[x], acc[h][x]);
+    }
+  }
+  for (int h = 0; h < kH; ++h)
+    for (int x = 0; x < kV; ++x) vstore(out + h * d + j + x * kLanes, acc[h][x]);
+}
+
+constexpr int kValueVecs = kLanes == 16 ? 4 : 2;  // vectors of d a block holds per head (registers: AVX2 has 16)
+
+template <int kH>
+void values_heads(const float* p, const float* v, int64_t vs, int64_t len, int64_t d, float* out) {
+  int64_t j = 0;
+  for (; j + kValueVecs * kLanes <= d; j += kValueVecs * kLanes) values_block<kH, kValueVecs>(p, v, vs, len, d, j, out);
+  for (; j < d; j += kLanes) values_block<kH, 1>(p, v, vs, len, d, j, out);
+}
+#endif
+
+// out[h d ...] = sum_i p[h kKeyChunk + i] v_i for `group` heads over len values (v, stride vs).
+void chunk_values(const float* p, const float* v, int64_t vs, int64_t len, int64_t group, int64_t d, float* out) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (d % kLanes == 0) {
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {  // heads four at a time: their sums stay in registers
+      const float* ph = p + h0 * kKeyChunk;
+      float* oh = out + h0 * d;
+      switch (std::min<int64_t>(4, group - h0)) {
+        case 1: values_heads<1>(ph, v, vs, len, d, oh); break;
+        case 2: values_heads<2>(ph, v, vs, len, d, oh); break;
+        case 3: values_heads<3>(ph, v, vs, len, d, oh); break;
+        default: values_heads<4>(ph, v, vs, len, d, oh); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill_n(out, group * d, 0.f);
+  for (int64_t i = 0; i < len; ++i)
+    for (int64_t h = 0; h < group; ++h) axpy_f32(p[h * kKeyChunk + i], v + i * vs, out + h * d, d);
+}
+
 // One row's attention: its query heads (heads x d, contiguous) against n keys and values
 // (per KV head, keys `key_stride` apart from `kv_head_stride` apart bases), into out (heads x d).
 struct AttendJob {
@@ -575,7 +823,7 @@ void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_h
   }
   const int64_t tasks = first_task.back();
   // per (task, head of its group): the chunk's max score, sum of exps and unnormalised output
-  std::vector<float> top(tasks * group), total(top.size()), part(top.size() * d, 0.f);
+  std::vector<float> top(tasks * group), total(top.size()), part(top.size() * d);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t end) {
     std::vector<float> scores(group * kKeyChunk);
@@ -587,19 +835,15 @@ void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_h
       const int64_t len = std::min(kKeyChunk, job.n - i0);
       const float* kg = job.k + g * job.kv_head_stride_k + i0 * job.key_stride_k;
       const float* vg = job.v + g * job.kv_head_stride_v + i0 * job.key_stride_v;
-      for (int64_t i = 0; i < len; ++i)
-        for (int64_t h = 0; h < group; ++h)
-          scores[h * kKeyChunk + i] = dot_f32(job.q + (g * group + h) * d, kg + i * job.key_stride_k, d) * scale;
+      const float* q = job.q + g * group * d;
+      chunk_scores(q, kg, job.key_stride_k, vg, job.key_stride_v, len, group, d, scale, scores.data());
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores.data() + h * kKeyChunk;
         const float m = *std::max_element(sh, sh + len);
         top[t * group + h] = m;
         total[t * group + h] = exp_shifted(sh, len, m);
       }
-      float* out = part.data() + t * group * d;
-      for (int64_t i = 0; i < len; ++i)
-        for (int64_t h = 0; h < group; ++h)
-          axpy_f32(scores[h * kKeyChunk + i], vg + i * job.key_stride_v, out + h * d, d);
+      chunk_values(scores.data(), vg, job.key_stride_v, len, group, d, part.data() + t * group * d);
     }
   });
   for (size_t j = 0; j < jobs.size(); ++j)
@@ -667,7 +911,7 @@ at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at
 enum LayerWeight {
   kInputNorm, kQkv, kQkvScale, kQkvRowsum, kQkvBias, kQNorm, kKNorm, kO, kOScale, kORowsum, kOBias, kAttnOutNorm,
   kPostNorm, kGateUp, kGateUpScale, kGateUpRowsum, kGateUpBias, kDown, kDownScale, kDownRowsum, kDownBias,
-  kMlpOutNorm, kLayerWeights
+  kMlpOutNorm, kQkvTiles, kOTiles, kGateUpTiles, kDownTiles, kLayerWeights
 };
 
 // One decode step of a decoder layer for one row h (1, D) at cache slot `slot`: project,
@@ -680,12 +924,12 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
   TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer takes one row");
   auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
-  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvBias), cos, sin,
+  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvTiles), w(kQkvBias), cos, sin,
                                         heads, kv_heads, head_dim, interleaved, w(kQNorm), w(kKNorm), q_mult);
   const at::Tensor attn = decode_attend_rows(qkv, {k_cache}, {v_cache}, {slot}, {first}, heads, kv_heads, head_dim);
-  return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOBias), w(kAttnOutNorm), *w(kPostNorm), eps,
-                       *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpBias), *w(kDown), *w(kDownScale),
-                       *w(kDownRowsum), w(kDownBias), w(kMlpOutNorm), gelu);
+  return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOTiles), w(kOBias), w(kAttnOutNorm), *w(kPostNorm),
+                       eps, *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpTiles), w(kGateUpBias), *w(kDown),
+                       *w(kDownScale), *w(kDownRowsum), w(kDownTiles), w(kDownBias), w(kMlpOutNorm), gelu);
 }
 
 }  // namespace
@@ -693,18 +937,24 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
 TORCH_LIBRARY(kvblend_packed, m) {
   m.def("simd_lanes() -> int", &simd_lanes);
   m.def("activation_error() -> float", &activation_error);
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias) -> Tensor", &int8_linear);
+  m.def("amx_available() -> bool", &amx_available);
+#ifdef KVBLEND_AMX
+  m.def("amx_pack(Tensor q) -> Tensor", &amx_pack);
+#endif
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias, Tensor? tiles=None) -> Tensor",
+        &int8_linear);
   m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
         "bool gelu) -> Tensor", &decode_layer);
   m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] slots, int[] firsts, "
         "int heads, int kv_heads, int head_dim) -> Tensor", &decode_attend_rows);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor qkv_rowsum, "
-        "Tensor? bias, Tensor cos, "
+        "Tensor? qkv_tiles, Tensor? bias, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
         "float q_mult) -> Tensor", &decode_project);
-  m.def("decode_finish(Tensor h, Tensor attn, Tensor o, Tensor o_scale, Tensor o_rowsum, Tensor? o_bias, "
-        "Tensor? attn_out_norm, Tensor post_norm_w, float eps, Tensor gate_up, Tensor gate_up_scale, "
-        "Tensor gate_up_rowsum, Tensor? gate_up_bias, Tensor down, Tensor down_scale, Tensor down_rowsum, "
-        "Tensor? down_bias, Tensor? mlp_out_norm, bool gelu) -> Tensor", &decode_finish);
+  m.def("decode_finish(Tensor h, Tensor attn, Tensor o, Tensor o_scale, Tensor o_rowsum, Tensor? o_tiles, "
+        "Tensor? o_bias, Tensor? attn_out_norm, Tensor post_norm_w, float eps, Tensor gate_up, Tensor gate_up_scale, "
+        "Tensor gate_up_rowsum, Tensor? gate_up_tiles, Tensor? gate_up_bias, Tensor down, Tensor down_scale, "
+        "Tensor down_rowsum, Tensor? down_tiles, Tensor? down_bias, Tensor? mlp_out_norm, bool gelu) -> Tensor",
+        &decode_finish);
 }
