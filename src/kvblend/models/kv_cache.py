@@ -11,6 +11,12 @@ class KVCache:
 
     ``length`` is the number of valid positions; the model sets it after a forward.
     Positions are slots: slot p holds the token at global position p.
+
+    The native int8 decode attends over float16 copies of the buffers (``decode_half``),
+    which it keeps in step with them: it converts the slots a copy lacks and writes each new
+    slot to both. A copy holds slots below ``half_synced[layer]``; ``write`` lowers that mark
+    to where it writes, and code that writes into ``keys``/``values`` directly calls
+    ``forget_half`` first (``blend.fusion.fuse`` does).
     """
 
     def __init__(
@@ -26,6 +32,9 @@ class KVCache:
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
+        self.half_keys: list[torch.Tensor | None] = [None] * num_layers
+        self.half_values: list[torch.Tensor | None] = [None] * num_layers
+        self.half_synced = [0] * num_layers
 
     @property
     def capacity(self) -> int:
@@ -54,7 +63,26 @@ class KVCache:
         self.reserve(end)
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
+        self.half_synced[layer] = min(self.half_synced[layer], start)
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def decode_half(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """float16 copies of ``layer``'s K and V for a native decode step at ``slot``, as big as
+        the buffers, and how many leading slots they already hold (never past ``slot``: the
+        kernel converts the rest below it); the caller marks ``half_synced[layer] = slot + 1``
+        once the step wrote it. Made on a layer's first step; grown with the buffers."""
+        keys, held = self.half_keys[layer], min(self.half_synced[layer], slot)
+        if keys is None or keys.shape[1] < self.keys[layer].shape[1]:
+            fresh = [torch.empty_like(self.keys[layer], dtype=torch.float16) for _ in range(2)]
+            if keys is not None and held:
+                fresh[0][:, :held] = keys[:, :held]
+                fresh[1][:, :held] = self.half_values[layer][:, :held]
+            self.half_keys[layer], self.half_values[layer] = fresh
+        return self.half_keys[layer], self.half_values[layer], held
+
+    def forget_half(self) -> None:
+        """The float16 copies hold nothing any more (the buffers are about to be written directly)."""
+        self.half_synced = [0] * self.num_layers
 
     def write_parts(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor

@@ -180,11 +180,14 @@ class DecoderLayer(nn.Module):
             return None
         c = self.cfg
         cache.reserve(start + 1)
-        return native_layer_ops().layer(
-            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], start,
+        k_half, v_half, held = cache.decode_half(layer, start)
+        out = native_layer_ops().layer(
+            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], k_half, v_half, held, start,
             first_visible(start, self.window),
             c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved, self.input_norm.eps,
             1.0 if self.q_mult is None else self.q_mult, c.hidden_act == "gelu_tanh")
+        cache.half_synced[layer] = start + 1
+        return out
 
     def decode_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[KVCache],
                     layer: int, starts: Sequence[int]) -> torch.Tensor | None:
@@ -195,12 +198,17 @@ class DecoderLayer(nn.Module):
         if any(type(c) is not KVCache for c in caches) or not self.native_step():
             return None
         c = self.cfg
+        halves = []
         for cache, start in zip(caches, starts):
             cache.reserve(start + 1)
+            halves.append(cache.decode_half(layer, start))
         attn = native_layer_ops().attend_rows(
             self._native_project(h, cos, sin), [cache.keys[layer] for cache in caches],
-            [cache.values[layer] for cache in caches], list(starts), [first_visible(s, self.window) for s in starts],
+            [cache.values[layer] for cache in caches], [k for k, _, _ in halves], [v for _, v, _ in halves],
+            [held for _, _, held in halves], list(starts), [first_visible(s, self.window) for s in starts],
             c.num_heads, c.num_kv_heads, c.head_dim)
+        for cache, start in zip(caches, starts):
+            cache.half_synced[layer] = start + 1
         return self.finish(h, attn)
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

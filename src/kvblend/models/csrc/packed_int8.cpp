@@ -25,8 +25,9 @@
 // a head attending over it, the softmax in float32 (SDPA's flash kernel took ~100 us a layer
 // for one query at 512 keys, as long as the layer's matmuls): four keys' scores reduced
 // together, a value block's weighted sums held in registers across the keys, keys and values
-// prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); decode_layer: one row's
-// project, attend_rows and finish in one call.
+// prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); over float16 copies of the
+// caches where the caller keeps them (models/kv_cache.py KVCache.decode_half: half the bytes,
+// 9.8 -> 7.3 ms); decode_layer: one row's project, attend_rows and finish in one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -368,17 +369,32 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0, tmm1: two output tiles' sums (2 rt rows x 16 int32); tmm2: the rows' hi|lo bytes (2 rt
-// x 64); tmm3, tmm4: two weight tiles (16 x 64, four inputs of 16 outputs a row).
+// tmm0, tmm1: two output tiles' sums (2 rt rows x 16 int32); tmm2 | tmm5: the rows' hi|lo
+// bytes (2 rt x 64) of even | odd input columns; tmm3, tmm4 | tmm6, tmm7: the two weight tiles
+// (16 x 64, four inputs of 16 outputs a row) of even | odd columns. Tiles are not renamed:
+// loading one waits for the product reading it, so consecutive columns load into others.
 void configure_tiles(int rt) {
   TileConfig cfg;
-  for (int t = 0; t < 3; ++t) cfg.rows[t] = static_cast<uint8_t>(2 * rt), cfg.colsb[t] = 64;
-  for (int t = 3; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 2, 5}) cfg.rows[t] = static_cast<uint8_t>(2 * rt), cfg.colsb[t] = 64;
+  for (int t : {3, 4, 6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
 
+// Column k of a pair of output tiles: A (a, stride) against the weight tiles w0 and w1, into
+// tmm0 and tmm1, through tiles tA, tB0, tB1 (GCC's tile intrinsics take literal numbers).
+#define KVBLEND_AMX_COLUMN(tA, tB0, tB1, a, stride, w0, w1) \
+  do {                                                      \
+    _tile_loadd(tA, a, stride);                             \
+    _tile_loadd(tB0, w0, 64);                               \
+    _tile_loadd(tB1, w1, 64);                               \
+    _tile_dpbusd(0, tA, tB0);                               \
+    _tile_dpbusd(1, tA, tB1);                               \
+  } while (0)
+
+alignas(64) const int8_t kZeroTile[1024] = {};  // the second tile of a pair past the last output tile
+
 constexpr int64_t kAmxRows = 8;  // rows of x an A tile holds (with their lo rows: 16)
-constexpr int64_t kAmxAhead = 4;  // weight tiles a stream is fetched ahead
+constexpr int64_t kAmxAhead = 16;  // weight tiles a stream is fetched ahead
 
 // q (out, in) int8 -> (ceil(out / 16), ceil(in / 64), 1024): tile (b, c) row kk holds inputs
 // c 64 + 4 kk .. + 3 of outputs b 16 .. + 15, four bytes an output (TDPBUSD's B layout);
@@ -434,26 +450,29 @@ void amx_linear(const at::Tensor& tiles, const QuantizedRows& x, int64_t rows, i
               __builtin_prefetch(t0 + (k + kAmxAhead) * 1024 + line, 0, 3);
               __builtin_prefetch(t0 + (kb + k + kAmxAhead) * 1024 + line, 0, 3);
             }
-          _tile_loadd(2, ag + k * 64, stride);
-          _tile_loadd(3, t0 + k * 1024, 64);
-          _tile_dpbusd(0, 2, 3);
-          if (two) {
-            _tile_loadd(4, t0 + (kb + k) * 1024, 64);
-            _tile_dpbusd(1, 2, 4);
+          const int8_t* w1 = two ? t0 + (kb + k) * 1024 : kZeroTile;
+          if (k % 2 == 0) {
+            KVBLEND_AMX_COLUMN(2, 3, 4, ag + k * 64, stride, t0 + k * 1024, w1);
+          } else {
+            KVBLEND_AMX_COLUMN(5, 6, 7, ag + k * 64, stride, t0 + k * 1024, w1);
           }
         }
         _tile_stored(0, c[0], 64);
         if (two) _tile_stored(1, c[1], 64);
-        for (int half = 0; half < (two ? 2 : 1); ++half)
-          for (int64_t o = 0; o < 16 && (b + half) * 16 + o < outs; ++o) {
-            const int64_t j = (b + half) * 16 + o;
-            const int32_t offset = 128 * rowsum[j];
-            for (int r = 0; r < rt; ++r) {
-              const float dot = static_cast<float>(c[half][r * 16 + o] - offset) +
-                                static_cast<float>(c[half][(rt + r) * 16 + o] - offset) * (1.f / 254.f);
-              Y[(r0 + r) * outs + j] = dot * x.scale[r0 + r] * scale[j] + (bias ? bias[j] : 0.f);
-            }
+        for (int half = 0; half < (two ? 2 : 1); ++half) {  // 16 outputs a vector, masked at the edge
+          const int64_t j = (b + half) * 16;
+          const __mmask16 m = static_cast<__mmask16>(outs - j >= 16 ? 0xFFFF : (1u << (outs - j)) - 1);
+          const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, rowsum + j), 7);  // 128 sum(w)
+          const __m512 sc = _mm512_maskz_loadu_ps(m, scale + j);
+          const __m512 bi = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
+          for (int r = 0; r < rt; ++r) {
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c[half] + r * 16), offset));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c[half] + (rt + r) * 16), offset));
+            const __m512 dot = _mm512_fmadd_ps(lo, _mm512_set1_ps(1.f / 254.f), hi);
+            _mm512_mask_storeu_ps(Y + (r0 + r) * outs + j, m,
+                                  _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.scale[r0 + r])), sc, bi));
           }
+        }
       }
     }
     _tile_release();
@@ -662,27 +681,45 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
   return out;
 }
 
-// sum_j a[j] b[j] over n floats.
-inline float dot_f32(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// kLanes cached keys or values as float32: float32 as they are, float16 widened.
+inline Vec kvload(const float* p) { return vload(p); }
+inline Vec kvload(const at::Half* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float wide[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) wide[i] = static_cast<float>(p[i]);
+  return vload(wide);
+#endif
+}
+#endif
+
+// sum_j a[j] b[j] over n entries (b float32, or float16 cached keys).
+template <typename T>
+inline float dot_f32(const float* a, const T* b, int64_t n) {
   int64_t j = 0;
   float s = 0.f;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   Vec acc = vzero();
-  for (; j + kLanes <= n; j += kLanes) acc = vfma(vload(a + j), vload(b + j), acc);
+  for (; j + kLanes <= n; j += kLanes) acc = vfma(vload(a + j), kvload(b + j), acc);
   s = vsum(acc);
 #endif
-  for (; j < n; ++j) s += a[j] * b[j];
+  for (; j < n; ++j) s += a[j] * static_cast<float>(b[j]);
   return s;
 }
 
-// y[j] += p x[j] over n floats.
-inline void axpy_f32(float p, const float* x, float* y, int64_t n) {
+// y[j] += p x[j] over n entries (x float32, or float16 cached values).
+template <typename T>
+inline void axpy_f32(float p, const T* x, float* y, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const Vec pv = vset(p);
-  for (; j + kLanes <= n; j += kLanes) vstore(y + j, vfma(pv, vload(x + j), vload(y + j)));
+  for (; j + kLanes <= n; j += kLanes) vstore(y + j, vfma(pv, kvload(x + j), vload(y + j)));
 #endif
-  for (; j < n; ++j) y[j] += p * x[j];
+  for (; j < n; ++j) y[j] += p * static_cast<float>(x[j]);
 }
 
 // x[i] = exp(x[i] - top) over n floats; returns their sum.
@@ -707,15 +744,38 @@ constexpr int64_t kKeyChunk = 256;  // keys a task takes: a cache's keys split o
 // Keys (and values) a chunk's loops fetch ahead of the one they read.
 constexpr int64_t kFetchAhead = 8;
 
-// A row of d floats fetched towards L1 (near) or L2.
-inline void prefetch_row(const float* p, int64_t d, bool near) {
-  for (int64_t j = 0; j < d; j += 16) near ? __builtin_prefetch(p + j, 0, 3) : __builtin_prefetch(p + j, 0, 2);
+// A row of d entries fetched towards L1 (near) or L2, a cache line at a time.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t d, bool near) {
+  for (int64_t j = 0; j < d; j += 64 / static_cast<int64_t>(sizeof(T)))
+    near ? __builtin_prefetch(p + j, 0, 3) : __builtin_prefetch(p + j, 0, 2);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Scores of kH query heads (q, stride d) against keys i..i+3 (k0, stride ks), scaled: each
+// key vector loaded (and widened) once for the kH heads, the four keys' sums reduced together.
+template <int kH, typename T>
+inline void scores_quad(const float* q, const T* k0, int64_t ks, int64_t d, __m128 scale, float* s) {
+  Vec acc[kH][4];
+  for (int h = 0; h < kH; ++h)
+    for (int r = 0; r < 4; ++r) acc[h][r] = vzero();
+  for (int64_t j = 0; j < d; j += kLanes) {
+    const Vec k[4] = {kvload(k0 + j), kvload(k0 + ks + j), kvload(k0 + 2 * ks + j), kvload(k0 + 3 * ks + j)};
+    for (int h = 0; h < kH; ++h) {
+      const Vec qv = vload(q + h * d + j);
+      for (int r = 0; r < 4; ++r) acc[h][r] = vfma(qv, k[r], acc[h][r]);
+    }
+  }
+  for (int h = 0; h < kH; ++h)
+    _mm_storeu_ps(s + h * kKeyChunk, _mm_mul_ps(vsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), scale));
+}
+#endif
+
 // s[h * kKeyChunk + i] = scale q_h . k_i for `group` query heads (q, stride d) and len keys
-// (k, key stride ks); four keys at a time, their four sums reduced together. The chunk's
+// (k, key stride ks); four keys at a time for up to four heads (scores_quad). The chunk's
 // values (v, stride vs) are fetched towards L2 meanwhile, for chunk_values.
-void chunk_scores(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len, int64_t group,
+template <typename T>
+void chunk_scores(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t len, int64_t group,
                   int64_t d, float scale, float* s) {
   int64_t i = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -726,18 +786,15 @@ void chunk_scores(const float* q, const float* k, int64_t ks, const float* v, in
         prefetch_row(k + (i + r + kFetchAhead) * ks, d, true);
         prefetch_row(v + (i + r) * vs, d, false);
       }
-      const float* k0 = k + i * ks;
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = q + h * d;
-        Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        for (int64_t j = 0; j < d; j += kLanes) {
-          const Vec qv = vload(qh + j);
-          a0 = vfma(qv, vload(k0 + j), a0);
-          a1 = vfma(qv, vload(k0 + ks + j), a1);
-          a2 = vfma(qv, vload(k0 + 2 * ks + j), a2);
-          a3 = vfma(qv, vload(k0 + 3 * ks + j), a3);
+      for (int64_t h0 = 0; h0 < group; h0 += 4) {
+        const float* qh = q + h0 * d;
+        float* sh = s + h0 * kKeyChunk + i;
+        switch (std::min<int64_t>(4, group - h0)) {
+          case 1: scores_quad<1>(qh, k + i * ks, ks, d, sc, sh); break;
+          case 2: scores_quad<2>(qh, k + i * ks, ks, d, sc, sh); break;
+          case 3: scores_quad<3>(qh, k + i * ks, ks, d, sc, sh); break;
+          default: scores_quad<4>(qh, k + i * ks, ks, d, sc, sh); break;
         }
-        _mm_storeu_ps(s + h * kKeyChunk + i, _mm_mul_ps(vsum4(a0, a1, a2, a3), sc));
       }
     }
   }
@@ -749,16 +806,16 @@ void chunk_scores(const float* q, const float* k, int64_t ks, const float* v, in
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // kH heads' weighted sums of len values (v, stride vs) over kV vectors of d from j: out[h d
 // + j ...] = sum_i p[h kKeyChunk + i] v_i[j ...], held in registers across the keys.
-template <int kH, int kV>
-void values_block(const float* p, const float* v, int64_t vs, int64_t len, int64_t d, int64_t j, float* out) {
+template <int kH, int kV, typename T>
+void values_block(const float* p, const T* v, int64_t vs, int64_t len, int64_t d, int64_t j, float* out) {
   Vec acc[kH][kV];
   for (int h = 0; h < kH; ++h)
     for (int x = 0; x < kV; ++x) acc[h][x] = vzero();
   for (int64_t i = 0; i < len; ++i) {
-    const float* vi = v + i * vs + j;
+    const T* vi = v + i * vs + j;
     __builtin_prefetch(vi + kFetchAhead * vs, 0, 3);
     Vec vv[kV];
-    for (int x = 0; x < kV; ++x) vv[x] = vload(vi + x * kLanes);
+    for (int x = 0; x < kV; ++x) vv[x] = kvload(vi + x * kLanes);
     for (int h = 0; h < kH; ++h) {
       const Vec ph = vset(p[h * kKeyChunk + i]);
       for (int x = 0; x < kV; ++x) acc[h][x] = vfma(ph, vv[x], acc[h][x]);
@@ -770,26 +827,27 @@ void values_block(const float* p, const float* v, int64_t vs, int64_t len, int64
 
 constexpr int kValueVecs = kLanes == 16 ? 4 : 2;  // vectors of d a block holds per head (registers: AVX2 has 16)
 
-template <int kH>
-void values_heads(const float* p, const float* v, int64_t vs, int64_t len, int64_t d, float* out) {
+template <int kH, typename T>
+void values_heads(const float* p, const T* v, int64_t vs, int64_t len, int64_t d, float* out) {
   int64_t j = 0;
-  for (; j + kValueVecs * kLanes <= d; j += kValueVecs * kLanes) values_block<kH, kValueVecs>(p, v, vs, len, d, j, out);
-  for (; j < d; j += kLanes) values_block<kH, 1>(p, v, vs, len, d, j, out);
+  for (; j + kValueVecs * kLanes <= d; j += kValueVecs * kLanes) values_block<kH, kValueVecs, T>(p, v, vs, len, d, j, out);
+  for (; j < d; j += kLanes) values_block<kH, 1, T>(p, v, vs, len, d, j, out);
 }
 #endif
 
 // out[h d ...] = sum_i p[h kKeyChunk + i] v_i for `group` heads over len values (v, stride vs).
-void chunk_values(const float* p, const float* v, int64_t vs, int64_t len, int64_t group, int64_t d, float* out) {
+template <typename T>
+void chunk_values(const float* p, const T* v, int64_t vs, int64_t len, int64_t group, int64_t d, float* out) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (d % kLanes == 0) {
     for (int64_t h0 = 0; h0 < group; h0 += 4) {  // heads four at a time: their sums stay in registers
       const float* ph = p + h0 * kKeyChunk;
       float* oh = out + h0 * d;
       switch (std::min<int64_t>(4, group - h0)) {
-        case 1: values_heads<1>(ph, v, vs, len, d, oh); break;
-        case 2: values_heads<2>(ph, v, vs, len, d, oh); break;
-        case 3: values_heads<3>(ph, v, vs, len, d, oh); break;
-        default: values_heads<4>(ph, v, vs, len, d, oh); break;
+        case 1: values_heads<1, T>(ph, v, vs, len, d, oh); break;
+        case 2: values_heads<2, T>(ph, v, vs, len, d, oh); break;
+        case 3: values_heads<3, T>(ph, v, vs, len, d, oh); break;
+        default: values_heads<4, T>(ph, v, vs, len, d, oh); break;
       }
     }
     return;
@@ -802,10 +860,11 @@ void chunk_values(const float* p, const float* v, int64_t vs, int64_t len, int64
 
 // One row's attention: its query heads (heads x d, contiguous) against n keys and values
 // (per KV head, keys `key_stride` apart from `kv_head_stride` apart bases), into out (heads x d).
+template <typename T>
 struct AttendJob {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   int64_t n, kv_head_stride_k, key_stride_k, kv_head_stride_v, key_stride_v;
   float* out;
 };
@@ -814,7 +873,8 @@ struct AttendJob {
 // head h / (heads / kv_heads)). Tasks are (job, KV head, chunk of keys), split over threads:
 // each key and value is read once for the query heads that share it, and a job's chunks'
 // partial softmaxes are merged by their maxima and sums.
-void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_heads, int64_t d) {
+template <typename T>
+void attend_jobs(const std::vector<AttendJob<T>>& jobs, int64_t heads, int64_t kv_heads, int64_t d) {
   const int64_t group = heads / kv_heads;
   std::vector<int64_t> first_task(jobs.size() + 1, 0), chunks(jobs.size());
   for (size_t j = 0; j < jobs.size(); ++j) {
@@ -830,11 +890,11 @@ void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_h
     size_t j = std::upper_bound(first_task.begin(), first_task.end(), first) - first_task.begin() - 1;
     for (int64_t t = first; t < end; ++t) {
       while (t >= first_task[j + 1]) ++j;
-      const AttendJob& job = jobs[j];
+      const AttendJob<T>& job = jobs[j];
       const int64_t local = t - first_task[j], g = local / chunks[j], i0 = (local % chunks[j]) * kKeyChunk;
       const int64_t len = std::min(kKeyChunk, job.n - i0);
-      const float* kg = job.k + g * job.kv_head_stride_k + i0 * job.key_stride_k;
-      const float* vg = job.v + g * job.kv_head_stride_v + i0 * job.key_stride_v;
+      const T* kg = job.k + g * job.kv_head_stride_k + i0 * job.key_stride_k;
+      const T* vg = job.v + g * job.kv_head_stride_v + i0 * job.key_stride_v;
       const float* q = job.q + g * group * d;
       chunk_scores(q, kg, job.key_stride_k, vg, job.key_stride_v, len, group, d, scale, scores.data());
       for (int64_t h = 0; h < group; ++h) {
@@ -868,8 +928,14 @@ void attend_jobs(const std::vector<AttendJob>& jobs, int64_t heads, int64_t kv_h
 
 // Several decode rows at once, each of its own cache: qkv (R, (Hq + 2 Hkv) d) as decode_project
 // returns it; row r's K and V are written at slots[r] of k_caches[r]/v_caches[r] (Hkv,
-// capacity, d), and its queries attend over slots firsts[r]..slots[r]. Returns (R, Hq d).
+// capacity, d), and its queries attend over slots firsts[r]..slots[r]. With float16 copies
+// of the caches (k_halves/v_halves, as many slots or more; none: attend over float32), the
+// row attends over its copy instead: slots synced[r]..slots[r]-1 are first converted from
+// float32 (the copy holds the slots below synced[r] already), and slots[r] is written to both
+// (a step then reads half the bytes; models/kv_cache.py KVCache.decode_half keeps them).
+// Returns (R, Hq d).
 at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at::TensorList v_caches,
+                              at::TensorList k_halves, at::TensorList v_halves, at::IntArrayRef synced,
                               at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
                               int64_t head_dim) {
   const int64_t rows = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
@@ -878,10 +944,15 @@ at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == rows && static_cast<int64_t>(v_caches.size()) == rows &&
                   static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(firsts.size()) == rows,
               "decode_attend_rows takes one cache, slot and first slot per row");
+  const bool half = !k_halves.empty();
+  TORCH_CHECK(!half || (static_cast<int64_t>(k_halves.size()) == rows &&
+                        static_cast<int64_t>(v_halves.size()) == rows && static_cast<int64_t>(synced.size()) == rows),
+              "decode_attend_rows takes float16 copies and their synced slots for every row or for none");
   TORCH_CHECK(heads % kv_heads == 0, "decode_attend_rows needs whole groups of query heads");
   const float* in = qkv.const_data_ptr<float>();
   at::Tensor result = at::empty({rows, heads * head_dim}, qkv.options());
-  std::vector<AttendJob> jobs;
+  std::vector<AttendJob<float>> jobs;
+  std::vector<AttendJob<at::Half>> half_jobs;
   for (int64_t r = 0; r < rows; ++r) {
     const at::Tensor& kc = k_caches[r];
     const at::Tensor& vc = v_caches[r];
@@ -899,11 +970,41 @@ at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at
       std::copy_n(row + (heads + g) * head_dim, head_dim, K + g * kc.stride(0) + slots[r] * kc.stride(1));
       std::copy_n(row + (heads + kv_heads + g) * head_dim, head_dim, V + g * vc.stride(0) + slots[r] * vc.stride(1));
     }
-    jobs.push_back(AttendJob{row, K + firsts[r] * kc.stride(1), V + firsts[r] * vc.stride(1), slots[r] + 1 - firsts[r],
-                             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                             result.mutable_data_ptr<float>() + r * heads * head_dim});
+    float* out = result.mutable_data_ptr<float>() + r * heads * head_dim;
+    if (!half) {
+      jobs.push_back(AttendJob<float>{row, K + firsts[r] * kc.stride(1), V + firsts[r] * vc.stride(1),
+                                      slots[r] + 1 - firsts[r], kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                                      out});
+      continue;
+    }
+    const at::Tensor& kh = k_halves[r];
+    const at::Tensor& vh = v_halves[r];
+    TORCH_CHECK(kh.dim() == 3 && kh.sizes() == vh.sizes() && kh.size(0) == kv_heads && kh.size(2) == head_dim &&
+                    kh.size(1) > slots[r] && kh.scalar_type() == at::kHalf && vh.scalar_type() == at::kHalf &&
+                    kh.stride(2) == 1 && vh.stride(2) == 1,
+                "decode_attend_rows' float16 copies must be float16 (Hkv, capacity, head_dim) holding the row's slot");
+    TORCH_CHECK(0 <= synced[r] && synced[r] <= slots[r], "a row's synced slots lie past its slot");
+    if (synced[r] < slots[r]) {  // the float32 slots the copy lacks
+      kh.slice(1, synced[r], slots[r]).copy_(kc.slice(1, synced[r], slots[r]));
+      vh.slice(1, synced[r], slots[r]).copy_(vc.slice(1, synced[r], slots[r]));
+    }
+    at::Half* KH = kh.mutable_data_ptr<at::Half>();
+    at::Half* VH = vh.mutable_data_ptr<at::Half>();
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t j = 0; j < head_dim; ++j) {
+        KH[g * kh.stride(0) + slots[r] * kh.stride(1) + j] = static_cast<at::Half>(row[(heads + g) * head_dim + j]);
+        VH[g * vh.stride(0) + slots[r] * vh.stride(1) + j] =
+            static_cast<at::Half>(row[(heads + kv_heads + g) * head_dim + j]);
+      }
+    half_jobs.push_back(AttendJob<at::Half>{row, KH + firsts[r] * kh.stride(1), VH + firsts[r] * vh.stride(1),
+                                            slots[r] + 1 - firsts[r], kh.stride(0), kh.stride(1), vh.stride(0),
+                                            vh.stride(1), out});
   }
-  attend_jobs(jobs, heads, kv_heads, head_dim);
+  if (half) {
+    attend_jobs(half_jobs, heads, kv_heads, head_dim);
+  } else {
+    attend_jobs(jobs, heads, kv_heads, head_dim);
+  }
   return result;
 }
 
@@ -916,17 +1017,27 @@ enum LayerWeight {
 
 // One decode step of a decoder layer for one row h (1, D) at cache slot `slot`: project,
 // write its K and V at the slot of k_cache/v_cache (Hkv, capacity, d), attend over slots
-// first..slot, finish. Returns the new h (1, D).
+// first..slot (over the float16 copies k_half/v_half where given, synced as in
+// decode_attend_rows), finish. Returns the new h (1, D).
 at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, int64_t slot, int64_t first, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
+                        const at::Tensor& v_cache, const std::optional<at::Tensor>& k_half,
+                        const std::optional<at::Tensor>& v_half, int64_t synced, int64_t slot, int64_t first,
+                        int64_t heads, int64_t kv_heads, int64_t head_dim, bool interleaved, double eps, double q_mult,
+                        bool gelu) {
   TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer takes one row");
   auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
-  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvTiles), w(kQkvBias), cos, sin,
-                                        heads, kv_heads, head_dim, interleaved, w(kQNorm), w(kKNorm), q_mult);
-  const at::Tensor attn = decode_attend_rows(qkv, {k_cache}, {v_cache}, {slot}, {first}, heads, kv_heads, head_dim);
+  const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvTiles),
+                                        w(kQkvBias), cos, sin, heads, kv_heads, head_dim, interleaved, w(kQNorm),
+                                        w(kKNorm), q_mult);
+  const bool half = k_half.has_value() && k_half->defined();
+  TORCH_CHECK(half == (v_half.has_value() && v_half->defined()), "decode_layer takes both float16 copies or neither");
+  std::vector<at::Tensor> kh, vh;
+  std::vector<int64_t> sync;
+  if (half) kh.push_back(*k_half), vh.push_back(*v_half), sync.push_back(synced);
+  const at::Tensor attn = decode_attend_rows(qkv, {k_cache}, {v_cache}, kh, vh, sync, {slot}, {first}, heads, kv_heads,
+                                             head_dim);
   return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOTiles), w(kOBias), w(kAttnOutNorm), *w(kPostNorm),
                        eps, *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpTiles), w(kGateUpBias), *w(kDown),
                        *w(kDownScale), *w(kDownRowsum), w(kDownTiles), w(kDownBias), w(kMlpOutNorm), gelu);
@@ -944,10 +1055,11 @@ TORCH_LIBRARY(kvblend_packed, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias, Tensor? tiles=None) -> Tensor",
         &int8_linear);
   m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "int slot, int first, int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, "
-        "bool gelu) -> Tensor", &decode_layer);
-  m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] slots, int[] firsts, "
-        "int heads, int kv_heads, int head_dim) -> Tensor", &decode_attend_rows);
+        "Tensor(c!)? k_half, Tensor(d!)? v_half, int synced, int slot, int first, int heads, int kv_heads, "
+        "int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor", &decode_layer);
+  m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, "
+        "Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, int heads, int kv_heads, int head_dim) -> Tensor",
+        &decode_attend_rows);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor qkv_rowsum, "
         "Tensor? qkv_tiles, Tensor? bias, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, int head_dim, bool interleaved, Tensor? q_norm, Tensor? k_norm, "
