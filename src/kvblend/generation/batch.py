@@ -29,7 +29,7 @@ import torch
 from kvblend.errors import ContextLengthError
 from kvblend.generation.chunked import Forward
 from kvblend.generation.slot import DecodeSlot
-from kvblend.models.attention import attend_cache, plan_attention
+from kvblend.models.attention import AttentionPlan, attend_cache, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.packed import decode_pass, decoding
 from kvblend.models.transformer import Transformer
@@ -67,9 +67,14 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
         _check_context(model, start + size)
     positions = [torch.arange(s, s + t, device=model.device) for s, t in zip(starts, sizes)]
     tables = _rope_rows(model, positions)
-    plans = {w: [plan_attention(p, s + t, w, model.dtype, heads_per_kv=model.cfg.heads_per_kv)
-                 for p, s, t in zip(positions, starts, sizes)]
-             for w in {layer.window for layer in model.layers}}
+    plans: dict[int | None, list[AttentionPlan]] = {}  # per window, each step's attention plan: made on first use
+
+    def plan(window: int | None, b: int) -> AttentionPlan:
+        if window not in plans:
+            plans[window] = [plan_attention(p, s + t, window, model.dtype, heads_per_kv=model.cfg.heads_per_kv)
+                             for p, s, t in zip(positions, starts, sizes)]
+        return plans[window][b]
+
     rows = list(itertools.accumulate(sizes, initial=0))  # row offsets of each step
     decode = decode_pass(sizes)
     with decoding(decode):  # decode steps alone read the packed decode weights
@@ -88,13 +93,13 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
             q, k, v = layer.project(h, *tables[i])  # (Hq, R, d), (Hkv, R, d), (Hkv, R, d)
             if len(forwards) == 1:  # one step: its attention is the whole output, no copy
                 parts = forwards[0].cache.write_parts(i, starts[0], k, v)
-                h = layer.finish(h, attend_cache(q, parts, plans[layer.window][0], starts[0], layer.window))
+                h = layer.finish(h, attend_cache(q, parts, plan(layer.window, 0), starts[0], layer.window))
                 continue
             attn = q.new_empty(rows[-1], q.shape[0] * q.shape[2])  # (R, Hq*d)
             for b, f in enumerate(forwards):
                 a, z = rows[b], rows[b + 1]
                 parts = f.cache.write_parts(i, starts[b], k[:, a:z], v[:, a:z])
-                attn[a:z] = attend_cache(q[:, a:z], parts, plans[layer.window][b], starts[b], layer.window)
+                attn[a:z] = attend_cache(q[:, a:z], parts, plan(layer.window, b), starts[b], layer.window)
             h = layer.finish(h, attn)
         for f, start, size in zip(forwards, starts, sizes):
             f.cache.length = start + size
@@ -125,7 +130,10 @@ def _rope_rows(model: Transformer, positions: list[torch.Tensor]) -> list[tuple[
     """Per layer, cos/sin (R, rd/2) for every step's rows, each step's computed alone
     (dynamic NTK scales by the step's own positions, as its single forward would) with
     the layer's own RoPE (Gemma 3's local and global layers differ). Layers sharing a
-    RoPE config share one table."""
+    RoPE config share one table. Without dynamic NTK a position's table is the same in
+    any step, so all rows are computed at once (eight decode rows: one call, not eight)."""
+    if all(layer.rope.rope_type != "dynamic" for layer in model.layers):
+        return model.layer_rope_tables(torch.cat(positions))
     per_step = [model.layer_rope_tables(p) for p in positions]
     out, shared = [], {}
     for i, layer in enumerate(model.layers):

@@ -132,9 +132,9 @@ class NativeLayerOps(NamedTuple):
     """A decoder layer's decode step in native calls (``csrc/packed_int8.cpp``)."""
 
     project: Callable[..., torch.Tensor]  # DecoderLayer.project: norm, q|k|v, q/k norms, RoPE
-    attend_rows: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: each row's K/V write and attention
+    attend_rows: Callable[..., torch.Tensor]  # each row's K/V write and attention (inside ``layer``)
     finish: Callable[..., torch.Tensor]  # DecoderLayer.finish: o, residual, norm, MLP, residual
-    layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_step: one row's project, attend_rows, finish
+    layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: the rows' project, attend_rows, finish
 
 
 _LAYER_OPS: NativeLayerOps | None = None

@@ -172,44 +172,38 @@ class DecoderLayer(nn.Module):
 
     def decode_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                     start: int) -> torch.Tensor | None:
-        """The whole layer for one decode row h (1, D) at position ``start`` of ``cache``, its
-        K/V written there, in one native call (``decode_layer``); None where that does not
-        apply (not a native step, more than one row, or a forked cache's two parts): the
-        caller then runs project, attention and finish."""
-        if h.shape[0] != 1 or type(cache) is not KVCache or not self.native_step():
-            return None
-        c = self.cfg
-        cache.reserve(start + 1)
-        k_half, v_half, held = cache.decode_half(layer, start)
-        out = native_layer_ops().layer(
-            h, self.native_weights(), cos, sin, cache.keys[layer], cache.values[layer], k_half, v_half, held, start,
-            first_visible(start, self.window),
-            c.num_heads, c.num_kv_heads, c.head_dim, self.rope.interleaved, self.input_norm.eps,
-            1.0 if self.q_mult is None else self.q_mult, c.hidden_act == "gelu_tanh")
-        cache.half_synced[layer] = start + 1
-        return out
+        """``decode_rows`` for one decode row h (1, D) at position ``start`` of ``cache``; None
+        where that does not apply (more than one row, or as ``decode_rows``)."""
+        return self.decode_rows(h, cos, sin, [cache], layer, [start]) if h.shape[0] == 1 else None
 
     def decode_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[KVCache],
                     layer: int, starts: Sequence[int]) -> torch.Tensor | None:
-        """The layer for decode rows h (R, D), row r one token at position ``starts[r]`` of
-        ``caches[r]``, its K/V written there: projections and MLP over all rows, every row's
-        attention in one native call (``decode_attend_rows``); None where that does not
-        apply (not a native step, or a forked cache among them)."""
+        """The whole layer for decode rows h (R, D), row r one token at position ``starts[r]``
+        of ``caches[r]``, its K/V written there, in one native call (``decode_layer``: the
+        projections and MLP over all rows, every row's attention over the float16 copies of
+        its cache, ``KVCache.decode_half``); None where that does not apply (not a native
+        step, or a forked cache among them): the caller then runs project, attention and
+        finish."""
         if any(type(c) is not KVCache for c in caches) or not self.native_step():
             return None
         c = self.cfg
-        halves = []
+        keys, values, k_halves, v_halves, held = [], [], [], [], []
         for cache, start in zip(caches, starts):
             cache.reserve(start + 1)
-            halves.append(cache.decode_half(layer, start))
-        attn = native_layer_ops().attend_rows(
-            self._native_project(h, cos, sin), [cache.keys[layer] for cache in caches],
-            [cache.values[layer] for cache in caches], [k for k, _, _ in halves], [v for _, v, _ in halves],
-            [held for _, _, held in halves], list(starts), [first_visible(s, self.window) for s in starts],
-            c.num_heads, c.num_kv_heads, c.head_dim)
+            k_half, v_half, synced = cache.decode_half(layer, start)
+            keys.append(cache.keys[layer])
+            values.append(cache.values[layer])
+            k_halves.append(k_half)
+            v_halves.append(v_half)
+            held.append(synced)
+        out = native_layer_ops().layer(
+            h, self.native_weights(), cos, sin, keys, values, k_halves, v_halves, held, list(starts),
+            [first_visible(s, self.window) for s in starts], c.num_heads, c.num_kv_heads, c.head_dim,
+            self.rope.interleaved, self.input_norm.eps, 1.0 if self.q_mult is None else self.q_mult,
+            c.hidden_act == "gelu_tanh")
         for cache, start in zip(caches, starts):
             cache.half_synced[layer] = start + 1
-        return self.finish(h, attn)
+        return out
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, project = self.cfg, native_layer_ops().project

@@ -27,7 +27,7 @@
 // together, a value block's weighted sums held in registers across the keys, keys and values
 // prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); over float16 copies of the
 // caches where the caller keeps them (models/kv_cache.py KVCache.decode_half: half the bytes,
-// 9.8 -> 7.3 ms); decode_layer: one row's project, attend_rows and finish in one call.
+// 9.8 -> 7.3 ms); decode_layer: the rows' project, attend_rows and finish in one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -115,6 +115,8 @@ inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vclamp(Vec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vhmax(Vec a) { return _mm512_reduce_max_ps(a); }
 inline Vec vround(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2(Vec n) {  // 2^n for whole n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
@@ -125,6 +127,12 @@ inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vclamp(Vec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vhmax(Vec a) {
+  const __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 n = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(n, _mm_shuffle_ps(n, n, 1)));
+}
 inline Vec vround(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2(Vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
@@ -722,6 +730,21 @@ inline void axpy_f32(float p, const T* x, float* y, int64_t n) {
   for (; j < n; ++j) y[j] += p * static_cast<float>(x[j]);
 }
 
+// The largest of n floats (n >= 1).
+inline float max_of(const float* x, int64_t n) {
+  int64_t i = 0;
+  float top = x[0];
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (n >= kLanes) {
+    Vec m = vload(x);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) m = vmax(m, vload(x + i));
+    top = vhmax(m);
+  }
+#endif
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
 // x[i] = exp(x[i] - top) over n floats; returns their sum.
 inline float exp_shifted(float* x, int64_t n, float top) {
   int64_t i = 0;
@@ -899,15 +922,16 @@ void attend_jobs(const std::vector<AttendJob<T>>& jobs, int64_t heads, int64_t k
       chunk_scores(q, kg, job.key_stride_k, vg, job.key_stride_v, len, group, d, scale, scores.data());
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores.data() + h * kKeyChunk;
-        const float m = *std::max_element(sh, sh + len);
+        const float m = max_of(sh, len);
         top[t * group + h] = m;
         total[t * group + h] = exp_shifted(sh, len, m);
       }
       chunk_values(scores.data(), vg, job.key_stride_v, len, group, d, part.data() + t * group * d);
     }
   });
-  for (size_t j = 0; j < jobs.size(); ++j)
-    for (int64_t g = 0; g < kv_heads; ++g)
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()) * kv_heads, 4, [&](int64_t first, int64_t end) {
+    for (int64_t jg = first; jg < end; ++jg) {
+      const int64_t j = jg / kv_heads, g = jg % kv_heads;
       for (int64_t h = 0; h < group; ++h) {
         const int64_t base = first_task[j] + g * chunks[j];
         float m = -INFINITY;
@@ -924,6 +948,8 @@ void attend_jobs(const std::vector<AttendJob<T>>& jobs, int64_t heads, int64_t k
         const float inv = 1.f / sum;
         for (int64_t i = 0; i < d; ++i) oh[i] *= inv;
       }
+    }
+  });
 }
 
 // Several decode rows at once, each of its own cache: qkv (R, (Hq + 2 Hkv) d) as decode_project
@@ -1015,29 +1041,23 @@ enum LayerWeight {
   kMlpOutNorm, kQkvTiles, kOTiles, kGateUpTiles, kDownTiles, kLayerWeights
 };
 
-// One decode step of a decoder layer for one row h (1, D) at cache slot `slot`: project,
-// write its K and V at the slot of k_cache/v_cache (Hkv, capacity, d), attend over slots
-// first..slot (over the float16 copies k_half/v_half where given, synced as in
-// decode_attend_rows), finish. Returns the new h (1, D).
+// One decode step of a decoder layer for decode rows h (R, D), row r at slot slots[r] of its
+// own cache k_caches[r]/v_caches[r] (Hkv, capacity, d): project, write each row's K and V at
+// its slot, attend over slots firsts[r]..slots[r] (over float16 copies where given, synced as
+// in decode_attend_rows), finish. Returns the new h (R, D).
 at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const std::optional<at::Tensor>& k_half,
-                        const std::optional<at::Tensor>& v_half, int64_t synced, int64_t slot, int64_t first,
-                        int64_t heads, int64_t kv_heads, int64_t head_dim, bool interleaved, double eps, double q_mult,
-                        bool gelu) {
+                        const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+                        at::TensorList k_halves, at::TensorList v_halves, at::IntArrayRef synced,
+                        at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
   TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer takes one row");
+  TORCH_CHECK(h.dim() == 2, "decode_layer takes rows (R, D)");
   auto w = [&](LayerWeight i) -> std::optional<at::Tensor> { return weights.get(i); };
   const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvTiles),
                                         w(kQkvBias), cos, sin, heads, kv_heads, head_dim, interleaved, w(kQNorm),
                                         w(kKNorm), q_mult);
-  const bool half = k_half.has_value() && k_half->defined();
-  TORCH_CHECK(half == (v_half.has_value() && v_half->defined()), "decode_layer takes both float16 copies or neither");
-  std::vector<at::Tensor> kh, vh;
-  std::vector<int64_t> sync;
-  if (half) kh.push_back(*k_half), vh.push_back(*v_half), sync.push_back(synced);
-  const at::Tensor attn = decode_attend_rows(qkv, {k_cache}, {v_cache}, kh, vh, sync, {slot}, {first}, heads, kv_heads,
-                                             head_dim);
+  const at::Tensor attn = decode_attend_rows(qkv, k_caches, v_caches, k_halves, v_halves, synced, slots, firsts, heads,
+                                             kv_heads, head_dim);
   return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOTiles), w(kOBias), w(kAttnOutNorm), *w(kPostNorm),
                        eps, *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpTiles), w(kGateUpBias), *w(kDown),
                        *w(kDownScale), *w(kDownRowsum), w(kDownTiles), w(kDownBias), w(kMlpOutNorm), gelu);
@@ -1054,9 +1074,10 @@ TORCH_LIBRARY(kvblend_packed, m) {
 #endif
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias, Tensor? tiles=None) -> Tensor",
         &int8_linear);
-  m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor(c!)? k_half, Tensor(d!)? v_half, int synced, int slot, int first, int heads, int kv_heads, "
-        "int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor", &decode_layer);
+  m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, "
+        "int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor",
+        &decode_layer);
   m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, "
         "Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, int heads, int kv_heads, int head_dim) -> Tensor",
         &decode_attend_rows);
