@@ -293,7 +293,7 @@ def fuse_steps(model: Transformer, plan: FusionPlan) -> Generator[int, None, Fus
     check_layers_fit(plan.check_layers, len(model.layers))
     p0 = _prefix_len(plan) if plan.reuse_cache is None else max(_prefix_len(plan), plan.exact_upto)
     cache = plan.reuse_cache or model.new_cache(n + plan.extra_capacity)
-    cache.forget_copies()  # its slots are written directly below
+    cache.forget_half()  # its slots are written directly below
     if plan.reuse_cache is None:
         _write_prefix(cache, plan)
     is_cand_all = _candidate_mask(plan, n, dev)

@@ -12,12 +12,12 @@ class KVCache:
     ``length`` is the number of valid positions; the model sets it after a forward.
     Positions are slots: slot p holds the token at global position p.
 
-    The native int8 decode attends over int8 copies of the buffers, one scale per slot and KV
-    head (``decode_copies``), which it keeps in step with them: it quantizes the slots a copy
-    lacks and writes each new slot to both. A copy holds slots below ``copy_synced[layer]``;
-    ``write`` lowers that mark to where it writes, and code that writes into
-    ``keys``/``values`` directly calls ``forget_copies`` first (``blend.fusion.fuse`` does).
-    ``int8_copies = False`` keeps a cache's decode on its float32 buffers (exact attention).
+    The native int8 decode attends over float16 copies of the buffers (``decode_half``),
+    which it keeps in step with them: it converts the slots a copy lacks and writes each new
+    slot to both. A copy holds slots below ``half_synced[layer]``; ``write`` lowers that mark
+    to where it writes, and code that writes into ``keys``/``values`` directly calls
+    ``forget_half`` first (``blend.fusion.fuse`` does). ``half_copies = False`` keeps a
+    cache's decode on its float32 buffers (exact attention).
     """
 
     def __init__(
@@ -33,10 +33,10 @@ class KVCache:
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
-        # per layer: int8 K, int8 V (Hkv, capacity, d), their scales (Hkv, capacity) x 2
-        self.copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * num_layers
-        self.copy_synced = [0] * num_layers
-        self.int8_copies = True
+        self.half_keys: list[torch.Tensor | None] = [None] * num_layers
+        self.half_values: list[torch.Tensor | None] = [None] * num_layers
+        self.half_synced = [0] * num_layers
+        self.half_copies = True
 
     @property
     def capacity(self) -> int:
@@ -65,31 +65,26 @@ class KVCache:
         self.reserve(end)
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
-        self.copy_synced[layer] = min(self.copy_synced[layer], start)
+        self.half_synced[layer] = min(self.half_synced[layer], start)
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
-    def decode_copies(self, layer: int, slot: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """int8 copies of ``layer``'s K and V and their scales for a native decode step at
-        ``slot``, as big as the buffers, and how many leading slots they already hold (never
-        past ``slot``: the kernel quantizes the rest below it); the caller marks
-        ``copy_synced[layer] = slot + 1`` once the step wrote it. Made on a layer's first
-        step; grown with the buffers."""
-        copies, held = self.copies[layer], min(self.copy_synced[layer], slot)
-        keys = self.keys[layer]
-        if copies is None or copies[0].shape[1] < keys.shape[1]:
-            heads, capacity, _ = keys.shape
-            fresh = (torch.empty_like(keys, dtype=torch.int8), torch.empty_like(keys, dtype=torch.int8),
-                     keys.new_empty((heads, capacity)), keys.new_empty((heads, capacity)))
-            if copies is not None and held:
-                for new, old in zip(fresh, copies):
-                    new[:, :held] = old[:, :held]
-            self.copies[layer] = copies = fresh
-        return (*copies, held)
+    def decode_half(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """float16 copies of ``layer``'s K and V for a native decode step at ``slot``, as big as
+        the buffers, and how many leading slots they already hold (never past ``slot``: the
+        kernel converts the rest below it); the caller marks ``half_synced[layer] = slot + 1``
+        once the step wrote it. Made on a layer's first step; grown with the buffers."""
+        keys, held = self.half_keys[layer], min(self.half_synced[layer], slot)
+        if keys is None or keys.shape[1] < self.keys[layer].shape[1]:
+            fresh = [torch.empty_like(self.keys[layer], dtype=torch.float16) for _ in range(2)]
+            if keys is not None and held:
+                fresh[0][:, :held] = keys[:, :held]
+                fresh[1][:, :held] = self.half_values[layer][:, :held]
+            self.half_keys[layer], self.half_values[layer] = fresh
+        return self.half_keys[layer], self.half_values[layer], held
 
-    def forget_copies(self) -> None:
-        """The int8 copies hold nothing any more (the buffers are about to be written directly)."""
-        self.copy_synced = [0] * self.num_layers
+    def forget_half(self) -> None:
+        """The float16 copies hold nothing any more (the buffers are about to be written directly)."""
+        self.half_synced = [0] * self.num_layers
 
     def write_parts(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor

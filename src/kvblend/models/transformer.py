@@ -180,30 +180,32 @@ class DecoderLayer(nn.Module):
                     layer: int, starts: Sequence[int]) -> torch.Tensor | None:
         """The whole layer for decode rows h (R, D), row r one token at position ``starts[r]``
         of ``caches[r]``, its K/V written there, in one native call (``decode_layer``: the
-        projections and MLP over all rows, every row's attention over the int8 copies of its
-        cache, ``KVCache.decode_copies``, unless a cache turned them off); None where that does not apply (not a native
-        step, or a forked cache among them): the caller then runs project, attention and
-        finish."""
+        projections and MLP over all rows, every row's attention over the float16 copies of
+        its cache, ``KVCache.decode_half``, unless a cache turned them off); None where that
+        does not apply (not a native step, or a forked cache among them): the caller then
+        runs project, attention and finish."""
         if any(type(c) is not KVCache for c in caches) or not self.native_step():
             return None
         c = self.cfg
-        keys, values, copies = [], [], []
-        with_copies = all(cache.int8_copies for cache in caches)  # the kernel takes copies for all rows or none
+        keys, values, k_halves, v_halves, held = [], [], [], [], []
+        with_copies = all(cache.half_copies for cache in caches)  # the kernel takes copies for all rows or none
         for cache, start in zip(caches, starts):
             cache.reserve(start + 1)
             keys.append(cache.keys[layer])
             values.append(cache.values[layer])
             if with_copies:
-                copies.append(cache.decode_copies(layer, start))
-        k_copies, v_copies, k_scales, v_scales, held = (list(part) for part in zip(*copies)) if copies else ([],) * 5
+                k_half, v_half, synced = cache.decode_half(layer, start)
+                k_halves.append(k_half)
+                v_halves.append(v_half)
+                held.append(synced)
         out = native_layer_ops().layer(
-            h, self.native_weights(), cos, sin, keys, values, k_copies, v_copies, k_scales, v_scales, held,
-            list(starts), [first_visible(s, self.window) for s in starts], c.num_heads, c.num_kv_heads, c.head_dim,
+            h, self.native_weights(), cos, sin, keys, values, k_halves, v_halves, held, list(starts),
+            [first_visible(s, self.window) for s in starts], c.num_heads, c.num_kv_heads, c.head_dim,
             self.rope.interleaved, self.input_norm.eps, 1.0 if self.q_mult is None else self.q_mult,
             c.hidden_act == "gelu_tanh")
-        for cache, start in zip(caches, starts):
-            if with_copies:
-                cache.copy_synced[layer] = start + 1
+        if with_copies:
+            for cache, start in zip(caches, starts):
+                cache.half_synced[layer] = start + 1
         return out
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

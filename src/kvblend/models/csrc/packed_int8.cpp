@@ -25,9 +25,9 @@
 // a head attending over it, the softmax in float32 (SDPA's flash kernel took ~100 us a layer
 // for one query at 512 keys, as long as the layer's matmuls): four keys' scores reduced
 // together, a value block's weighted sums held in registers across the keys, keys and values
-// prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); over int8 copies of the caches
-// (one scale per key and KV head) where the caller keeps them (models/kv_cache.py
-// KVCache.decode_copies: a quarter of the bytes); decode_layer: the rows' project, attend_rows and finish in one call.
+// prefetched (8 rows x 512 keys x 30 layers: 17.6 -> 9.7 ms); over float16 copies of the
+// caches where the caller keeps them (models/kv_cache.py KVCache.decode_half: half the bytes,
+// 9.8 -> 7.3 ms); decode_layer: the rows' project, attend_rows and finish in one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -690,13 +690,22 @@ at::Tensor decode_finish(const at::Tensor& h, const at::Tensor& attn, const at::
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// kLanes cached keys or values as float32: float32 as they are, int8 copies widened (their
-// scales applied by the caller).
+// kLanes cached keys or values as float32: float32 as they are, float16 widened.
 inline Vec kvload(const float* p) { return vload(p); }
-inline Vec kvload(const int8_t* p) { return wload(p); }
+inline Vec kvload(const at::Half* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float wide[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) wide[i] = static_cast<float>(p[i]);
+  return vload(wide);
+#endif
+}
 #endif
 
-// sum_j a[j] b[j] over n entries (b float32, or int8 cached keys).
+// sum_j a[j] b[j] over n entries (b float32, or float16 cached keys).
 template <typename T>
 inline float dot_f32(const float* a, const T* b, int64_t n) {
   int64_t j = 0;
@@ -710,7 +719,7 @@ inline float dot_f32(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// y[j] += p x[j] over n entries (x float32, or int8 cached values).
+// y[j] += p x[j] over n entries (x float32, or float16 cached values).
 template <typename T>
 inline void axpy_f32(float p, const T* x, float* y, int64_t n) {
   int64_t j = 0;
@@ -881,20 +890,7 @@ struct AttendJob {
   const T* v;
   int64_t n, kv_head_stride_k, key_stride_k, kv_head_stride_v, key_stride_v;
   float* out;
-  // int8 copies: each key's and value's scale per KV head (kv_head_stride_scale apart), else null
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
-  int64_t kv_head_stride_scale = 0;
 };
-
-// x[i] *= by[i] over n floats.
-inline void scale_by(float* x, const float* by, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  for (; i + kLanes <= n; i += kLanes) vstore(x + i, vmul(vload(x + i), vload(by + i)));
-#endif
-  for (; i < n; ++i) x[i] *= by[i];
-}
 
 // Every job's attention (scores scaled by 1/sqrt(d), every key visible; query head h reads KV
 // head h / (heads / kv_heads)). Tasks are (job, KV head, chunk of keys), split over threads:
@@ -924,15 +920,11 @@ void attend_jobs(const std::vector<AttendJob<T>>& jobs, int64_t heads, int64_t k
       const T* vg = job.v + g * job.kv_head_stride_v + i0 * job.key_stride_v;
       const float* q = job.q + g * group * d;
       chunk_scores(q, kg, job.key_stride_k, vg, job.key_stride_v, len, group, d, scale, scores.data());
-      const float* ksc = job.k_scale ? job.k_scale + g * job.kv_head_stride_scale + i0 : nullptr;
-      const float* vsc = job.v_scale ? job.v_scale + g * job.kv_head_stride_scale + i0 : nullptr;
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores.data() + h * kKeyChunk;
-        if (ksc) scale_by(sh, ksc, len);  // q . k_i = scale_i (q . q_i)
         const float m = max_of(sh, len);
         top[t * group + h] = m;
         total[t * group + h] = exp_shifted(sh, len, m);
-        if (vsc) scale_by(sh, vsc, len);  // p_i v_i = (p_i scale_i) q_i, after the sum of the p_i
       }
       chunk_values(scores.data(), vg, job.key_stride_v, len, group, d, part.data() + t * group * d);
     }
@@ -960,60 +952,33 @@ void attend_jobs(const std::vector<AttendJob<T>>& jobs, int64_t heads, int64_t k
   });
 }
 
-// One KV row of d floats as int8 with one scale (max |x| / 127; 1 for a row of zeros).
-inline void quantize_kv_row(const float* x, int64_t d, int8_t* q, float* scale) {
-  float top = 0.f;
-  for (int64_t j = 0; j < d; ++j) top = std::max(top, std::fabs(x[j]));
-  const float step = top > 0.f ? top / 127.f : 1.f, inv = 1.f / step;
-  for (int64_t j = 0; j < d; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
-  *scale = step;
-}
-
-// Slots [from, to) of a float32 cache (Hkv, capacity, d) into its int8 copy and scales (Hkv, capacity).
-void quantize_kv_slots(const at::Tensor& cache, const at::Tensor& copy, const at::Tensor& scales, int64_t from,
-                       int64_t to) {
-  const int64_t heads = cache.size(0), d = cache.size(2);
-  const float* src = cache.const_data_ptr<float>();
-  int8_t* dst = copy.mutable_data_ptr<int8_t>();
-  float* sc = scales.mutable_data_ptr<float>();
-  at::parallel_for(0, heads * (to - from), 64, [&](int64_t first, int64_t end) {
-    for (int64_t i = first; i < end; ++i) {
-      const int64_t g = i / (to - from), t = from + i % (to - from);
-      quantize_kv_row(src + g * cache.stride(0) + t * cache.stride(1), d, dst + g * copy.stride(0) + t * copy.stride(1),
-                      sc + g * scales.stride(0) + t * scales.stride(1));
-    }
-  });
-}
-
 // Several decode rows at once, each of its own cache: qkv (R, (Hq + 2 Hkv) d) as decode_project
 // returns it; row r's K and V are written at slots[r] of k_caches[r]/v_caches[r] (Hkv,
-// capacity, d), and its queries attend over slots firsts[r]..slots[r]. With int8 copies of
-// the caches (k_copies/v_copies, as many slots or more, one scale per slot and KV head in
-// k_scales/v_scales (Hkv, capacity); none: attend over float32), the row attends over its
-// copy instead: slots synced[r]..slots[r]-1 are first quantized from float32 (the copy holds
-// the slots below synced[r] already), and slots[r] is written to both (a step then reads a
-// quarter of the bytes; models/kv_cache.py KVCache.decode_copies keeps them). Returns (R, Hq d).
+// capacity, d), and its queries attend over slots firsts[r]..slots[r]. With float16 copies
+// of the caches (k_halves/v_halves, as many slots or more; none: attend over float32), the
+// row attends over its copy instead: slots synced[r]..slots[r]-1 are first converted from
+// float32 (the copy holds the slots below synced[r] already), and slots[r] is written to both
+// (a step then reads half the bytes; models/kv_cache.py KVCache.decode_half keeps them).
+// Returns (R, Hq d).
 at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at::TensorList v_caches,
-                              at::TensorList k_copies, at::TensorList v_copies, at::TensorList k_scales,
-                              at::TensorList v_scales, at::IntArrayRef synced, at::IntArrayRef slots,
-                              at::IntArrayRef firsts, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                              at::TensorList k_halves, at::TensorList v_halves, at::IntArrayRef synced,
+                              at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim) {
   const int64_t rows = qkv.size(0), width = (heads + 2 * kv_heads) * head_dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == width && qkv.scalar_type() == at::kFloat,
               "decode_attend_rows takes decode_project's contiguous float32 (R, (Hq + 2 Hkv) d)");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == rows && static_cast<int64_t>(v_caches.size()) == rows &&
                   static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(firsts.size()) == rows,
               "decode_attend_rows takes one cache, slot and first slot per row");
-  const bool copies = !k_copies.empty();
-  TORCH_CHECK(!copies || (static_cast<int64_t>(k_copies.size()) == rows &&
-                          static_cast<int64_t>(v_copies.size()) == rows &&
-                          static_cast<int64_t>(k_scales.size()) == rows &&
-                          static_cast<int64_t>(v_scales.size()) == rows && static_cast<int64_t>(synced.size()) == rows),
-              "decode_attend_rows takes int8 copies, their scales and synced slots for every row or for none");
+  const bool half = !k_halves.empty();
+  TORCH_CHECK(!half || (static_cast<int64_t>(k_halves.size()) == rows &&
+                        static_cast<int64_t>(v_halves.size()) == rows && static_cast<int64_t>(synced.size()) == rows),
+              "decode_attend_rows takes float16 copies and their synced slots for every row or for none");
   TORCH_CHECK(heads % kv_heads == 0, "decode_attend_rows needs whole groups of query heads");
   const float* in = qkv.const_data_ptr<float>();
   at::Tensor result = at::empty({rows, heads * head_dim}, qkv.options());
   std::vector<AttendJob<float>> jobs;
-  std::vector<AttendJob<int8_t>> copy_jobs;
+  std::vector<AttendJob<at::Half>> half_jobs;
   for (int64_t r = 0; r < rows; ++r) {
     const at::Tensor& kc = k_caches[r];
     const at::Tensor& vc = v_caches[r];
@@ -1032,48 +997,37 @@ at::Tensor decode_attend_rows(const at::Tensor& qkv, at::TensorList k_caches, at
       std::copy_n(row + (heads + kv_heads + g) * head_dim, head_dim, V + g * vc.stride(0) + slots[r] * vc.stride(1));
     }
     float* out = result.mutable_data_ptr<float>() + r * heads * head_dim;
-    if (!copies) {
+    if (!half) {
       jobs.push_back(AttendJob<float>{row, K + firsts[r] * kc.stride(1), V + firsts[r] * vc.stride(1),
                                       slots[r] + 1 - firsts[r], kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
                                       out});
       continue;
     }
-    const at::Tensor& kq = k_copies[r];
-    const at::Tensor& vq = v_copies[r];
-    const at::Tensor& ks = k_scales[r];
-    const at::Tensor& vs = v_scales[r];
-    TORCH_CHECK(kq.dim() == 3 && kq.sizes() == vq.sizes() && kq.size(0) == kv_heads && kq.size(2) == head_dim &&
-                    kq.size(1) > slots[r] && kq.scalar_type() == at::kChar && vq.scalar_type() == at::kChar &&
-                    kq.stride(2) == 1 && vq.stride(2) == 1,
-                "decode_attend_rows' int8 copies must be int8 (Hkv, capacity, head_dim) holding the row's slot");
-    TORCH_CHECK(ks.dim() == 2 && ks.sizes() == vs.sizes() && ks.size(0) == kv_heads && ks.size(1) == kq.size(1) &&
-                    ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat && ks.is_contiguous() &&
-                    vs.is_contiguous(),
-                "decode_attend_rows' scales must be contiguous float32 (Hkv, capacity) beside their copies");
+    const at::Tensor& kh = k_halves[r];
+    const at::Tensor& vh = v_halves[r];
+    TORCH_CHECK(kh.dim() == 3 && kh.sizes() == vh.sizes() && kh.size(0) == kv_heads && kh.size(2) == head_dim &&
+                    kh.size(1) > slots[r] && kh.scalar_type() == at::kHalf && vh.scalar_type() == at::kHalf &&
+                    kh.stride(2) == 1 && vh.stride(2) == 1,
+                "decode_attend_rows' float16 copies must be float16 (Hkv, capacity, head_dim) holding the row's slot");
     TORCH_CHECK(0 <= synced[r] && synced[r] <= slots[r], "a row's synced slots lie past its slot");
     if (synced[r] < slots[r]) {  // the float32 slots the copy lacks
-      quantize_kv_slots(kc, kq, ks, synced[r], slots[r]);
-      quantize_kv_slots(vc, vq, vs, synced[r], slots[r]);
+      kh.slice(1, synced[r], slots[r]).copy_(kc.slice(1, synced[r], slots[r]));
+      vh.slice(1, synced[r], slots[r]).copy_(vc.slice(1, synced[r], slots[r]));
     }
-    int8_t* KQ = kq.mutable_data_ptr<int8_t>();
-    int8_t* VQ = vq.mutable_data_ptr<int8_t>();
-    float* KS = ks.mutable_data_ptr<float>();
-    float* VS = vs.mutable_data_ptr<float>();
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      quantize_kv_row(row + (heads + g) * head_dim, head_dim, KQ + g * kq.stride(0) + slots[r] * kq.stride(1),
-                      KS + g * ks.stride(0) + slots[r]);
-      quantize_kv_row(row + (heads + kv_heads + g) * head_dim, head_dim, VQ + g * vq.stride(0) + slots[r] * vq.stride(1),
-                      VS + g * vs.stride(0) + slots[r]);
-    }
-    AttendJob<int8_t> job{row, KQ + firsts[r] * kq.stride(1), VQ + firsts[r] * vq.stride(1), slots[r] + 1 - firsts[r],
-                          kq.stride(0), kq.stride(1), vq.stride(0), vq.stride(1), out};
-    job.k_scale = KS + firsts[r];
-    job.v_scale = VS + firsts[r];
-    job.kv_head_stride_scale = ks.stride(0);
-    copy_jobs.push_back(job);
+    at::Half* KH = kh.mutable_data_ptr<at::Half>();
+    at::Half* VH = vh.mutable_data_ptr<at::Half>();
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t j = 0; j < head_dim; ++j) {
+        KH[g * kh.stride(0) + slots[r] * kh.stride(1) + j] = static_cast<at::Half>(row[(heads + g) * head_dim + j]);
+        VH[g * vh.stride(0) + slots[r] * vh.stride(1) + j] =
+            static_cast<at::Half>(row[(heads + kv_heads + g) * head_dim + j]);
+      }
+    half_jobs.push_back(AttendJob<at::Half>{row, KH + firsts[r] * kh.stride(1), VH + firsts[r] * vh.stride(1),
+                                            slots[r] + 1 - firsts[r], kh.stride(0), kh.stride(1), vh.stride(0),
+                                            vh.stride(1), out});
   }
-  if (copies) {
-    attend_jobs(copy_jobs, heads, kv_heads, head_dim);
+  if (half) {
+    attend_jobs(half_jobs, heads, kv_heads, head_dim);
   } else {
     attend_jobs(jobs, heads, kv_heads, head_dim);
   }
@@ -1089,12 +1043,12 @@ enum LayerWeight {
 
 // One decode step of a decoder layer for decode rows h (R, D), row r at slot slots[r] of its
 // own cache k_caches[r]/v_caches[r] (Hkv, capacity, d): project, write each row's K and V at
-// its slot, attend over slots firsts[r]..slots[r] (over int8 copies where given, synced as in
-// decode_attend_rows), finish. Returns the new h (R, D).
+// its slot, attend over slots firsts[r]..slots[r] (over float16 copies where given, synced as
+// in decode_attend_rows), finish. Returns the new h (R, D).
 at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-                        at::TensorList k_copies, at::TensorList v_copies, at::TensorList k_scales,
-                        at::TensorList v_scales, at::IntArrayRef synced, at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
+                        at::TensorList k_halves, at::TensorList v_halves, at::IntArrayRef synced,
+                        at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
   TORCH_CHECK(weights.size() == kLayerWeights, "decode_layer takes ", static_cast<int>(kLayerWeights), " weights");
   TORCH_CHECK(h.dim() == 2, "decode_layer takes rows (R, D)");
@@ -1102,8 +1056,8 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
   const at::Tensor qkv = decode_project(h, *w(kInputNorm), eps, *w(kQkv), *w(kQkvScale), *w(kQkvRowsum), w(kQkvTiles),
                                         w(kQkvBias), cos, sin, heads, kv_heads, head_dim, interleaved, w(kQNorm),
                                         w(kKNorm), q_mult);
-  const at::Tensor attn = decode_attend_rows(qkv, k_caches, v_caches, k_copies, v_copies, k_scales, v_scales, synced,
-                                             slots, firsts, heads, kv_heads, head_dim);
+  const at::Tensor attn = decode_attend_rows(qkv, k_caches, v_caches, k_halves, v_halves, synced, slots, firsts, heads,
+                                             kv_heads, head_dim);
   return decode_finish(h, attn, *w(kO), *w(kOScale), *w(kORowsum), w(kOTiles), w(kOBias), w(kAttnOutNorm), *w(kPostNorm),
                        eps, *w(kGateUp), *w(kGateUpScale), *w(kGateUpRowsum), w(kGateUpTiles), w(kGateUpBias), *w(kDown),
                        *w(kDownScale), *w(kDownRowsum), w(kDownTiles), w(kDownBias), w(kMlpOutNorm), gelu);
@@ -1121,13 +1075,11 @@ TORCH_LIBRARY(kvblend_packed, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor rowsum, Tensor? bias, Tensor? tiles=None) -> Tensor",
         &int8_linear);
   m.def("decode_layer(Tensor h, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor(c!)[] k_copies, Tensor(d!)[] v_copies, Tensor(e!)[] k_scales, "
-        "Tensor(f!)[] v_scales, int[] synced, int[] slots, int[] firsts, int heads, int kv_heads, int head_dim, "
-        "bool interleaved, float eps, float q_mult, bool gelu) -> Tensor",
+        "Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, "
+        "int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor",
         &decode_layer);
-  m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_copies, "
-        "Tensor(d!)[] v_copies, Tensor(e!)[] k_scales, Tensor(f!)[] v_scales, int[] synced, int[] slots, "
-        "int[] firsts, int heads, int kv_heads, int head_dim) -> Tensor",
+  m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, "
+        "Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, int heads, int kv_heads, int head_dim) -> Tensor",
         &decode_attend_rows);
   m.def("decode_project(Tensor h, Tensor norm_w, float eps, Tensor qkv, Tensor qkv_scale, Tensor qkv_rowsum, "
         "Tensor? qkv_tiles, Tensor? bias, Tensor cos, "
