@@ -18,7 +18,9 @@ back to back, ``--repeats`` times interleaved, medians kept:
   fp32 path decodes 16 greedy tokens; the packed path decodes the same tokens (teacher
   forced) from the same prefill, and the mean next-token KL(fp32 ‖ packed) over positions
   and questions is reported;
-- ``kv_bytes_per_token``: stored KV per token at the store's default dtype.
+- ``kv_bytes_per_token``: stored KV per token at the store's default dtype;
+- with ``--profile``, ``torch.profiler``'s op table of five decode steps of one stream and
+  of ``--streams`` streams, on stderr (where a step's time goes).
 
 Prints one JSON line: every median, and the issue's ratios ``decode_over_llamacpp``,
 ``prefill_over_llamacpp`` (null without llama-cpp-python), ``decode_over_bandwidth_bound``,
@@ -103,6 +105,20 @@ class Kvblend:
             times.append(time.perf_counter() - t)
             tokens = logits.argmax(-1).tolist()
         return statistics.median(times[1:] if len(times) > 1 else times)
+
+    def profile_table(self, ids: list[int], streams: int, steps: int = 5) -> str:
+        """``torch.profiler``'s op table (self CPU time) of ``steps`` decode steps of
+        ``streams`` streams after ``ids`` (two steps first, unprofiled)."""
+        from torch.profiler import profile
+
+        caches = [self._cache(ids, steps + 3) for _ in range(streams)]
+        tokens = [ids[-1]] * streams
+        for _ in range(2):
+            tokens = decode_batch(self.model, tokens, caches).argmax(-1).tolist()
+        with profile() as prof:
+            for _ in range(steps):
+                tokens = decode_batch(self.model, tokens, caches).argmax(-1).tolist()
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
 
 class LlamaCpp:
@@ -192,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kl-questions", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's op tables of decode steps to stderr")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     steal = HostSteal()
@@ -263,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     out["kv_dtype"] = kv_dtype
     out["kv_bytes_per_token"] = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
     out["host_steal_share"] = steal.share()
+    if args.profile:
+        for streams in (1, args.streams):
+            print(f"decode, {streams} stream(s), five steps:", ours.profile_table(context, streams), file=sys.stderr)
     print(json.dumps(out))
     return 0
 

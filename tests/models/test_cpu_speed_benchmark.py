@@ -27,8 +27,12 @@ def test_one_json_line_with_the_issues_ratios(capsys: pytest.CaptureFixture[str]
     monkeypatch.setattr(cs, "token_ids", lambda tokenizer, n: [3 + i % 40 for i in range(n)])
     monkeypatch.setattr(cs, "read_bandwidth_gbs", lambda mib=512: 10.0)
     assert cs.main(["--prompt-tokens", "64", "--context", "16", "--decode-tokens", "6", "--streams", "3",
-                    "--repeats", "1", "--kl-questions", "0"]) == 0
-    (line,) = capsys.readouterr().out.splitlines()
+                    "--repeats", "1", "--kl-questions", "0", "--profile"]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.out.splitlines()
+    # --profile: the op tables of one stream's and three streams' decode steps, on stderr
+    assert "decode, 1 stream(s)" in captured.err and "decode, 3 stream(s)" in captured.err
+    assert "kvblend_packed::decode_layer" in captured.err
     out = json.loads(line)
     assert out["decode_weights"] == "int8" and out["llamacpp"].endswith("not loaded from a GGUF")
     assert out["decode_over_llamacpp"] is None and out["llamacpp_decode_tok_s"] is None
