@@ -121,6 +121,33 @@ def test_amx_tiles_give_the_row_major_weights_result() -> None:
             torch.testing.assert_close(packed(x), tiled)
 
 
+def test_kernels_called_off_the_main_thread_give_the_main_threads_results() -> None:
+    """Off the main thread (the server's model worker) the kernels split their loops over
+    kvblend's own threads (``SpinPool`` in csrc/packed_int8.cpp: libgomp's threads sleep
+    between a decode step's short regions there); each output is computed by one thread,
+    and the loops split at whole tiles, so an output's sum order never depends on the split:
+    the results equal the main thread's bit for bit, also with two threads calling at once
+    (one of them then runs its loops alone, unsplit)."""
+    import threading
+
+    w, b = _weights(out=300, inp=200, seed=9)
+    packed = PackedWeight(w, b, "int8")
+    xs = [torch.randn(rows, 200) for rows in (1, 3, 8)]
+    want = [packed(x) for x in xs]
+    results: dict[str, list[list[torch.Tensor]]] = {}
+
+    def call(name: str) -> None:
+        results[name] = [[packed(x) for x in xs] for _ in range(50)]
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["a", "b"]
+    assert all(torch.equal(got, ref) for runs in results.values() for run in runs for got, ref in zip(run, want))
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 16), (14, 2, 37)])
 def test_native_decode_attention_writes_each_rows_kv_and_is_sdpa(heads: int, kv_heads: int, dim: int) -> None:
     """``decode_attend_rows``: each row's K and V land at its slot of its own cache, and its
