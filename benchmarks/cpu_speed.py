@@ -19,6 +19,9 @@ back to back, ``--repeats`` times interleaved, medians kept:
   forced) from the same prefill, and the mean next-token KL(fp32 ‖ packed) over positions
   and questions is reported;
 - ``kv_bytes_per_token``: stored KV per token at the store's default dtype;
+- ``decode_off_main_thread_tok_s``: one stream's decode run from a second Python thread, as
+  the server's model worker runs it (the kernels' threads differ there), and its ratio to
+  the main thread's, ``off_main_over_main``;
 - with ``--profile``, ``torch.profiler``'s op table of five decode steps of one stream and
   of ``--streams`` streams, on stderr (where a step's time goes).
 
@@ -37,6 +40,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -245,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         samples["batch_fp32"].append(ours.decode_s_per_step(context, args.decode_tokens // 2, args.streams))
         loaded.model.pack_decode_weights(kind)
     med = {k: statistics.median(v) if v else None for k, v in samples.items()}
+    off_main: list[float] = []
+    worker = threading.Thread(target=lambda: off_main.append(ours.decode_s_per_step(context, args.decode_tokens)))
+    worker.start()
+    worker.join()
 
     def rate(tokens: int, seconds: float | None) -> float | None:
         return round(tokens / seconds, 1) if seconds else None
@@ -252,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     out["prefill_tok_s"] = rate(args.prompt_tokens, med["prefill"])
     out["decode_tok_s"] = rate(1, med["decode"])
     out["decode_fp32_tok_s"] = rate(1, med["decode_fp32"])
+    out["decode_off_main_thread_tok_s"] = rate(1, off_main[0] if off_main else None)
     out[f"batch{args.streams}_tok_s"] = rate(args.streams, med["batch"])
     out[f"batch{args.streams}_fp32_tok_s"] = rate(args.streams, med["batch_fp32"])
     out["llamacpp_prefill_tok_s"] = rate(args.prompt_tokens, med["llamacpp_prefill"])
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     out["decode_over_bandwidth_bound"] = ratio(out["decode_tok_s"], bound)
     out[f"batch{args.streams}_over_one"] = ratio(out[f"batch{args.streams}_tok_s"], out["decode_tok_s"])
     out["decode_over_fp32_decode"] = ratio(out["decode_tok_s"], out["decode_fp32_tok_s"])
+    out["off_main_over_main"] = ratio(out["decode_off_main_thread_tok_s"], out["decode_tok_s"])
     out[f"batch{args.streams}_over_fp32"] = ratio(out[f"batch{args.streams}_tok_s"],
                                                   out[f"batch{args.streams}_fp32_tok_s"])
     out["kl_vs_fp32"] = kl_vs_fp32(loaded, kind, args.kl_questions)

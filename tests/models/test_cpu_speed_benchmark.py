@@ -35,6 +35,7 @@ def test_one_json_line_with_the_issues_ratios(capsys: pytest.CaptureFixture[str]
     assert "kvblend_packed::decode_layer" in captured.err
     out = json.loads(line)
     assert out["decode_weights"] == "int8" and out["llamacpp"].endswith("not loaded from a GGUF")
+    assert out["off_main_over_main"] == pytest.approx(out["decode_off_main_thread_tok_s"] / out["decode_tok_s"], rel=1e-2)
     assert out["decode_over_llamacpp"] is None and out["llamacpp_decode_tok_s"] is None
     assert out["batch3_over_one"] == pytest.approx(out["batch3_tok_s"] / out["decode_tok_s"], rel=1e-2)
     assert out["decode_bound_tok_s"] == pytest.approx(10e9 / tiny.model.decode_weight_bytes(), rel=1e-2)
