@@ -36,7 +36,9 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__linux__)
 #include <sys/syscall.h>
+#endif
 #include <unistd.h>
 
 #include <pthread.h>
@@ -155,9 +157,16 @@ class SpinPool {
 
 thread_local bool SpinPool::in_worker_ = false;
 
-// Whether this is the process's initial thread.
+// Whether this is the process's initial thread (elsewhere than Linux and macOS: taken as yes,
+// so libgomp runs every loop as before).
 bool on_main_thread() {
+#if defined(__linux__)
   static thread_local const bool main = syscall(SYS_gettid) == getpid();
+#elif defined(__APPLE__)
+  static thread_local const bool main = pthread_main_np() != 0;
+#else
+  constexpr bool main = true;
+#endif
   return main;
 }
 
