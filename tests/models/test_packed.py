@@ -121,6 +121,20 @@ def test_amx_tiles_give_the_row_major_weights_result() -> None:
             torch.testing.assert_close(packed(x), tiled)
 
 
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_at_any_count() -> None:
+    """A row's int8 matmul is the same bit for bit alone and among 3, 4, 8 or 9 rows: one or
+    two rows go through VNNI, four or more through AMX tiles where the CPU has them, and both
+    take exact integer dot products into the same float operations (a served stream's tokens
+    must not depend on how many other streams its step decoded)."""
+    for out, inp in ((130, 77), (40, 1536)):
+        w, b = _weights(out=out, inp=inp, seed=11)
+        packed = PackedWeight(w, b, "int8")
+        x = torch.randn(9, inp) * torch.logspace(-2, 1, 9)[:, None]
+        alone = torch.cat([packed(x[r : r + 1]) for r in range(9)])
+        for rows in (3, 4, 8, 9):
+            torch.testing.assert_close(packed(x[:rows]), alone[:rows], rtol=0, atol=0)
+
+
 def test_kernels_called_off_the_main_thread_give_the_main_threads_results() -> None:
     """Off the main thread (the server's model worker) the kernels split their loops over
     kvblend's own threads (``SpinPool`` in csrc/packed_int8.cpp: libgomp's threads sleep

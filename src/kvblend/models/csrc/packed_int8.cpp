@@ -429,12 +429,31 @@ QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
   return out;
 }
 
+// The four sums of a, b, c, d (16 int32 lanes each), exactly: vsum4's order on integers.
+inline __m128i vsum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512 abf = _mm512_castsi512_ps(ab), cdf = _mm512_castsi512_ps(cd);
+  const __m512i abcd = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(abf, cdf, _MM_SHUFFLE(1, 0, 1, 0))),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(abf, cdf, _MM_SHUFFLE(3, 2, 3, 2))));
+  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// y for one output from its exact int32 dot products with the hi and lo rows (each still
+// holding 128 x sum(w), `offset`): the same float operations as amx_linear's, so a row's
+// result is the same whichever path (and however many rows beside it) computed it.
+inline float vnni_output(int32_t hi_dot, int32_t lo_dot, int32_t offset, float x_scale, float w_scale, float bias) {
+  const float dot = std::fma(static_cast<float>(lo_dot - offset), 1.f / 254.f, static_cast<float>(hi_dot - offset));
+  return std::fma(dot * x_scale, w_scale, bias);
+}
+
 // kJ weight rows (from w, stride n) against kR input rows (hi/lo, stride n): each weight
-// vector loaded once serves every input row, each input vector every weight row. out[j * kR
-// + r] = hi dot + lo dot / 254, both still holding 128 x sum(w) (x 1 + 1/254 together); the
-// int32 partial sums go to float32 before the reduction (exact: below 2^24 a lane up to n = 8,192).
+// vector loaded once serves every input row, each input vector every weight row. dh/dl[j *
+// kR + r]: the exact int32 hi and lo dot products, four weight rows' reduced together.
 template <int kJ, int kR>
-inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int64_t n, float* out, bool prefetch) {
+inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int64_t n, int32_t* dh, int32_t* dl,
+                      bool prefetch) {
   __m512i ah[kJ][kR], al[kJ][kR];
   for (int j = 0; j < kJ; ++j)
     for (int r = 0; r < kR; ++r) ah[j][r] = al[j][r] = _mm512_setzero_si512();
@@ -454,25 +473,21 @@ inline void vnni_tile(const int8_t* w, const uint8_t* hi, const uint8_t* lo, int
       }
     }
   }
-  __m512 f[kJ][kR];
-  const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
-  for (int j = 0; j < kJ; ++j)
-    for (int r = 0; r < kR; ++r)
-      f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[j][r]), lo_weight, _mm512_cvtepi32_ps(ah[j][r]));
   for (int r = 0; r < kR; ++r) {
-    float sums[kJ];
+    int32_t sh[kJ], sl[kJ];
     if constexpr (kJ == 4) {
-      _mm_storeu_ps(sums, vsum4(f[0][r], f[1][r], f[2][r], f[3][r]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sh), vsum4_epi32(ah[0][r], ah[1][r], ah[2][r], ah[3][r]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sl), vsum4_epi32(al[0][r], al[1][r], al[2][r], al[3][r]));
     } else {
-      for (int j = 0; j < kJ; ++j) sums[j] = _mm512_reduce_add_ps(f[j][r]);
+      for (int j = 0; j < kJ; ++j) sh[j] = _mm512_reduce_add_epi32(ah[j][r]), sl[j] = _mm512_reduce_add_epi32(al[j][r]);
     }
     for (int j = 0; j < kJ; ++j) {
-      int32_t th = 0, tl = 0;  // the tail past the last whole 64
-      for (int64_t kk = k; kk < n; ++kk) {
-        th += static_cast<int32_t>(hi[r * n + kk]) * w[j * n + kk];
-        tl += static_cast<int32_t>(lo[r * n + kk]) * w[j * n + kk];
+      for (int64_t kk = k; kk < n; ++kk) {  // the tail past the last whole 64
+        sh[j] += static_cast<int32_t>(hi[r * n + kk]) * w[j * n + kk];
+        sl[j] += static_cast<int32_t>(lo[r * n + kk]) * w[j * n + kk];
       }
-      out[j * kR + r] = sums[j] + static_cast<float>(th) + static_cast<float>(tl) * (1.f / 254.f);
+      dh[j * kR + r] = sh[j];
+      dl[j * kR + r] = sl[j];
     }
   }
 }
@@ -484,22 +499,20 @@ constexpr int kVnniInputs = 2;  // input rows a tile takes
 template <int kJ>
 void vnni_weight_rows(const int8_t* W, const QuantizedRows& x, int64_t rows, int64_t n, int64_t outs, int64_t j,
                       const float* scale, const int32_t* rowsum, const float* bias, float* Y) {
-  float acc[kJ * kVnniInputs];
+  int32_t dh[kJ * kVnniInputs], dl[kJ * kVnniInputs];
   for (int64_t r0 = 0; r0 < rows; r0 += kVnniInputs) {
     const int rt = static_cast<int>(std::min<int64_t>(kVnniInputs, rows - r0));
     const uint8_t* hi = x.hi.data() + r0 * n;
     const uint8_t* lo = x.lo.data() + r0 * n;
     if (rt == 1) {
-      vnni_tile<kJ, 1>(W + j * n, hi, lo, n, acc, r0 == 0);
+      vnni_tile<kJ, 1>(W + j * n, hi, lo, n, dh, dl, r0 == 0);
     } else {
-      vnni_tile<kJ, kVnniInputs>(W + j * n, hi, lo, n, acc, r0 == 0);
+      vnni_tile<kJ, kVnniInputs>(W + j * n, hi, lo, n, dh, dl, r0 == 0);
     }
-    for (int jj = 0; jj < kJ; ++jj) {
-      const float offset = 128.f * static_cast<float>(rowsum[j + jj]) * (1.f + 1.f / 254.f);
+    for (int jj = 0; jj < kJ; ++jj)
       for (int r = 0; r < rt; ++r)
-        Y[(r0 + r) * outs + j + jj] =
-            (acc[jj * rt + r] - offset) * x.scale[r0 + r] * scale[j + jj] + (bias ? bias[j + jj] : 0.f);
-    }
+        Y[(r0 + r) * outs + j + jj] = vnni_output(dh[jj * rt + r], dl[jj * rt + r], 128 * rowsum[j + jj],
+                                                  x.scale[r0 + r], scale[j + jj], bias ? bias[j + jj] : 0.f);
   }
 }
 
@@ -687,21 +700,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return y;
   }
 #endif
-  // split at whole tiles: an output's sum order (a tile's or a lone row's) never depends on the split
+  // split at whole tiles (each output's sums are exact integers, so this is for the tiles' speed)
   parallel_for(0, (outs + kVnniRows - 1) / kVnniRows, 16, [&](int64_t first, int64_t end) {
     vnni_rows(W, xq, rows, n, outs, first * kVnniRows, std::min(outs, end * kVnniRows), s, sums, b, Y);
   });
 #else
   const int64_t whole = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
   parallel_for(0, whole, 16, [&](int64_t first, int64_t end) {
-    for (int64_t t = first; t < end; ++t) {
-      const int64_t j0 = t * kTileRows;
-      if (rows == 1) {
-        for (int64_t j = j0; j < j0 + kTileRows; ++j) Y[j] = dot1(W + j * n, X, n) * s[j] + (b ? b[j] : 0.f);
-      } else {
-        weight_tile(W, X, rows, n, outs, j0, s, b, Y);
-      }
-    }
+    // one row too through the tiles: an output's sum order is then the same at any row count
+    for (int64_t t = first; t < end; ++t) weight_tile(W, X, rows, n, outs, t * kTileRows, s, b, Y);
   });
   for (int64_t j = whole * kTileRows; j < outs; ++j)
     for (int64_t r = 0; r < rows; ++r) Y[r * outs + j] = dot1(W + j * n, X + r * n, n) * s[j] + (b ? b[j] : 0.f);
