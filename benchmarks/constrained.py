@@ -8,7 +8,9 @@ and the first draw are left out). Constrained answers follow ``SCHEMA`` (an obje
 list of strings, long enough to reach ``--tokens``). Also reported: the grammar compile
 time of the schemas in tests/server/test_structured_outputs.py and json_object on the
 model's tokenizer (cold: the tokenizer's info, then each schema; cached: a second ask), and
-the mask's own cost per token (fill + unpack + accept, without the model).
+the mask's own cost per token (fill + unpack + accept, without the model). Each stream
+count runs plain and constrained ``--rounds`` times in turn; the overhead is the ratio of
+their medians.
 """
 
 from __future__ import annotations
@@ -41,9 +43,17 @@ TEST_SCHEMAS = {  # as in tests/server/test_structured_outputs.py
 PROMPT = [{"role": "user", "content": "List the names of thirty famous scientists as JSON."}]
 
 
-def decode_rate(scheduler: Scheduler, streams: int, tokens: int, fmt: ResponseFormat | None) -> dict:
+def cases(tokens: int) -> dict[str, SamplingParams]:
+    """Greedy (the baseline), greedy under ``SCHEMA``, and sampled as OpenAI's defaults
+    sample (temperature 1) with a common nucleus."""
+    return {"plain": SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+            "json_schema": SamplingParams(max_tokens=tokens, temperature=0.0,
+                                          response_format=ResponseFormat.json_schema(SCHEMA, True)),
+            "sampled": SamplingParams(max_tokens=tokens, temperature=1.0, top_p=0.95, seed=0, ignore_eos=True)}
+
+
+def decode_rate(scheduler: Scheduler, streams: int, params: SamplingParams) -> dict:
     """Tokens per second per stream (decode only) and in all, over ``streams`` requests."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=fmt is None, response_format=fmt)
     handles = [scheduler.submit(Request(messages=PROMPT, method="full"), params) for _ in range(streams)]
     times: list[list[float]] = [[] for _ in handles]
 
@@ -100,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="plain and constrained runs taken in turn, per stream count")
     args = ap.parse_args()
     torch.set_num_threads(2)
     engine = Engine(load_model(args.model))
@@ -107,15 +118,18 @@ def main() -> None:
                     "mask_only_s_per_token": round(mask_cost(engine), 6), "decode": []}
     scheduler = Scheduler(engine, max_running=8, max_queued=16)
     scheduler.start()
-    fmt = ResponseFormat.json_schema(SCHEMA, True)
+    params = cases(args.tokens)
     try:
-        decode_rate(scheduler, 1, 8, None)  # warm-up
+        decode_rate(scheduler, 1, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         for streams in (1, 8):
-            plain = decode_rate(scheduler, streams, args.tokens, None)
-            constrained = decode_rate(scheduler, streams, args.tokens, fmt)
-            report["decode"].append({"plain": plain, "json_schema": constrained,
-                                     "overhead_per_token": round(plain["per_stream_tok_s"]
-                                                                 / constrained["per_stream_tok_s"] - 1, 4)})
+            runs: dict[str, list[float]] = {name: [] for name in params}
+            for _ in range(args.rounds):  # in turn, so that the host's drift falls on every case alike
+                for name, p in params.items():
+                    runs[name].append(decode_rate(scheduler, streams, p)["per_stream_tok_s"])
+            rates = {name: statistics.median(r) for name, r in runs.items()}
+            report["decode"].append({"streams": streams, "per_stream_tok_s": rates, "rounds": runs,
+                                     "overhead_per_token": round(rates["plain"] / rates["json_schema"] - 1, 4),
+                                     "sampled_overhead_per_token": round(rates["plain"] / rates["sampled"] - 1, 4)})
     finally:
         scheduler.drain(30)
     print(json.dumps(report, indent=1))

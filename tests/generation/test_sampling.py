@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from kvblend.errors import InvalidRequestError, NonFiniteLogitsError
 from kvblend.generation import Sampler, SamplingParams, generate_ids
-from kvblend.generation.sampling import MIN_TEMPERATURE, filtered_probs, scaled_logits
+from kvblend.generation.sampling import MIN_TEMPERATURE, draw, filtered_probs, nucleus, scaled_logits
+from kvblend.generation.threads import serial_ops
 from kvblend.generation.slot import DecodeSlot
 from tests.conftest import make_loaded
 
@@ -125,3 +127,60 @@ def test_seeded_sampling_is_reproducible_draw_by_draw() -> None:
     for filters in FILTERS:
         assert draws(11, **filters) == draws(11, **filters)
     assert draws(11) != draws(12)
+
+
+def test_a_draw_follows_the_weights_and_never_picks_a_weightless_token() -> None:
+    g = torch.Generator().manual_seed(11)
+    weights = torch.tensor([1.0, 0.0, 3.0, 6.0, 0.0], dtype=torch.float64)
+    counts = torch.zeros(5)
+    for _ in range(20000):
+        counts[draw(None, weights, g)] += 1
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts / counts.sum(), torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0]), atol=0.015)
+    ids = torch.tensor([7, 3, 9, 1, 4])
+    assert {draw(ids, weights, g) for _ in range(200)} == {7, 9, 1}  # candidates' ids, not positions
+
+
+@pytest.mark.parametrize("n, p", [(50, 0.5), (5000, 0.3), (5000, 0.9), (5000, 0.999), (300000, 0.9)])
+def test_the_nucleus_is_a_full_sorts_smallest_prefix(n, p) -> None:
+    """Flat weights put the nucleus past the first selections of 64 and 4,096 tokens."""
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    mass = p * float(weights.sum())
+    kept = nucleus(weights, mass)
+    values, order = weights.sort(descending=True)
+    expected = int((values.cumsum(0) - values < mass).sum())
+    assert kept.shape[0] == expected
+    assert set(kept.tolist()) == set(order[:expected].tolist())
+    assert torch.equal(weights[kept], values[:expected])  # heaviest first
+
+
+def test_greedy_takes_the_first_of_tied_maxima_and_skips_masked_tokens() -> None:
+    logits = torch.tensor([1.0, 5.0, 5.0, 2.0, 9.0])
+    assert Sampler(SamplingParams())(logits) == 4
+    assert Sampler(SamplingParams())(logits, torch.tensor([True, True, True, True, False])) == 1
+
+
+def test_serial_ops_turn_one_threads_team_to_one_and_back() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: dict[str, int] = {}
+        inside, release = threading.Event(), threading.Event()
+
+        def worker() -> None:
+            seen["before"] = torch.get_num_threads()
+            with serial_ops():
+                seen["inside"] = torch.get_num_threads()
+                inside.set()
+                release.wait(10)
+            seen["after"] = torch.get_num_threads()
+
+        t = threading.Thread(target=worker)
+        t.start()
+        inside.wait(10)
+        seen["main, meanwhile"] = torch.get_num_threads()
+        release.set()
+        t.join()
+        assert seen == {"before": 2, "inside": 1, "main, meanwhile": 2, "after": 2}
+    finally:
+        torch.set_num_threads(before)

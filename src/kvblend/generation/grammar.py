@@ -73,11 +73,11 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens the grammar accepts next."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask[0].numpy().view(np.uint8), bitorder="little")[: self.vocab_size]  # token i: bit i
-        if not bits.any():  # a vocabulary that cannot spell what the grammar needs next
+        bits = np.unpackbits(self.bitmask[0].numpy().view(np.uint8), count=self.vocab_size, bitorder="little")
+        if not bits.any():  # token i: bit i; a vocabulary that cannot spell what the grammar needs next
             raise GrammarError("no token of the model's vocabulary continues the response format here",
                                "response_format")
-        return torch.from_numpy(bits.astype(bool))  # (V,); in numpy: torch's shifts over the words took ~25 ms
+        return torch.from_numpy(bits.view(np.bool_))  # (V,) 0/1 bytes seen as bool, no copy; torch's shifts took ~25 ms
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):

@@ -19,6 +19,7 @@ from kvblend.errors import ContextLengthError
 from kvblend.generation.grammar import Constraint, grammars
 from kvblend.generation.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from kvblend.generation.text import TextStream
+from kvblend.generation.threads import serial_ops
 from kvblend.models.kv_cache import ForkedCache, KVCache
 
 
@@ -102,6 +103,10 @@ class DecodeSlot:
         """Sample from the (V,) logits of the next position and account for the token."""
         if self.finished:
             raise RuntimeError("this request has already finished decoding")
+        with serial_ops():  # a handful of ops over the vocabulary: not worth waking a thread team for each
+            return self._next_event(logits)
+
+    def _next_event(self, logits: torch.Tensor) -> StreamEvent:
         allowed = self._allowed(logits)
         token = self.sampler(logits.reshape(-1)) if allowed is None else self.sampler(logits.reshape(-1), allowed)
         if self.constraint is not None:
