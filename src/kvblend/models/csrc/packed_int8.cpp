@@ -9,9 +9,10 @@
 // decode step's matmul was compute-bound widening int8 weights to float32 (measured on
 // SmolLM2's shapes, 2 threads: the layers' matmuls 7.5 -> 4.6 ms, the LM head 1.84 -> 1.05).
 // Tiles of four weight rows by two input rows, the weights two tiles ahead prefetched (one
-// row: 5.2 -> 2.9 ms for SmolLM2's layers). Where the CPU has AMX, steps of 4 rows or more
-// multiply by the weight's AMX tiles instead (amx_pack, amx_linear): 8 rows through VNNI were
-// compute-bound (10.3 ms against AMX's 6.4 for SmolLM2's layers). Elsewhere x stays float32
+// row: 5.2 -> 2.9 ms for SmolLM2's layers). Where the CPU has AMX, every step multiplies by
+// the weight's AMX tiles instead (amx_pack, amx_linear): 8 rows through VNNI were
+// compute-bound (10.3 ms against AMX's 6.4 for SmolLM2's layers), and since VNNI reduces
+// exact int32 sums one row is faster through AMX too (kAmxMinRows). Elsewhere x stays float32
 // and each weight row is widened to float32 16 (AVX-512) or 8 (AVX2) at a time into several
 // accumulators. Output rows are split over threads.
 //
@@ -664,7 +665,8 @@ bool amx_available() {
 #endif
 }
 
-constexpr int64_t kAmxMinRows = 4;  // fewer rows go through VNNI (measured: AMX ~10-25 % slower at one row, even at two)
+constexpr int64_t kAmxMinRows = 1;  // every row count: since the VNNI loop reduces exact int32 sums (for batch invariance) it is
+                                     // 3-6 % slower than AMX at one row and 15-25 % at two or three (SmolLM2 shapes)
 
 // y (R, out) = x (R, in) W^T + bias for W as int8 q (out, in) with one float32 scale per
 // output row (rowsum: each row's sum); with amx_pack's tiles of q (where amx_available),
