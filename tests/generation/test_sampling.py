@@ -184,3 +184,10 @@ def test_serial_ops_turn_one_threads_team_to_one_and_back() -> None:
         assert seen == {"before": 2, "inside": 1, "main, meanwhile": 2, "after": 2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_finite_float64_logits_near_its_limit_are_not_called_non_finite() -> None:
+    """Finiteness is checked by one float64 sum; finite float64 logits can sum to inf."""
+    assert Sampler(SamplingParams())(torch.tensor([1e308, 1e308, 0.0], dtype=torch.float64)) == 0
+    with pytest.raises(NonFiniteLogitsError):
+        Sampler(SamplingParams())(torch.tensor([1e308, float("inf"), 0.0], dtype=torch.float64))

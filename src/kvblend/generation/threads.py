@@ -25,19 +25,32 @@ _RUNTIMES = ("libgomp.so.1", "libomp.so", "libiomp5.so", "libomp.dylib", "libiom
 
 @cache
 def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch already loaded (never a new one), or None."""
-    mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_GLOBAL", 0)
-    if not getattr(os, "RTLD_NOLOAD", 0):
+    """The OpenMP runtime torch already loaded (never a new one) and uses, or None: a
+    runtime found by name counts only once setting its team size is seen by torch."""
+    if not hasattr(os, "RTLD_NOLOAD"):
         return None
     for name in _RUNTIMES:
         try:
-            lib = ctypes.CDLL(name, mode=mode)
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
         except OSError:
             continue
         lib.omp_get_max_threads.restype = ctypes.c_int
         lib.omp_set_num_threads.argtypes = (ctypes.c_int,)
-        return lib
+        if _drives_torch(lib):
+            return lib
     return None
+
+
+def _drives_torch(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s per-thread team size is torch's (not another copy of OpenMP)."""
+    torch.get_num_threads()  # torch's per-thread setup first
+    before = lib.omp_get_max_threads()
+    probe = 1 if before != 1 else 2
+    lib.omp_set_num_threads(probe)
+    try:
+        return torch.get_num_threads() == probe
+    finally:
+        lib.omp_set_num_threads(before)
 
 
 @contextmanager

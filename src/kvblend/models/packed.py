@@ -239,8 +239,8 @@ class PackedWeight:
         self.scale = scale.contiguous()
         self.rowsum = self.q.sum(dim=1, dtype=torch.int32)  # what the kernels' VNNI path corrects by
         self._native = native_int8() if native else None
-        # where the kernels have AMX, a copy of q as its tiles (``amx_pack``): steps of several
-        # rows multiply by it, one row by q (measured faster through VNNI)
+        # where the kernels have AMX, a copy of q as its tiles (``amx_pack``): every step
+        # multiplies by it (faster than VNNI at any row count), q stays for CPUs without AMX
         self.tiles = torch.ops.kvblend_packed.amx_pack(self.q) if self._native is not None and amx_available() else None
         # a decoder layer whose weights all run natively runs its decode step as two native
         # calls (``native_layer_ops``); False keeps it per op (A/B measurements)
