@@ -1,16 +1,18 @@
 """Decode speed with and without a JSON-schema constraint (issue 43), on one stream and on 8.
 
-    .venv/bin/python benchmarks/constrained.py [--model smollm2-135m] [--tokens 48]
+    .venv/bin/python benchmarks/constrained.py [--model smollm2-135m] [--tokens 48] [--rounds 3]
 
-Each case submits ``streams`` greedy requests (method ``full``, one prompt) to a
-``Scheduler`` and times each answer's tokens after its first (decode only: the prefill
-and the first draw are left out). Constrained answers follow ``SCHEMA`` (an object with a
-list of strings, long enough to reach ``--tokens``). Also reported: the grammar compile
-time of the schemas in tests/server/test_structured_outputs.py and json_object on the
-model's tokenizer (cold: the tokenizer's info, then each schema; cached: a second ask), and
-the mask's own cost per token (fill + unpack + accept, without the model). Each stream
-count runs plain and constrained ``--rounds`` times in turn; the overhead is the ratio of
-their medians.
+Each case submits ``streams`` requests (method ``full``, one prompt) to a ``Scheduler``
+and times each answer's tokens after its first (decode only: the prefill and the first
+draw are left out). The cases (``cases``): ``plain`` greedy answers (the baseline),
+``json_schema`` greedy answers that follow ``SCHEMA`` (an object with a list of strings,
+long enough to reach ``--tokens``), and ``sampled`` answers (temperature 1, top-p 0.95).
+Each stream count runs the cases ``--rounds`` times in turn; ``overhead_per_token`` and
+``sampled_overhead_per_token`` are the ratios of their medians to plain's. Also reported:
+the grammar compile time of the schemas in tests/server/test_structured_outputs.py and
+json_object on the model's tokenizer (cold: the tokenizer's info, then each schema;
+cached: a second ask), and the mask's own cost per token (fill + unpack + accept, without
+the model).
 """
 
 from __future__ import annotations
