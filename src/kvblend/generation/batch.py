@@ -32,7 +32,7 @@ from kvblend.generation.slot import DecodeSlot
 from kvblend.models.attention import AttentionPlan, attend_cache, plan_attention
 from kvblend.models.kv_cache import KVCache
 from kvblend.models.packed import decode_pass, decoding
-from kvblend.models.transformer import Transformer
+from kvblend.models.transformer import DecodeRows, Transformer
 
 __all__ = ["DecodeSlot", "decode_batch", "forward_batch"]
 
@@ -77,16 +77,13 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
 
     rows = list(itertools.accumulate(sizes, initial=0))  # row offsets of each step
     decode = decode_pass(sizes)
+    decode_rows = DecodeRows([f.cache for f in forwards], starts) if decode else None
     with decoding(decode):  # decode steps alone read the packed decode weights
         h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
         for i, layer in enumerate(model.layers):
-            # decode rows alone: the whole layer in one native call where it can (one row), or
-            # every row's K/V write and attention in one
-            stepped = None
-            if decode and len(forwards) == 1:
-                stepped = layer.decode_step(h, *tables[i], forwards[0].cache, i, starts[0])
-            elif decode:
-                stepped = layer.decode_rows(h, *tables[i], [f.cache for f in forwards], i, starts)
+            # decode rows alone: the whole layer, every row's K/V write and attention, in one
+            # native call where it can
+            stepped = layer.decode_rows(h, *tables[i], decode_rows, i) if decode_rows is not None else None
             if stepped is not None:
                 h = stepped
                 continue

@@ -107,6 +107,47 @@ class RMSNorm(nn.Module):
         return torch.mul(x, inv.add_(self.eps).rsqrt_()).mul_(self.weight)
 
 
+class DecodeRows:
+    """The caches of one native decode step, ready for every layer: row r appends one token
+    at ``starts[r]`` of ``caches[r]``. Made once per step, so that what does not change from
+    layer to layer (room for the new slot, the rows' first visible slots per window) is not
+    redone per layer. ``native``: every cache is a plain ``KVCache`` (a ``ForkedCache`` reads
+    its prompt from its parent: the per-op path); ``copies``: the step attends over the
+    caches' float16 copies (all of them keep copies, ``KVCache.half_copies``)."""
+
+    def __init__(self, caches: Sequence[KVCache], starts: Sequence[int]) -> None:
+        self.caches, self.starts = list(caches), list(starts)
+        self.native = all(type(cache) is KVCache for cache in self.caches)
+        self.copies = all(cache.half_copies for cache in self.caches)  # the kernel takes copies for all rows or none
+        self._firsts: dict[int | None, list[int]] = {}
+        if self.native:
+            for cache, start in zip(self.caches, self.starts):
+                cache.reserve(start + 1)
+
+    def firsts(self, window: int | None) -> list[int]:
+        """Each row's first visible slot under a sliding ``window`` (None: all)."""
+        if window not in self._firsts:
+            self._firsts[window] = [first_visible(s, window) for s in self.starts]
+        return self._firsts[window]
+
+    def layer(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                         list[torch.Tensor], list[int]]:
+        """``layer``'s K and V buffers per row and, with copies, the float16 copies and the
+        slots each already holds (``KVCache.decode_half``); empty lists without."""
+        keys = [cache.keys[layer] for cache in self.caches]
+        values = [cache.values[layer] for cache in self.caches]
+        if not self.copies:
+            return keys, values, [], [], []
+        halves = [cache.decode_half(layer, start) for cache, start in zip(self.caches, self.starts)]
+        return keys, values, [x[0] for x in halves], [x[1] for x in halves], [x[2] for x in halves]
+
+    def written(self, layer: int) -> None:
+        """``layer``'s step wrote every row's slot to its copy too."""
+        if self.copies:
+            for cache, start in zip(self.caches, self.starts):
+                cache.half_synced[layer] = start + 1
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block. q/k/v and gate/up projections are fused into single matmuls.
 
@@ -174,38 +215,26 @@ class DecoderLayer(nn.Module):
                     start: int) -> torch.Tensor | None:
         """``decode_rows`` for one decode row h (1, D) at position ``start`` of ``cache``; None
         where that does not apply (more than one row, or as ``decode_rows``)."""
-        return self.decode_rows(h, cos, sin, [cache], layer, [start]) if h.shape[0] == 1 else None
+        return self.decode_rows(h, cos, sin, DecodeRows([cache], [start]), layer) if h.shape[0] == 1 else None
 
-    def decode_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[KVCache],
-                    layer: int, starts: Sequence[int]) -> torch.Tensor | None:
-        """The whole layer for decode rows h (R, D), row r one token at position ``starts[r]``
-        of ``caches[r]``, its K/V written there, in one native call (``decode_layer``: the
+    def decode_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows,
+                    layer: int) -> torch.Tensor | None:
+        """The whole layer for decode rows h (R, D), row r one token at position ``rows.starts[r]``
+        of ``rows.caches[r]``, its K/V written there, in one native call (``decode_layer``: the
         projections and MLP over all rows, every row's attention over the float16 copies of
         its cache, ``KVCache.decode_half``, unless a cache turned them off); None where that
         does not apply (not a native step, or a forked cache among them): the caller then
         runs project, attention and finish."""
-        if any(type(c) is not KVCache for c in caches) or not self.native_step():
+        if not rows.native or not self.native_step():
             return None
         c = self.cfg
-        keys, values, k_halves, v_halves, held = [], [], [], [], []
-        with_copies = all(cache.half_copies for cache in caches)  # the kernel takes copies for all rows or none
-        for cache, start in zip(caches, starts):
-            cache.reserve(start + 1)
-            keys.append(cache.keys[layer])
-            values.append(cache.values[layer])
-            if with_copies:
-                k_half, v_half, synced = cache.decode_half(layer, start)
-                k_halves.append(k_half)
-                v_halves.append(v_half)
-                held.append(synced)
+        keys, values, k_halves, v_halves, held = rows.layer(layer)
         out = native_layer_ops().layer(
-            h, self.native_weights(), cos, sin, keys, values, k_halves, v_halves, held, list(starts),
-            [first_visible(s, self.window) for s in starts], c.num_heads, c.num_kv_heads, c.head_dim,
+            h, self.native_weights(), cos, sin, keys, values, k_halves, v_halves, held, rows.starts,
+            rows.firsts(self.window), c.num_heads, c.num_kv_heads, c.head_dim,
             self.rope.interleaved, self.input_norm.eps, 1.0 if self.q_mult is None else self.q_mult,
             c.hidden_act == "gelu_tanh")
-        if with_copies:
-            for cache, start in zip(caches, starts):
-                cache.half_synced[layer] = start + 1
+        rows.written(layer)
         return out
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
