@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
+from kvblend.models import packed as packed_mod
 from kvblend.models.packed import (PackedWeight, amx_available, decode_pass, decoding, native_activation_error, native_int8,
-                                   native_lanes, resolve_decode_weights)
+                                   native_lanes, native_layer_ops, resolve_decode_weights)
+from kvblend.models.transformer import Transformer
 from tests.conftest import make_loaded
 
 
@@ -459,5 +461,40 @@ def test_int8_weights_move_into_one_huge_page_mapping(tiny) -> None:
         assert packed[0].q.data_ptr() % HUGE_PAGE == 0
         assert torch.equal(packed[0].q, q) and torch.equal(packed[0](x), before)
         assert in_huge_pages([PackedWeight(*_weights(), "fp16")]) is None  # only int8 moves
+    finally:
+        model.pack_decode_weights("fp32")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_steps_layers_in_one_native_call_equal_the_layer_by_layer_calls(arch, monkeypatch) -> None:
+    """``Transformer.decode_layers`` (every layer's decode step in one ``decode_layers`` call)
+    gives the layer-by-layer calls' logits and K/V bit for bit, for one row and for three at
+    different positions, with Gemma 3's sliding and global layers and their own RoPE tables."""
+    assert native_int8() is not None  # make setup builds the kernels
+    model = make_loaded(arch).model
+    model.pack_decode_weights("int8")
+    prompts = [torch.arange(3, 15), torch.arange(20, 26), torch.arange(40, 49)]
+
+    def run(stacked: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        calls = []
+        ops = native_layer_ops()
+        monkeypatch.setattr(packed_mod, "_LAYER_OPS", ops._replace(layers=lambda *a: calls.append(1) or ops.layers(*a)))
+        if not stacked:
+            monkeypatch.setattr(Transformer, "_native_stack", lambda self: None)
+        caches = []
+        for p in prompts:
+            c = model.new_cache(32)
+            model(p, c)
+            caches.append(c)
+        logits = [decode_batch(model, [5], caches[:1]), decode_batch(model, [7, 8, 9], caches)]
+        logits.append(decode_batch(model, [1, 2, 3], caches))  # the copies already synced
+        monkeypatch.undo()
+        assert len(calls) == (3 if stacked else 0)
+        return logits, [c.keys[layer][:, : c.length] for c in caches for layer in range(model.cfg.num_layers)]
+
+    try:
+        (one, keys), (ref, ref_keys) = run(True), run(False)
+        assert all(torch.equal(a, b) for a, b in zip(one, ref))
+        assert all(torch.equal(a, b) for a, b in zip(keys, ref_keys))
     finally:
         model.pack_decode_weights("fp32")

@@ -135,6 +135,7 @@ class NativeLayerOps(NamedTuple):
     attend_rows: Callable[..., torch.Tensor]  # each row's K/V write and attention (inside ``layer``)
     finish: Callable[..., torch.Tensor]  # DecoderLayer.finish: o, residual, norm, MLP, residual
     layer: Callable[..., torch.Tensor]  # DecoderLayer.decode_rows: the rows' project, attend_rows, finish
+    layers: Callable[..., torch.Tensor]  # Transformer.decode_layers: every layer's ``layer`` in one call
 
 
 _LAYER_OPS: NativeLayerOps | None = None
@@ -152,7 +153,8 @@ def native_layer_ops() -> NativeLayerOps | None:
     global _LAYER_OPS
     if _LAYER_OPS is None and native_int8() is not None:
         ops = torch.ops.kvblend_packed
-        _LAYER_OPS = NativeLayerOps(ops.decode_project, ops.decode_attend_rows, ops.decode_finish, ops.decode_layer)
+        _LAYER_OPS = NativeLayerOps(ops.decode_project, ops.decode_attend_rows, ops.decode_finish, ops.decode_layer,
+                                     ops.decode_layers)
     return _LAYER_OPS
 
 

@@ -147,6 +147,13 @@ class DecodeRows:
             for cache, start in zip(self.caches, self.starts):
                 cache.half_synced[layer] = start + 1
 
+    def stacked(self, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                            list[torch.Tensor], list[int]]:
+        """``layer``'s lists for layers 0..layers-1 end to end (layer-major, as ``decode_layers``
+        takes them)."""
+        parts = [self.layer(i) for i in range(layers)]
+        return tuple([x for part in parts for x in part[j]] for j in range(5))  # type: ignore[return-value]
+
 
 class DecoderLayer(nn.Module):
     """One pre-norm block. q/k/v and gate/up projections are fused into single matmuls.
@@ -231,11 +238,15 @@ class DecoderLayer(nn.Module):
         keys, values, k_halves, v_halves, held = rows.layer(layer)
         out = native_layer_ops().layer(
             h, self.native_weights(), cos, sin, keys, values, k_halves, v_halves, held, rows.starts,
-            rows.firsts(self.window), c.num_heads, c.num_kv_heads, c.head_dim,
-            self.rope.interleaved, self.input_norm.eps, 1.0 if self.q_mult is None else self.q_mult,
-            c.hidden_act == "gelu_tanh")
+            rows.firsts(self.window), c.num_heads, c.num_kv_heads, c.head_dim, *self.native_settings())
         rows.written(layer)
         return out
+
+    def native_settings(self) -> tuple[bool, float, float, bool]:
+        """The native decode step's per-layer settings after the shapes: interleaved RoPE,
+        the norms' eps, the queries' multiplier and whether the MLP's activation is GELU."""
+        return (self.rope.interleaved, self.input_norm.eps, 1.0 if self.q_mult is None else self.q_mult,
+                self.cfg.hidden_act == "gelu_tanh")
 
     def _native_project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, project = self.cfg, native_layer_ops().project
@@ -382,6 +393,38 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def decode_layers(self, h: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                      rows: DecodeRows) -> torch.Tensor | None:
+        """Every layer's ``decode_rows`` over decode rows h (R, D) in one native call
+        (``decode_layers``: a step pays the Python and the arguments' conversion around a call
+        once, not once a layer); the last layer's h, or None where not every layer runs its
+        step natively with the same settings (the caller then goes layer by layer)."""
+        weights = self._native_stack() if rows.native else None
+        if weights is None:
+            return None
+        first, c = self.layers[0], self.cfg
+        keys, values, k_halves, v_halves, held = rows.stacked(len(self.layers))
+        out = native_layer_ops().layers(
+            h, weights, [t[0] for t in tables], [t[1] for t in tables], keys, values, k_halves, v_halves, held,
+            rows.starts, [f for layer in self.layers for f in rows.firsts(layer.window)], c.num_heads,
+            c.num_kv_heads, c.head_dim, *first.native_settings())
+        for i in range(len(self.layers)):
+            rows.written(i)
+        return out
+
+    def _native_stack(self) -> list[torch.Tensor | None] | None:
+        """Every layer's ``native_weights`` end to end (remade when a layer's packing changes),
+        or None unless every layer steps natively with the first layer's settings."""
+        if not all(layer.native_step() for layer in self.layers):
+            return None
+        lists = [layer.native_weights() for layer in self.layers]
+        made = getattr(self, "_native_stack_made", None)
+        if made is None or any(a is not b for a, b in zip(made[0], lists)):
+            settings = self.layers[0].native_settings()
+            uniform = all(layer.native_settings() == settings for layer in self.layers)
+            made = self._native_stack_made = (lists, [w for ws in lists for w in ws] if uniform else None)
+        return made[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, D) residual stream (times ``embed_scale``, rounded to the

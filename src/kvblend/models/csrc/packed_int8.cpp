@@ -1228,6 +1228,44 @@ at::Tensor decode_layer(const at::Tensor& h, const c10::List<std::optional<at::T
                        *w(kDownScale), *w(kDownRowsum), w(kDownTiles), w(kDownBias), w(kMlpOutNorm), gelu);
 }
 
+// Every layer of one decode step in one call (the weights and lists of decode_layer, laid end
+// to end: a step then pays the arguments' conversion and the Python around a call once, not
+// once a layer). Layer l's weights are weights[l * kLayerWeights, (l + 1) * kLayerWeights), its
+// rotary tables cos[l]/sin[l]; row r's buffers, copies, synced slots and first slots are the
+// lists' entries l * R + r (R = slots.size()); the copies are given for every layer or none.
+// Returns the last layer's h (R, D).
+at::Tensor decode_layers(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
+                         at::TensorList cos, at::TensorList sin, at::TensorList k_caches, at::TensorList v_caches,
+                         at::TensorList k_halves, at::TensorList v_halves, at::IntArrayRef synced,
+                         at::IntArrayRef slots, at::IntArrayRef firsts, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, bool interleaved, double eps, double q_mult, bool gelu) {
+  const int64_t layers = static_cast<int64_t>(cos.size()), rows = static_cast<int64_t>(slots.size());
+  const bool half = !k_halves.empty();
+  TORCH_CHECK(static_cast<int64_t>(sin.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * kLayerWeights,
+              "decode_layers takes one rotary table pair and ", static_cast<int>(kLayerWeights), " weights a layer");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers * rows &&
+                  static_cast<int64_t>(v_caches.size()) == layers * rows &&
+                  static_cast<int64_t>(firsts.size()) == layers * rows,
+              "decode_layers takes one cache and first slot per layer and row");
+  TORCH_CHECK(!half || (static_cast<int64_t>(k_halves.size()) == layers * rows &&
+                        static_cast<int64_t>(v_halves.size()) == layers * rows &&
+                        static_cast<int64_t>(synced.size()) == layers * rows),
+              "decode_layers takes float16 copies and their synced slots per layer and row, or none");
+  at::Tensor out = h;
+  c10::List<std::optional<at::Tensor>> w;
+  w.reserve(kLayerWeights);
+  for (int64_t l = 0; l < layers; ++l) {
+    w.clear();
+    for (int64_t i = 0; i < kLayerWeights; ++i) w.push_back(weights.get(l * kLayerWeights + i));
+    const auto at = [&](at::TensorList list) { return half ? list.slice(l * rows, rows) : list; };
+    out = decode_layer(out, w, cos[l], sin[l], k_caches.slice(l * rows, rows), v_caches.slice(l * rows, rows),
+                       at(k_halves), at(v_halves), half ? synced.slice(l * rows, rows) : synced, slots,
+                       firsts.slice(l * rows, rows), heads, kv_heads, head_dim, interleaved, eps, q_mult, gelu);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvblend_packed, m) {
@@ -1243,6 +1281,10 @@ TORCH_LIBRARY(kvblend_packed, m) {
         "Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, "
         "int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor",
         &decode_layer);
+  m.def("decode_layers(Tensor h, Tensor?[] weights, Tensor[] cos, Tensor[] sin, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, "
+        "int heads, int kv_heads, int head_dim, bool interleaved, float eps, float q_mult, bool gelu) -> Tensor",
+        &decode_layers);
   m.def("decode_attend_rows(Tensor qkv, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_halves, "
         "Tensor(d!)[] v_halves, int[] synced, int[] slots, int[] firsts, int heads, int kv_heads, int head_dim) -> Tensor",
         &decode_attend_rows);
