@@ -498,3 +498,33 @@ def test_a_steps_layers_in_one_native_call_equal_the_layer_by_layer_calls(arch, 
         assert all(torch.equal(a, b) for a, b in zip(keys, ref_keys))
     finally:
         model.pack_decode_weights("fp32")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_one_token_forward_in_one_native_call_equals_the_layer_by_layer_steps(arch) -> None:
+    """``model(ids, cache)`` with one token (the Python API's and the CLI's decode) runs every
+    layer in one ``decode_layers`` call; ``forward_steps`` (which its owner may pause between
+    layers) goes layer by layer: the same logits and K/V bit for bit, past Gemma 3's window."""
+    assert native_int8() is not None  # make setup builds the kernels
+    model = make_loaded(arch).model
+    model.pack_decode_weights("int8")
+    try:
+        caches = [model.new_cache(32), model.new_cache(32)]
+        for c in caches:
+            model(torch.arange(3, 15), c)
+        for token in (5, 9, 2):
+            one = model(torch.tensor([token]), caches[0])
+            steps = model.forward_steps(torch.tensor([token]), caches[1])
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    ref = stop.value
+                    break
+            assert torch.equal(one, ref) and caches[0].length == caches[1].length
+        assert caches[0].length == 15
+        for layer in range(model.cfg.num_layers):
+            assert torch.equal(caches[0].keys[layer][:, :15], caches[1].keys[layer][:, :15])
+            assert torch.equal(caches[0].values[layer][:, :15], caches[1].values[layer][:, :15])
+    finally:
+        model.pack_decode_weights("fp32")

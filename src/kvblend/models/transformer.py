@@ -465,12 +465,34 @@ class Transformer(nn.Module):
         Positions continue from ``cache.length``. The cache is extended in place.
         ``logits_for``: "last" -> (1, V), "all" -> (T, V), "none" -> empty tensor.
         """
+        stepped = self._decode_stacked(ids, cache, logits_for)
+        if stepped is not None:
+            return stepped
         steps = self.forward_steps(ids, cache, logits_for)
         while True:
             try:
                 next(steps)
             except StopIteration as stop:
                 return stop.value
+
+    @torch.inference_mode()
+    def _decode_stacked(self, ids: torch.Tensor, cache: KVCache, logits_for: str) -> torch.Tensor | None:
+        """A one-token forward (a decode pass) with every layer in one native call
+        (``decode_layers``), as ``generation.batch.forward_batch`` runs a batched step; None
+        where that does not apply (more tokens, or not every layer steps natively): the
+        layer-by-layer ``forward_steps`` then runs it. ``forward_steps`` itself stays layer by
+        layer: its owner may run other work between two layers."""
+        if not decode_pass([ids.shape[0]]):
+            return None
+        start = cache.length
+        self._check_context(start + 1)
+        with decoding(True):
+            tables = self.layer_rope_tables(torch.arange(start, start + 1, device=self.device))
+            h = self.decode_layers(self.embed(ids), tables, DecodeRows([cache], [start]))
+            if h is None:
+                return None
+            cache.length = start + 1
+            return self._select_logits(h, logits_for)
 
     @torch.inference_mode()
     def forward_steps(self, ids: torch.Tensor, cache: KVCache,
