@@ -191,3 +191,18 @@ def test_finite_float64_logits_near_its_limit_are_not_called_non_finite() -> Non
     assert Sampler(SamplingParams())(torch.tensor([1e308, 1e308, 0.0], dtype=torch.float64)) == 0
     with pytest.raises(NonFiniteLogitsError):
         Sampler(SamplingParams())(torch.tensor([1e308, float("inf"), 0.0], dtype=torch.float64))
+
+
+def test_greedy_under_a_mask_equals_the_masked_argmax_and_reports_masked_logits() -> None:
+    """Greedy under a grammar's mask takes the raw argmax when the mask allows it (the same
+    token, ties included) and masks only otherwise; ``used`` (what processed logprobs are
+    of) is the masked logits either way."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        logits = torch.randint(-3, 4, (40,), generator=g).float()  # (V,) many ties
+        allowed = torch.rand(40, generator=g) < 0.5
+        allowed[int(torch.randint(0, 40, (1,), generator=g))] = True
+        sampler = Sampler(SamplingParams())
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        assert sampler(logits, allowed) == int(masked.argmax())
+        assert torch.equal(sampler.used, masked)

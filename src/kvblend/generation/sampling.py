@@ -168,12 +168,20 @@ class Sampler:
         self.drawn = 0
         self.counts: Counter[int] = Counter()
         self.prompt_ids = frozenset(prompt_ids) if params.repetition_penalty != 1 else frozenset()
-        self.used: torch.Tensor | None = None
+        self._used: torch.Tensor | None = None
+        self._unmasked: torch.Tensor | None = None  # a mask ``used`` has yet to apply (a greedy shortcut)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed + choice)
         else:
             self.generator.seed()
+
+    @property
+    def used(self) -> torch.Tensor | None:
+        if self._unmasked is not None and self._used is not None:
+            self._used = self._used.masked_fill(~self._unmasked.to(self._used.device), float("-inf"))
+            self._unmasked = None
+        return self._used
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """The next token id; ``NonFiniteLogitsError`` if any logit is NaN or ±inf.
@@ -186,11 +194,18 @@ class Sampler:
             raise NonFiniteLogitsError(
                 f"the model produced non-finite logits (NaN or inf) at generated token {self.drawn}")
         p = self.params
+        self._unmasked = None
+        if allowed is not None and p.greedy and not p.adjusts:
+            token = argmax(logits)  # the masked argmax too when the mask allows it (ties: the first index either way)
+            if bool(allowed[token]):
+                self._used, self._unmasked = logits, allowed  # masked only if logprobs ask (~80 µs a token)
+                self.counts[token] += 1
+                return token
         if allowed is not None:
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))  # (V,)
         if p.adjusts:
             logits = adjusted_logits(logits, p, self.prompt_ids, self.counts)  # (V,) float64
-        self.used = logits
+        self._used = logits
         if p.greedy:
             token = argmax(logits)
         else:
