@@ -112,8 +112,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3, help="plain and constrained runs taken in turn, per stream count")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every case taken in turn, per stream count")
     args = ap.parse_args()
+    if args.rounds < 1 or args.tokens < 2:
+        ap.error("need --rounds >= 1 and --tokens >= 2 (a rate needs two tokens after the first)")
     torch.set_num_threads(2)
     engine = Engine(load_model(args.model))
     report: dict = {"model": args.model, "threads": torch.get_num_threads(), "compile": compile_times(engine),

@@ -81,7 +81,9 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
     with decoding(decode):  # decode steps alone read the packed decode weights
         h = model.embed(torch.cat([f.ids for f in forwards]))  # (R, D): every step's rows
         stacked = model.decode_layers(h, tables, decode_rows) if decode_rows is not None else None
-        for i, layer in enumerate(model.layers if stacked is None else ()):
+        if stacked is not None:
+            h = stacked
+        for i, layer in enumerate(model.layers if stacked is None else ()):  # else every layer ran above
             # decode rows alone: the whole layer, every row's K/V write and attention, in one
             # native call where it can
             stepped = layer.decode_rows(h, *tables[i], decode_rows, i) if decode_rows is not None else None
@@ -99,7 +101,6 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
                 parts = f.cache.write_parts(i, starts[b], k[:, a:z], v[:, a:z])
                 attn[a:z] = attend_cache(q[:, a:z], parts, plan(layer.window, b), starts[b], layer.window)
             h = layer.finish(h, attn)
-        h = h if stacked is None else stacked
         for f, start, size in zip(forwards, starts, sizes):
             f.cache.length = start + size
         return _logits(model, h, forwards, rows)

@@ -401,8 +401,11 @@ class Transformer(nn.Module):
         once, not once a layer); the last layer's h, or None where not every layer runs its
         step natively with the same settings (the caller then goes layer by layer)."""
         weights = self._native_stack() if rows.native else None
-        if weights is None:
-            return None
+        return None if weights is None else self._run_stack(weights, h, tables, rows)
+
+    def _run_stack(self, weights: list[torch.Tensor | None], h: torch.Tensor,
+                   tables: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: DecodeRows) -> torch.Tensor:
+        """``decode_layers``' native call, its applicability checked (``weights``: ``_native_stack``'s)."""
         first, c = self.layers[0], self.cfg
         keys, values, k_halves, v_halves, held = rows.stacked(len(self.layers))
         out = native_layer_ops().layers(
@@ -482,15 +485,16 @@ class Transformer(nn.Module):
         where that does not apply (more tokens, or not every layer steps natively): the
         layer-by-layer ``forward_steps`` then runs it. ``forward_steps`` itself stays layer by
         layer: its owner may run other work between two layers."""
-        if not decode_pass([ids.shape[0]]):
+        if not decode_pass([ids.shape[0]]) or type(cache) is not KVCache:
             return None
-        start = cache.length
-        self._check_context(start + 1)
         with decoding(True):
-            tables = self.layer_rope_tables(torch.arange(start, start + 1, device=self.device))
-            h = self.decode_layers(self.embed(ids), tables, DecodeRows([cache], [start]))
-            if h is None:
+            weights = self._native_stack()  # checked first: the fp32 and CUDA paths pay nothing more
+            if weights is None:
                 return None
+            start = cache.length
+            self._check_context(start + 1)
+            tables = self.layer_rope_tables(torch.arange(start, start + 1, device=self.device))
+            h = self._run_stack(weights, self.embed(ids), tables, DecodeRows([cache], [start]))
             cache.length = start + 1
             return self._select_logits(h, logits_for)
 

@@ -1258,9 +1258,9 @@ at::Tensor decode_layers(const at::Tensor& h, const c10::List<std::optional<at::
   for (int64_t l = 0; l < layers; ++l) {
     w.clear();
     for (int64_t i = 0; i < kLayerWeights; ++i) w.push_back(weights.get(l * kLayerWeights + i));
-    const auto at = [&](at::TensorList list) { return half ? list.slice(l * rows, rows) : list; };
+    const auto layer_part = [&](at::TensorList list) { return half ? list.slice(l * rows, rows) : list; };
     out = decode_layer(out, w, cos[l], sin[l], k_caches.slice(l * rows, rows), v_caches.slice(l * rows, rows),
-                       at(k_halves), at(v_halves), half ? synced.slice(l * rows, rows) : synced, slots,
+                       layer_part(k_halves), layer_part(v_halves), half ? synced.slice(l * rows, rows) : synced, slots,
                        firsts.slice(l * rows, rows), heads, kv_heads, head_dim, interleaved, eps, q_mult, gelu);
   }
   return out;
