@@ -493,8 +493,8 @@ class ModelSettings(BaseSettings):
 
 
 # KVBLEND_* variables that are not settings: the model cache, the settings file, tracebacks,
-# the allocator (``engine.allocator``)
-NON_SETTINGS_ENV = frozenset({"home", "config", "debug", "malloc_tuning"})
+# the allocator (``engine.allocator``), the native kernels' -march (``models.packed``)
+NON_SETTINGS_ENV = frozenset({"home", "config", "debug", "malloc_tuning", "native_arch"})
 
 
 def _check_env() -> None:

@@ -252,3 +252,25 @@ def test_logprobs_mode_is_one_list_in_the_settings_the_flags_and_the_sampler() -
     assert LOGPROBS_MODES == SAMPLER_MODES == typing.get_args(Settings.model_fields["logprobs_mode"].annotation)
     assert Settings().logprobs_mode == "processed"
     assert build_parser().parse_args(["serve", "--logprobs-mode", "raw"]).logprobs_mode == "raw"
+
+
+def test_every_kvblend_variable_the_code_reads_is_accepted(tmp_path, monkeypatch) -> None:
+    """A ``KVBLEND_*`` variable that kvblend's code reads itself (the model cache, the
+    allocator, the native kernels' ``-march``) is no setting, and the settings must not
+    refuse it as unknown: ``KVBLEND_NATIVE_ARCH``, documented in the README, once stopped
+    ``kvblend serve`` from starting. The names come from the source, so a new one is
+    checked too."""
+    import re
+    from pathlib import Path
+
+    import kvblend
+
+    source = Path(kvblend.__file__).parent
+    read = re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](KVBLEND_[A-Z_]+)["']""")
+    names = {m for path in source.rglob("*.py") for m in read.findall(path.read_text())}
+    assert {"KVBLEND_HOME", "KVBLEND_NATIVE_ARCH", "KVBLEND_MALLOC_TUNING"} <= names
+    for name in names:
+        monkeypatch.setenv(name, "native" if name == "KVBLEND_NATIVE_ARCH" else "0")
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    monkeypatch.delenv("KVBLEND_CONFIG", raising=False)
+    Settings.load(write_yaml(tmp_path, ""))
