@@ -163,3 +163,49 @@ def test_forks_decode_in_one_batch_as_copies_would_past_a_sliding_window(arch) -
         apart = torch.cat([decode_batch(model, [tok], [c]) for tok, c in zip(tokens, copies)])
         assert torch.allclose(shared, apart, atol=1e-5)
     assert [f.length for f in forks] == [len(prompt) + 3] * 2 and parent.length == len(prompt) + 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_decode_token_is_the_same_whether_or_not_a_prefill_rides_in_its_pass(arch) -> None:
+    """With packed decode weights, a decode token's logits and KV are exactly those of the
+    same token decoded in a pass of decodes alone, whether or not a prefill slice rides in
+    the pass: one pass multiplied its row by the fp32 weights, so a greedy answer under
+    load (a shadow check's prefill beside it) could differ from the same request's answer
+    on a quiet server at a near tie. The slice still gets its own forward's result."""
+    from kvblend.generation.batch import forward_batch
+    from kvblend.generation.chunked import Forward
+
+    model = make_loaded(arch).model
+    model.pack_decode_weights("int8")
+    prompts = [_prompt(n, i) for i, n in enumerate((4, 13))]
+    quiet = [prefill(model, p, 2)[0] for p in prompts]
+    busy = [prefill(model, p, 2)[0] for p in prompts]
+    want = forward_batch(model, [Forward(torch.tensor([7]), c) for c in quiet])
+    long_ids = torch.tensor(_prompt(23, 9))
+    solo, mixed = model.new_cache(23), model.new_cache(23)
+    want_slice = model(long_ids, solo, logits_for="all")
+    got = forward_batch(model, [Forward(torch.tensor([7]), busy[0]), Forward(long_ids, mixed, "all"),
+                                Forward(torch.tensor([7]), busy[1])])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[1])
+    torch.testing.assert_close(got[1], want_slice, rtol=0, atol=1e-4)
+    for a, b in zip(quiet, busy):
+        assert a.length == b.length
+        for layer in range(a.num_layers):
+            assert all(torch.equal(x, y) for x, y in zip(a.view(layer), b.view(layer)))
+    assert mixed.length == 23
+
+
+def test_a_split_pass_that_fails_extends_no_cache() -> None:
+    """A mixed pass runs its prefill steps, then its decode steps; when the decode steps
+    fail, the prefill steps' caches are back at their lengths, as after one failed pass
+    (the scheduler then runs each step alone from where it was)."""
+    from kvblend.generation.batch import forward_batch
+    from kvblend.generation.chunked import Forward
+
+    model = make_loaded(max_position_embeddings=16).model
+    model.pack_decode_weights("int8")
+    cache, _ = prefill(model, list(range(3, 19)), 0)  # at the context's end: its decode step fails
+    slice_cache = model.new_cache(9)
+    with pytest.raises(Exception, match="context"):
+        forward_batch(model, [Forward(torch.arange(3, 12), slice_cache, "none"), Forward(torch.tensor([7]), cache)])
+    assert slice_cache.length == 0 and cache.length == 16

@@ -54,13 +54,18 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
     """Run several ``Forward`` steps (each some tokens appended to its own cache) in one
     forward: projections and MLP over all their rows, attention per step over its cache.
     Returns, per step, what ``model(f.ids, f.cache, f.logits_for)`` returns (up to GEMM
-    rounding). So a prefill slice and many requests' decode tokens share one pass over the
-    weights (chunked prefill piggybacking decodes, as Sarathi-Serve does). Caches must be
-    distinct objects; each is extended in place."""
+    rounding). So a prefill slice and many requests' decode tokens share one scheduler step
+    (chunked prefill piggybacking decodes, as Sarathi-Serve does): one pass over the weights,
+    or, with packed decode weights, a prefill pass and a decode pass (``_split_decodes``: a
+    decode token never depends on what rides beside it). Caches must be distinct objects;
+    each is extended in place."""
     if not forwards:
         raise ValueError("forward_batch needs at least one step")
     if len({id(f.cache) for f in forwards}) != len(forwards):
         raise ValueError("a cache appears twice in one batch")
+    split = _split_decodes(model, forwards)
+    if split is not None:
+        return split
     starts = [f.cache.length for f in forwards]
     sizes = [int(f.ids.shape[0]) for f in forwards]
     for start, size in zip(starts, sizes):
@@ -104,6 +109,33 @@ def forward_batch(model: Transformer, forwards: Sequence[Forward]) -> list[torch
         for f, start, size in zip(forwards, starts, sizes):
             f.cache.length = start + size
         return _logits(model, h, forwards, rows)
+
+
+def _split_decodes(model: Transformer, forwards: Sequence[Forward]) -> list[torch.Tensor] | None:
+    """A pass mixing one-token steps with longer ones, on a model with packed decode
+    weights, as two passes: the one-token steps a decode pass (``models.packed.decode_pass``),
+    the rest a prefill pass; outputs in the steps' order. So a decode token's logits and
+    KV never depend on whether a prefill slice rode in its pass: one pass would multiply
+    its row by the fp32 weights, and a greedy answer under load would differ from the same
+    request's answer on a quiet server wherever a near tie met the weights' rounding (the
+    int8 kernels' rows never depend on the rows beside them). None: nothing to split."""
+    sizes = [int(f.ids.shape[0]) for f in forwards]
+    ones = [b for b, t in enumerate(sizes) if t == 1]
+    if model.decode_weights == "fp32" or not ones or len(ones) == len(sizes):
+        return None
+    rest = [b for b, t in enumerate(sizes) if t != 1]
+    out: list[torch.Tensor | None] = [None] * len(forwards)
+    for b, o in zip(rest, forward_batch(model, [forwards[b] for b in rest])):
+        out[b] = o
+    try:
+        decoded = forward_batch(model, [forwards[b] for b in ones])
+    except BaseException:
+        for b in rest:  # as one failed pass would: no cache extended (the caller may retry each step)
+            forwards[b].cache.length -= sizes[b]
+        raise
+    for b, o in zip(ones, decoded):
+        out[b] = o
+    return out  # type: ignore[return-value]
 
 
 def _logits(model: Transformer, h: torch.Tensor, forwards: Sequence[Forward], rows: list[int]) -> list[torch.Tensor]:

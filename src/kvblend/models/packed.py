@@ -27,8 +27,10 @@ and, beside them, a packed copy that only decode passes read:
 Which passes are decode passes is one rule, ``decode_pass``: every step of the pass
 appends exactly one token. Such a pass runs inside ``decoding()``; ``Linear`` reads
 ``is_decoding()`` and multiplies by its packed copy there. Passes that append a prompt's
-tokens (prefill, a blend's recompute, a prefill slice riding beside decodes) never do, so
-stored KV is the same whatever the decode weights are.
+tokens (prefill, a blend's recompute) never do, so stored KV is the same whatever the
+decode weights are. A step of one token riding beside a prefill slice is split into a
+decode pass of its own (``generation.batch.forward_batch``), so that its result never
+depends on what shares its scheduler step.
 """
 
 from __future__ import annotations
