@@ -315,11 +315,7 @@ class SchedulerSettings(_Section):
     write-back: a full lane is a 429 for ``POST /v1/documents``), ``max_background`` the
     low-priority lane (shadow checks; more are dropped and counted). ``tenants`` gives
     tenants weights, queue caps and token rates; ``decode_weight`` is what a decoded token
-    counts against a computed prompt token in the fair queue. ``short_prefill_tokens``: a
-    prefill that has done this many tokens of work steps aside for a newer request of its
-    tenant, which goes first until it has done as much (short prefills first: a request
-    served mostly from cache no longer waits out another's full prefill); null keeps each
-    tenant's prefills in arrival order."""
+    counts against a computed prompt token in the fair queue."""
 
     max_running: int = Field(8, gt=0)
     max_queued: int = 64
@@ -330,7 +326,6 @@ class SchedulerSettings(_Section):
     interleave: Literal["auto", "layers", "slices"] = "auto"
     max_jobs: int = Field(32, ge=1, le=4096)
     decode_weight: float = Field(2.0, gt=0, allow_inf_nan=False)
-    short_prefill_tokens: int | None = Field(512, ge=1, le=1 << 20)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     def shares(self) -> dict[str, TenantShare]:

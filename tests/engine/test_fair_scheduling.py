@@ -279,8 +279,7 @@ def test_a_light_request_does_not_wait_for_another_tenants_long_prefill(preempt:
     want_heavy, want_light = eng.generate(heavy, sampling).token_ids, eng.generate(light, sampling).token_ids
     box: list = []
     timeline = _SubmitOnAdmission(box, light, sampling)
-    # the same tenant's requests keep their order with short prefills first off (below: on)
-    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8, short_prefill_tokens=None)
+    sched = Scheduler(eng, max_running=4, observer=timeline, prefill_chunk_tokens=8)
     box.append(sched)
     first = sched.submit(heavy, sampling)
     sched.start()
@@ -293,49 +292,6 @@ def test_a_light_request_does_not_wait_for_another_tenants_long_prefill(preempt:
         assert order == [second.id, first.id]
     else:  # the same tenant: its own requests keep their order
         assert order == [first.id, second.id]
-    assert sched.num_running == 0 and not sched._paused
-
-
-class _SubmitManyOnAdmission(Timeline):
-    """Submits ``requests`` from the worker the moment the first request is admitted."""
-
-    def __init__(self, sched_box: list, requests: list[Request], sampling: SamplingParams) -> None:
-        super().__init__()
-        self.box, self.requests, self.sampling, self.handles = sched_box, requests, sampling, []
-
-    def on_admitted(self, handle) -> None:
-        super().on_admitted(handle)
-        if not self.handles:
-            self.handles.extend(self.box[0].submit(r, self.sampling) for r in self.requests)
-
-
-@pytest.mark.parametrize("lights", [1, 6])
-def test_a_tenants_short_prefills_go_before_its_long_one_a_bounded_number_of_times(lights: int) -> None:
-    """Within one tenant, a prefill that has done ``short_prefill_tokens`` of work steps aside
-    for the tenant's newer requests (a mostly cached request no longer waits out a full
-    prefill), at most MAX_BYPASSED times: the long one then finishes before the rest. Every
-    answer is the one the request gets alone."""
-    from kvblend.engine.scheduler import MAX_BYPASSED
-
-    eng = Engine(make_loaded(num_hidden_layers=4, max_position_embeddings=512))
-    heavy = Request(documents=(), question=_long_question(300), method="full", tenant="t")
-    light = [Request(documents=(), question=f"hello {WORDS[i]}", method="full", tenant="t") for i in range(lights)]
-    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
-    want_heavy = eng.generate(heavy, sampling).token_ids
-    want_light = [eng.generate(r, sampling).token_ids for r in light]
-    box: list = []
-    timeline = _SubmitManyOnAdmission(box, light, sampling)
-    sched = Scheduler(eng, max_running=8, observer=timeline, prefill_chunk_tokens=8, short_prefill_tokens=64)
-    box.append(sched)
-    first = sched.submit(heavy, sampling)
-    sched.start()
-    assert first.result().token_ids == want_heavy
-    assert [h.result().token_ids for h in timeline.handles] == want_light
-    sched.drain(5)
-    order = [who for kind, who in timeline.events if kind == "first"]
-    ids = [h.id for h in timeline.handles]
-    went_first = min(lights, MAX_BYPASSED)
-    assert order == ids[:went_first] + [first.id] + ids[went_first:]
     assert sched.num_running == 0 and not sched._paused
 
 

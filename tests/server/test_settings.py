@@ -274,18 +274,3 @@ def test_every_kvblend_variable_the_code_reads_is_accepted(tmp_path, monkeypatch
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
     monkeypatch.delenv("KVBLEND_CONFIG", raising=False)
     Settings.load(write_yaml(tmp_path, ""))
-
-
-def test_the_scheduler_gets_its_short_prefill_rule_from_the_settings(monkeypatch) -> None:
-    """``scheduler.short_prefill_tokens`` reaches the server's scheduler; null turns it off."""
-    from kvblend.engine import Engine
-    from kvblend.server.app import build_scheduler
-    from tests.conftest import make_loaded
-
-    engine = Engine(make_loaded(), self_check=False)
-    assert build_scheduler(engine, Settings.load()).short_prefill_tokens == 512
-    monkeypatch.setenv("KVBLEND_SCHEDULER__SHORT_PREFILL_TOKENS", "200")
-    assert build_scheduler(engine, Settings.load()).short_prefill_tokens == 200
-    assert build_scheduler(engine, Settings.load(scheduler={"short_prefill_tokens": None})).short_prefill_tokens is None
-    with pytest.raises(SettingsError, match="short_prefill_tokens"):
-        Settings.load(scheduler={"short_prefill_tokens": 0})

@@ -3,8 +3,7 @@
 Contract (the HTTP server builds on exactly this)::
 
     sched = Scheduler(engine, max_running=8, max_queued=64, deadline_s=None, observer=None,
-                      prefill_chunk_tokens=128, shares={tenant: TenantShare(...)},
-                      short_prefill_tokens=512)
+                      prefill_chunk_tokens=128, shares={tenant: TenantShare(...)})
     sched.start()                                # starts the single model-worker thread
     handle = sched.submit(request, sampling)     # QueueFullError (-> 429 + Retry-After),
                                                  # DrainingError (-> 503), WorkerDeadError (-> 503)
@@ -31,10 +30,7 @@ loop turn:
   (its step generator simply not advanced; nothing is recomputed) when another tenant
   with no more service and nothing in flight waits (or one behind by over
   ``PAUSE_QUANTUM_TOKENS``), so a light tenant never waits for a heavy one's long prompt;
-  a paused prefill resumes, in fair order, once no prefill runs. Within a tenant, short
-  prefills go first: one that has done ``short_prefill_tokens`` of work is paused alike for
-  the tenant's next request (a mostly cached request no longer waits out a full prefill),
-  at most ``MAX_BYPASSED`` times, and long ones resume in arrival order. *Fair parts of the
+  a paused prefill resumes, in fair order, once no prefill runs. *Fair parts of the
   slots*: each active tenant is owed ``max_running`` x its weight / the active tenants'
   weights. When every slot is taken and the queue's next tenant is owed one, the tenant
   furthest over its part *parks* its newest decode (set aside with its cache and decode
@@ -367,15 +363,11 @@ class _Task:
 
 
 class _Prefill(_Task):
-    """A request between admission and its first token: ``work``, the prompt tokens' worth
-    of work it has done (what its tenant was charged); ``bypassed``, how many newer
-    requests of its tenant went first (``Scheduler._yields``)."""
+    """A request between admission and its first token."""
 
     def __init__(self, handle: RequestHandle, steps: Steps) -> None:
         super().__init__(steps)
         self.handle = handle
-        self.work = 0.0
-        self.bypassed = 0
 
 
 class _Job(_Task):
@@ -422,10 +414,6 @@ MIN_SLICE_TOKENS = 16  # below this a slice costs more in passes over the weight
 # a prefill in progress steps aside for a tenant with work in flight only once that tenant
 # is this many (weighted) tokens behind: VTC's own fairness bound is a batch's worth of tokens
 PAUSE_QUANTUM_TOKENS = 1024.0
-DEFAULT_SHORT_PREFILL_TOKENS = 512  # see ``Scheduler``: a cached blend does ~300, a full 1.3k-token prompt ~1.3k
-# a long prefill steps aside for at most this many newer requests of its tenant, so a stream
-# of short ones never starves it
-MAX_BYPASSED = 4
 INTERLEAVE_MODES = ("auto", "layers", "slices")
 # an in-place chunk is sized so that about this many of its layers fill a turn: smaller
 # layers overshoot the turn less (in-process, 4k tokens beside a stream: max gap 254-279 ms
@@ -450,22 +438,14 @@ class Scheduler:
     long prefill sooner and stall the streams longer: see ``slice_tokens``);
     ``interleave``: how that work keeps the streams' pace ("auto", "layers", "slices"; see
     ``slice_tokens``); ``max_jobs``/``max_background``: jobs queued or running at most in
-    the jobs lane (more are refused) and the background lane (more are dropped);
-    ``short_prefill_tokens``: within a tenant, a prefill that has done this many tokens of
-    work steps aside for a newer request, which goes first until it has done as much (two
-    levels of a multi-level feedback queue: short prefills first, long ones in arrival
-    order; each long one steps aside at most ``MAX_BYPASSED`` times); None: arrival order."""
+    the jobs lane (more are refused) and the background lane (more are dropped)."""
 
     def __init__(self, engine: Engine, max_running: int = 8, max_queued: int = 64, deadline_s: float | None = None,
                  observer: SchedulerObserver | None = None, max_background: int = 16, *,
                  prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, max_jobs: int = 32,
                  shares: dict[str, TenantShare] | None = None, decode_weight: float = 2.0,
-                 stall_steps: float = DEFAULT_STALL_STEPS, interleave: str = "auto",
-                 short_prefill_tokens: int | None = DEFAULT_SHORT_PREFILL_TOKENS) -> None:
+                 stall_steps: float = DEFAULT_STALL_STEPS, interleave: str = "auto") -> None:
         _check_limits(max_running, max_queued, max_background, max_jobs, deadline_s, prefill_chunk_tokens)
-        if short_prefill_tokens is not None and short_prefill_tokens < 1:
-            raise ValueError(f"short_prefill_tokens must be at least 1 or None, got {short_prefill_tokens}")
-        self.short_prefill_tokens = short_prefill_tokens
         if not 1.0 < stall_steps < float("inf"):
             raise ValueError(f"stall_steps must be a number > 1, got {stall_steps}")
         self.stall_steps = stall_steps
@@ -482,7 +462,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._queue: FairQueue[RequestHandle] = FairQueue(max_queued, shares, decode_weight)
         self._prefill: _Prefill | None = None
-        self._paused: list[_Prefill] = []  # prefills set aside: for a tenant with less service, or a short prefill
+        self._paused: list[_Prefill] = []  # prefills set aside for a tenant with less service
         self._running: list[_Running] = []
         self._parked: list[_Running] = []  # decodes set aside for a tenant owed a slot (cache kept)
         self._thread: threading.Thread | None = None
@@ -780,21 +760,15 @@ class Scheduler:
                 return
             head = self._queue.head()
             if self._prefill is not None:
-                if head is None:
+                if head is None or not self._preempts(head, self._prefill.handle.tenant):
                     return
-                if not self._preempts(head, self._prefill.handle.tenant):  # another tenant with less service
-                    if head != self._prefill.handle.tenant or not self._yields(self._prefill):
-                        return
-                    self._prefill.bypassed += 1  # a long prefill lets its tenant's newer request go first
-                self._paused.append(self._prefill)
+                self._paused.append(self._prefill)  # another tenant with less service waits
                 self._prefill = None
             elif self._paused:
-                nxt = self._paused[self._next_paused()]
-                if head is None or not self._preempts(head, nxt.handle.tenant):
-                    if head != nxt.handle.tenant or not self._yields(nxt):
-                        self._prefill = self._resumed()
-                        return
-                    nxt.bypassed += 1
+                lowest = min(self._paused, key=lambda p: self._queue.counter(p.handle.tenant)).handle.tenant
+                if head is None or not self._preempts(head, lowest):
+                    self._prefill = self._resumed()
+                    return
             picked = self._queue.pop()
             if picked is None:
                 return
@@ -868,23 +842,11 @@ class Scheduler:
                     return
             self._running.append(self._parked.pop(0))
 
-    def _yields(self, prefill: _Prefill) -> bool:
-        """``prefill`` lets a newer request of its tenant go first: it has done
-        ``short_prefill_tokens`` of work and stepped aside fewer than MAX_BYPASSED times."""
-        limit = self.short_prefill_tokens
-        return limit is not None and prefill.work >= limit and prefill.bypassed < MAX_BYPASSED
-
-    def _next_paused(self) -> int:
-        """The index of the paused prefill to resume: its tenant has had the least service;
-        among one tenant's, a short one (``_yields`` False) before a long one, then the
-        oldest. Call with the lock held and ``_paused`` non-empty."""
-        return min(range(len(self._paused)), key=lambda i: (
-            self._queue.counter(self._paused[i].handle.tenant), self._yields(self._paused[i]),
-            self._paused[i].handle.submitted))
-
     def _resumed(self) -> _Prefill:
-        """Take the paused prefill ``_next_paused`` names. Call with the lock held."""
-        return self._paused.pop(self._next_paused())
+        """Take the paused prefill whose tenant has had the least service (the oldest among
+        equals). Call with the lock held and ``_paused`` non-empty."""
+        best = min(range(len(self._paused)), key=lambda i: self._queue.counter(self._paused[i].handle.tenant))
+        return self._paused.pop(best)
 
     # -- slices
     def _slice(self) -> tuple[Forward | None, _Task | None]:
@@ -910,9 +872,7 @@ class Scheduler:
         fraction of a token) and the forward it asks for."""
         work, task.done = task.done, 0.0
         if isinstance(task, _Prefill):
-            work += forward.ids.shape[0] if forward is not None else 0
-            task.work += work
-            self._charge(task.handle, prefill=work)
+            self._charge(task.handle, prefill=work + (forward.ids.shape[0] if forward is not None else 0))
 
     def _pick(self) -> _Task | None:
         """The task that gets this turn's slice: the request being prefilled, except that

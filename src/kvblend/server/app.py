@@ -141,8 +141,7 @@ def build_scheduler(engine: Engine, settings: Settings) -> Scheduler:
                      deadline_s=sch.request_deadline_s, max_background=sch.max_background,
                      prefill_chunk_tokens=sch.prefill_chunk_tokens, max_jobs=sch.max_jobs,
                      shares=sch.shares(), decode_weight=sch.decode_weight,
-                     stall_steps=sch.max_stall_steps, interleave=sch.interleave,
-                     short_prefill_tokens=sch.short_prefill_tokens)
+                     stall_steps=sch.max_stall_steps, interleave=sch.interleave)
 
 
 def server_metrics(model_id: str, engine: Engine, scheduler: Any) -> ServerMetrics:
