@@ -50,8 +50,10 @@ loop turn:
   prefill, so it is never starved;
 * runs ONE batched forward (``generation.batch.forward_batch``) over the decode token
   of every running request and the slice's ``Forward``, if any (slices: chunked prefill
-  piggybacking decodes, Sarathi-Serve; layers: a decode-only step after the layers run in
-  place), so a long prompt delays running streams by one turn, never by its whole prefill;
+  piggybacking decodes, Sarathi-Serve; with packed decode weights the decode tokens run as
+  a pass of their own inside it, so that no token depends on what shares its step; layers:
+  a decode-only step after the layers run in place), so a long prompt delays running
+  streams by one turn, never by its whole prefill;
 * samples each running request's next token (``DecodeSlot``: the same rules as
   ``Engine.stream``). A request of ``n`` choices is prefilled once and decodes as ``n``
   rows of the batch (choice 0 in the prepared cache, the others in forks that read its
