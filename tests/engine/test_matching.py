@@ -177,3 +177,28 @@ def test_a_repetitive_message_keeps_the_candidates_bounded() -> None:
     chosen = spans(index, message)
     assert chosen and all(message[a:b] == "a" * (b - a) for a, b, _ in chosen)
     assert all(b <= c for (_, b, _), (c, _, _) in zip(chosen, chosen[1:]))  # non-overlapping
+
+
+@pytest.mark.parametrize("pasted", [0, 1])
+def test_a_run_stored_in_several_texts_is_taken_from_the_text_it_continues(pasted: int) -> None:
+    """A paragraph that two stored texts share is found in both; the run reused is the one
+    after the same text as here (its KV was computed after what precedes it in the
+    prompt), not the newest: an app's next chunk of a passage continues that passage."""
+    from kvblend.models.loader import load_tokenizer
+    from kvblend.models.registry import DEFAULT_MODEL, resolve_packaged
+
+    tok = load_tokenizer(resolve_packaged(DEFAULT_MODEL))
+    shared = " ".join(f"The {w} office of the company opened in {c} in {1900 + i}." for i, (w, c) in
+                      enumerate(zip(["north", "south", "east", "west", "main", "old"] * 2, ["Paris", "Rome", "Oslo"] * 4)))
+    heads = [" ".join(passage(s) for s in (31, 32)), " ".join(passage(s) for s in (33, 34))]
+    stored = [f"{h} {shared}" for h in heads]
+    index = DocumentIndex(tokenizer=tok)
+    index.add("t", [IndexedText(t, tuple(tok(t, add_special_tokens=False)["input_ids"]), f"c{i}", f"d{i}")
+                    for i, t in enumerate(stored)])
+    message = f"Context:\n\n{heads[pasted]}\n\n{shared}\n\nQuestion: who?"  # the app cut it before the paragraph
+    found = index.match("t", [message])
+    assert len(found) == 2 and not any(m.whole for m in found), found
+    assert [m.chunk for m in found] == [f"c{pasted}"] * 2
+    head, run = found
+    assert run.offset >= head.offset + len(head.token_ids)  # further on in the same stored text
+    assert message[run.start : run.end] in shared

@@ -24,7 +24,9 @@ start). Matching a message:
         ``SPAN_CHARS`` characters
     keep the non-overlapping runs that cover the most characters, each cut to whole tokens
     of its text (a run that is not the whole text needs the text's token cuts and at
-    least ``min_span_tokens`` tokens)
+    least ``min_span_tokens`` tokens); a run found in several stored texts (a shared
+    paragraph) is taken from the one that continues the previous run's stored text
+    (``continuity_order``): its KV was computed after the text that precedes it here
 
 so the cost grows with the message's length (and the runs found), not with the number of
 stored texts: the bit filter (``FILTER_BITS`` bits per anchor) keeps Python's per-anchor
@@ -401,6 +403,32 @@ class _TenantIndex:
         return found
 
 
+def continuity_order(index: _TenantIndex, runs: Sequence[tuple[int, int, int, int]], equal: Sequence[int],
+                     chosen: int, prev: tuple[int, int, int, int] | None,
+                     following: tuple[int, int, int, int] | None) -> list[int]:
+    """The runs ``equal`` (indices into ``runs``, all at the same place of the message) in
+    the order to try them, best first. A text repeated in several stored texts (a shared
+    paragraph, boilerplate) is found in each; the one to reuse is the one whose stored KV
+    was computed after the text that precedes the run here: the stored text of the
+    previous run, further on (the stored gap closest to the message's), then another
+    chunk of its document, then the stored text of the next run; else ``chosen`` first
+    (``best_spans``'s pick), then the rest."""
+    def rank(j: int) -> tuple[int, int, int]:
+        start, _, serial, t_start = runs[j]
+        if prev is not None:
+            p_start, p_end, p_serial, p_t_start = prev
+            p_t_end = p_t_start + p_end - p_start
+            if serial == p_serial and t_start >= p_t_start:
+                return 0, abs((t_start - p_t_end) - (start - p_end)), 0
+            document = index.entries[p_serial].document
+            if document is not None and index.entries[serial].document == document:
+                return 1, 0, 0
+        if following is not None and serial == following[2]:
+            return 2, 0, 0
+        return 3, 0, 0 if j == chosen else 1
+    return sorted(equal, key=rank)
+
+
 def candidate_limit(chars: int) -> int:
     """Runs kept per message: twice the most non-overlapping texts it can hold, plus a
     bucket's worth. Past it later runs are not matched (computed, never wrong)."""
@@ -530,10 +558,18 @@ class DocumentIndex:
             for m, text in enumerate(messages):
                 runs = index.candidates(text)
                 chosen = best_spans([(start, end, i) for i, (start, end, _, _) in enumerate(runs)])
-                for start, end, i in chosen:
-                    match = self._cut(index, m, runs[i])
-                    if match is not None:
-                        out.append(match)
+                same: dict[tuple[int, int], list[int]] = {}
+                for i, (start, end, _, _) in enumerate(runs):
+                    same.setdefault((start, end), []).append(i)
+                prev = None
+                for k, (start, end, i) in enumerate(chosen):
+                    following = runs[chosen[k + 1][2]] if k + 1 < len(chosen) else None
+                    for j in continuity_order(index, runs, same[(start, end)], i, prev, following):
+                        match = self._cut(index, m, runs[j])
+                        if match is not None:
+                            out.append(match)
+                            prev = runs[j]
+                            break
         return out
 
     def _cut(self, index: _TenantIndex, message: int, run: tuple[int, int, int, int]) -> Match | None:
