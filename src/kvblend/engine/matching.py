@@ -413,19 +413,21 @@ def continuity_order(index: _TenantIndex, runs: Sequence[tuple[int, int, int, in
     previous run, further on (the stored gap closest to the message's), then another
     chunk of its document, then the stored text of the next run; else ``chosen`` first
     (``best_spans``'s pick), then the rest."""
-    def rank(j: int) -> tuple[int, int, int]:
+    if len(equal) == 1:
+        return list(equal)
+    document = index.entries[prev[2]].document if prev is not None else None
+
+    def rank(j: int) -> tuple[int, int]:
         start, _, serial, t_start = runs[j]
         if prev is not None:
             p_start, p_end, p_serial, p_t_start = prev
-            p_t_end = p_t_start + p_end - p_start
-            if serial == p_serial and t_start >= p_t_start:
-                return 0, abs((t_start - p_t_end) - (start - p_end)), 0
-            document = index.entries[p_serial].document
+            if serial == p_serial and t_start >= p_t_start:  # the stored gap against the message's
+                return 0, abs((t_start - p_t_start - (p_end - p_start)) - (start - p_end))
             if document is not None and index.entries[serial].document == document:
-                return 1, 0, 0
+                return 1, 0
         if following is not None and serial == following[2]:
-            return 2, 0, 0
-        return 3, 0, 0 if j == chosen else 1
+            return 2, 0
+        return 3, 0 if j == chosen else 1
     return sorted(equal, key=rank)
 
 
