@@ -11,7 +11,7 @@ from kvblend.errors import KvblendError
 from kvblend.generation.batch import decode_batch, forward_batch
 from kvblend.generation.chunked import Forward
 from kvblend.models import packed as packed_mod
-from kvblend.models.packed import (PackedWeight, amx_available, decode_pass, decoding, native_activation_error, native_int8,
+from kvblend.models.packed import (PackedWeight, tiles_kind, decode_pass, decoding, native_activation_error, native_int8,
                                    native_lanes, native_layer_ops, resolve_decode_weights)
 from kvblend.models.transformer import Transformer
 from tests.conftest import make_loaded
@@ -93,33 +93,42 @@ def test_the_int8_kernel_is_built_and_equals_the_tensor_ops() -> None:
         packed(torch.randn(2, inp + 1))
 
 
-def test_amx_tiles_give_the_row_major_weights_result() -> None:
-    """Where the kernels have AMX (``amx_available``), a packed int8 weight also holds
-    ``amx_pack``'s tiles of q (16 outputs x 64 inputs, zero past the edges), and steps of
-    any rows multiply by them: the same result, bit for bit, as the row-major weight through
-    the VNNI path (which a CPU without AMX takes), at every row count (up to 8 rows a tile
-    with their lo rows, more in several) and at widths and output counts off the tiles'
-    edges. Tiles that are not q's are refused, and a
-    process without AMX refuses tiles."""
+def test_tiles_give_the_row_major_weights_result() -> None:
+    """Where the kernels read a second layout of the weights (``tiles_kind``), a packed int8
+    weight also holds it, and steps of any rows multiply by it: the same result, bit for bit,
+    as the row-major weight (which the same CPU takes without tiles, and a replica without
+    AMX takes), at every row count and at widths and output counts off the tiles' edges.
+    ``amx``: 16 outputs x 64 inputs a tile (zero past the edges). ``int16`` (AVX2 without
+    VNNI): four outputs' 16 inputs a cache line, for widths that are a multiple of 16 (others
+    keep row-major only). Tiles that are not q's are refused, and a process with no tiles
+    refuses them."""
     op = torch.ops.kvblend_packed.int8_linear
+    kind = tiles_kind()
     w, b = _weights(out=16, inp=64, seed=5)
     plain = PackedWeight(w, b, "int8")
-    if not amx_available():
+    if kind == "":
         assert plain.tiles is None
         with pytest.raises(RuntimeError, match="without AMX"):
             op(torch.randn(4, 64), plain.q, plain.scale, plain.rowsum, None, torch.zeros(1, 1, 1024, dtype=torch.int8))
         return
-    with pytest.raises(RuntimeError, match="amx_pack's of its weight"):
-        op(torch.randn(4, 64), plain.q, plain.scale, plain.rowsum, None, torch.zeros(2, 1, 1024, dtype=torch.int8))
-    for out, inp in ((130, 77), (64, 64), (7, 200), (40, 1536)):
+    wrong = torch.zeros(2, 1, 1024, dtype=torch.int8) if kind == "amx" else torch.zeros(5, 4, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=f"{kind}_pack's of its weight"):
+        op(torch.randn(4, 64), plain.q, plain.scale, plain.rowsum, None, wrong)
+    for out, inp in ((130, 77), (130, 80), (64, 64), (7, 208), (40, 1536)):
         w, b = _weights(out=out, inp=inp, seed=5)
         packed = PackedWeight(w, b, "int8")
-        assert packed.tiles is not None and packed.tiles.shape == ((out + 15) // 16, (inp + 63) // 64, 1024)
+        if kind == "amx":
+            assert packed.tiles is not None and packed.tiles.shape == ((out + 15) // 16, (inp + 63) // 64, 1024)
+        elif inp % 16:
+            assert packed.tiles is None
+            continue
+        else:
+            assert packed.tiles is not None and packed.tiles.shape == ((out + 3) // 4, inp // 16, 64)
         for rows in (1, 2, 4, 7, 8, 9, 17):
             x = torch.randn(rows, inp) * torch.logspace(-3, 2, rows)[:, None]
             tiled = op(x, packed.q, packed.scale, packed.rowsum, packed.bias, packed.tiles)
             row_major = op(x, packed.q, packed.scale, packed.rowsum, packed.bias)
-            torch.testing.assert_close(tiled, row_major, rtol=0, atol=0)  # replicas with and without AMX agree
+            torch.testing.assert_close(tiled, row_major, rtol=0, atol=0)  # replicas with and without tiles agree
             _assert_int8_matmul(tiled, x, packed.q.float() * packed.scale[:, None], packed.bias)
             torch.testing.assert_close(packed(x), tiled)
 

@@ -10,9 +10,10 @@ and, beside them, a packed copy that only decode passes read:
   kernels are kvblend's own (``csrc/packed_int8.cpp``), compiled once per machine for its
   CPU with torch's extension builder (~20 s, ``native_int8``). With AVX-512 VNNI each
   activation row goes in as two 8-bit rows, itself and its rounding remainder (~16 bits,
-  ``native_activation_error``), through VNNI's int8 dot products; elsewhere activations
-  stay float32 and the weights are widened to float32 in vector registers. Either way the
-  error is the weights' rounding (SmolLM2's next-token KL to fp32 ~0.002) and a row's
+  ``native_activation_error``), through VNNI's int8 dot products; with AVX2 but no VNNI as
+  one 16-bit row (``vpmaddwd`` against the weights widened to 16 bits: widening them to
+  float32 left SmolLM2's decode compute-bound on a Zen 3); elsewhere activations stay
+  float32 and the weights are widened to float32. Either way the error is the weights' rounding (SmolLM2's next-token KL to fp32 ~0.002) and a row's
   result never depends on the rows beside it (a stream's tokens do not change with load).
   Measured first and slower at a decode step's shapes: FBGEMM's dynamically quantized
   linear (7-bit activations over one range per call, which alone cost SmolLM2 a KL of
@@ -218,6 +219,24 @@ def amx_available() -> bool:
     return native_int8() is not None and bool(torch.ops.kvblend_packed.amx_available())
 
 
+def tiles_kind() -> str:
+    """The second layout of the int8 weights the built kernels read, beside row-major ``q``:
+    ``"amx"`` (AMX tiles, where built with AMX and granted the tiles), ``"int16"`` (four rows'
+    16 inputs a cache line, for the AVX2 path without VNNI) or ``""`` (none)."""
+    return str(torch.ops.kvblend_packed.tiles_kind()) if native_int8() is not None else ""
+
+
+def pack_tiles(q: torch.Tensor) -> torch.Tensor | None:
+    """``q`` (out, in) int8 in the layout of ``tiles_kind`` (None: none here, or a width the
+    layout does not take)."""
+    kind = tiles_kind()
+    if kind == "amx":
+        return torch.ops.kvblend_packed.amx_pack(q)
+    if kind == "int16" and q.shape[1] % 16 == 0:
+        return torch.ops.kvblend_packed.int16_pack(q)
+    return None
+
+
 class PackedWeight:
     """One linear layer's weight (out, in) and optional bias (out,), packed for decode.
     ``self(x)`` for x (R, in) fp32 is x W^T + b up to the packing's rounding. ``int8``: the
@@ -243,9 +262,10 @@ class PackedWeight:
         self.scale = scale.contiguous()
         self.rowsum = self.q.sum(dim=1, dtype=torch.int32)  # what the kernels' VNNI path corrects by
         self._native = native_int8() if native else None
-        # where the kernels have AMX, a copy of q as its tiles (``amx_pack``): every step
-        # multiplies by it (faster than VNNI at any row count), q stays for CPUs without AMX
-        self.tiles = torch.ops.kvblend_packed.amx_pack(self.q) if self._native is not None and amx_available() else None
+        # a copy of q in the layout the kernels read fastest here (``pack_tiles``): AMX tiles
+        # (faster than VNNI at any row count), or on AVX2 four rows a cache line (weights
+        # streamed from memory as one run); q stays, for the other paths and the references
+        self.tiles = pack_tiles(self.q) if self._native is not None else None
         # a decoder layer whose weights all run natively runs its decode step as two native
         # calls (``native_layer_ops``); False keeps it per op (A/B measurements)
         self.fused = self._native is not None

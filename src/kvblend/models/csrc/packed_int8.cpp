@@ -53,6 +53,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -256,6 +257,8 @@ int64_t simd_lanes() { return kLanes; }
 double activation_error() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return 1.0 / (127.0 * 254.0 * 2.0);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 1.0 / (32767.0 * 2.0);  // the 16-bit rows of KVBLEND_INT16
 #else
   return 0.0;
 #endif
@@ -656,6 +659,190 @@ void amx_linear(const at::Tensor& tiles, const QuantizedRows& x, int64_t rows, i
 #endif
 #endif
 
+#if !defined(KVBLEND_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define KVBLEND_INT16 1
+// Without VNNI (AVX2 hosts, AVX-512 without VNNI): each row of x as 16-bit integers over its
+// max |x| (x = s q, |q| <= 32767: the error half a step, 1 / 65534 of the max), multiplied by
+// vpmaddwd against the int8 weights widened to 16 bits. Widening int8 weights to float32 made
+// a decode step compute-bound on a 2-core Zen 3 (AVX2): an int16 product pair costs one
+// vpmaddwd where float32 cost two conversions and an FMA per eight. The sums are exact
+// integers (int32 lanes over chunks of kInt16Chunk inputs, which cannot overflow: 256 pair
+// sums of at most 2 x 128 x 32767 each, then int64), so a row's result is the same at any
+// row count.
+struct Int16Rows {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+};
+
+constexpr int64_t kInt16Chunk = 4096;  // inputs a lane sums in int32: 4096 / 16 = 256 pair sums
+
+Int16Rows quantize_rows16(const float* X, int64_t rows, int64_t n) {
+  Int16Rows out{std::vector<int16_t>(rows * n), std::vector<float>(rows)};
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = X + r * n;
+    float top = 0.f;
+    for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(x[k]));
+    const float step = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / step;
+    out.scale[r] = step;
+    int16_t* q = out.q.data() + r * n;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv), kNearest));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vinv), kNearest));
+      // packs works within 128-bit halves (a0-3 b0-3 a4-7 b4-7): the 64-bit quarters put back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+    for (; k < n; ++k) q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] * inv), -32767.f, 32767.f));
+  }
+  return out;
+}
+
+// The eight int32 lanes of a summed in int64.
+inline int64_t hsum_epi64(__m256i a) {
+  const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                                        _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+  const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+  return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
+}
+
+// Weight rows as the int16 kernels read them: row-major q (out, in), or int16_pack's tiles,
+// where a tile's four rows' 16 inputs lie in one 64-byte line, so a tile streams as one run
+// of lines (the row-major rows were four short streams that the hardware prefetcher followed
+// late: SmolLM2's gate|up at one row, weights from memory, 97 -> 67 us in a one-off C++ probe).
+struct RowMajor {
+  static const int8_t* at(const int8_t* w, int64_t n, int j, int64_t k) { return w + j * n + k; }
+  template <int kJ>
+  static void prefetch(const int8_t* w, int64_t n, int64_t k) {  // the same inputs two tiles on
+#pragma GCC unroll 4
+    for (int j = 0; j < kJ; ++j) __builtin_prefetch(w + (j + 2 * kJ) * n + k, 0, 3);
+  }
+};
+struct Tiled {  // w: a tile's first line; only kJ = 4
+  static const int8_t* at(const int8_t* w, int64_t, int j, int64_t k) { return w + 4 * k + 16 * j; }
+  template <int kJ>
+  static void prefetch(const int8_t* w, int64_t, int64_t k) { __builtin_prefetch(w + 4 * k + 1024, 0, 3); }  // 16 lines on
+};
+
+// One 16-input step of kJ weight rows against kR input rows into acc (int32 pair sums).
+template <class L, int kJ, int kR>
+__attribute__((always_inline)) inline void int16_step(const int8_t* w, const int16_t* x, int64_t n, int64_t k,
+                                                      __m256i (&acc)[kJ][kR]) {
+  __m256i xv[kR];
+#pragma GCC unroll 4
+  for (int r = 0; r < kR; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * n + k));
+#pragma GCC unroll 4
+  for (int j = 0; j < kJ; ++j) {
+    const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L::at(w, n, j, k))));
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) acc[j][r] = _mm256_add_epi32(acc[j][r], _mm256_madd_epi16(wv, xv[r]));
+  }
+}
+
+// kJ weight rows (from w, laid out as L) against kR input rows (x, stride n) over inputs
+// [k0, k1), at most kInt16Chunk of them, added to dot[j * kR + r] exactly; each widened weight
+// vector serves every input row, the weights ahead prefetched where `prefetch`.
+template <class L, int kJ, int kR>
+inline void int16_chunk(const int8_t* w, const int16_t* x, int64_t n, int64_t k0, int64_t k1, int64_t* dot,
+                        bool prefetch) {
+  __m256i acc[kJ][kR];
+#pragma GCC unroll 4
+  for (int j = 0; j < kJ; ++j)
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) acc[j][r] = _mm256_setzero_si256();
+  int64_t k = k0;
+  if (prefetch) {
+    for (; k + 16 <= k1; k += 16) {
+      L::template prefetch<kJ>(w, n, k);
+      int16_step<L, kJ, kR>(w, x, n, k, acc);
+    }
+  }
+  for (; k + 16 <= k1; k += 16) int16_step<L, kJ, kR>(w, x, n, k, acc);
+  for (int j = 0; j < kJ; ++j)
+    for (int r = 0; r < kR; ++r) {
+      int64_t s = hsum_epi64(acc[j][r]);
+      for (int64_t kk = k; kk < k1; ++kk) s += static_cast<int64_t>(*L::at(w, n, j, kk)) * x[r * n + kk];  // the tail
+      dot[j * kR + r] += s;
+    }
+}
+
+// kJ weight rows against kR input rows: dot[j * kR + r], the exact integer dot products.
+template <class L, int kJ, int kR>
+inline void int16_tile(const int8_t* w, const int16_t* x, int64_t n, int64_t* dot, bool prefetch) {
+  for (int i = 0; i < kJ * kR; ++i) dot[i] = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += kInt16Chunk)
+    int16_chunk<L, kJ, kR>(w, x, n, c0, std::min(n, c0 + kInt16Chunk), dot, prefetch);
+}
+
+constexpr int kInt16Rows = 4;  // weight rows a tile takes
+constexpr int kInt16Inputs = 2;  // input rows a tile takes
+
+// kJ weight rows from j (their first at w) against every input row, into Y (rows past outs skipped).
+template <class L, int kJ>
+void int16_weight_rows(const int8_t* w, const Int16Rows& x, int64_t rows, int64_t n, int64_t outs, int64_t j,
+                       const float* scale, const float* bias, float* Y) {
+  int64_t dot[kJ * kInt16Inputs];
+  const int jt = static_cast<int>(std::min<int64_t>(kJ, outs - j));
+  for (int64_t r0 = 0; r0 < rows; r0 += kInt16Inputs) {
+    const int rt = static_cast<int>(std::min<int64_t>(kInt16Inputs, rows - r0));
+    const int16_t* xq = x.q.data() + r0 * n;
+    if (rt == 1) {
+      int16_tile<L, kJ, 1>(w, xq, n, dot, r0 == 0);
+    } else {
+      int16_tile<L, kJ, kInt16Inputs>(w, xq, n, dot, r0 == 0);
+    }
+    for (int jj = 0; jj < jt; ++jj)
+      for (int r = 0; r < rt; ++r)
+        Y[(r0 + r) * outs + j + jj] = std::fma(static_cast<float>(dot[jj * rt + r]) * x.scale[r0 + r], scale[j + jj],
+                                               bias ? bias[j + jj] : 0.f);
+  }
+}
+
+// y[r, j] for weight rows [j0, j1) and every row r: from int16_pack's tiles where given (j0
+// a whole tile), else from row-major W.
+void int16_rows(const int8_t* W, const int8_t* tiles, const Int16Rows& x, int64_t rows, int64_t n, int64_t outs,
+                int64_t j0, int64_t j1, const float* scale, const float* bias, float* Y) {
+  int64_t j = j0;
+  if (tiles) {
+    for (; j < j1; j += kInt16Rows) int16_weight_rows<Tiled, kInt16Rows>(tiles + j * n, x, rows, n, outs, j, scale, bias, Y);
+    return;
+  }
+  for (; j + kInt16Rows <= j1; j += kInt16Rows)
+    int16_weight_rows<RowMajor, kInt16Rows>(W + j * n, x, rows, n, outs, j, scale, bias, Y);
+  for (; j < j1; ++j) int16_weight_rows<RowMajor, 1>(W + j * n, x, rows, n, outs, j, scale, bias, Y);
+}
+
+// q (out, in) int8, in a multiple of 16 -> (ceil(out / 4), in / 16, 64): tile b's line c holds
+// inputs 16 c .. 16 c + 15 of outputs 4 b .. 4 b + 3, 16 bytes an output; zero past out.
+at::Tensor int16_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) % 16 == 0,
+              "int16_pack takes contiguous int8 (out, in) with in a multiple of 16");
+  const int64_t outs = q.size(0), n = q.size(1), nb = (outs + kInt16Rows - 1) / kInt16Rows, kb = n / 16;
+  at::Tensor tiles = at::zeros({nb, kb, 64}, q.options());
+  const int8_t* w = q.const_data_ptr<int8_t>();
+  int8_t* t = tiles.mutable_data_ptr<int8_t>();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t o = 0; o < kInt16Rows && b * kInt16Rows + o < outs; ++o)
+      for (int64_t c = 0; c < kb; ++c)
+        std::copy_n(w + (b * kInt16Rows + o) * n + 16 * c, 16, t + (b * kb + c) * 64 + 16 * o);
+  return tiles;
+}
+#endif
+
+// The layout int8_linear takes `tiles` in here: "amx" (amx_pack's: built with AMX and granted
+// the tiles), "int16" (int16_pack's) or "" (none: q only).
+std::string tiles_kind() {
+#ifdef KVBLEND_AMX
+  if (amx_granted()) return "amx";
+#endif
+#ifdef KVBLEND_INT16
+  return "int16";
+#else
+  return "";
+#endif
+}
+
 // Whether int8_linear takes amx_pack's tiles here: built with AMX and granted the tiles.
 bool amx_available() {
 #ifdef KVBLEND_AMX
@@ -679,10 +866,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int8_linear's weight must be contiguous int8 (out, in) with in = ", x.size(1));
   const int64_t rows = x.size(0), n = x.size(1), outs = q.size(0);
   const bool tiled = tiles.has_value() && tiles->defined();
+#ifdef KVBLEND_INT16
+  TORCH_CHECK(!tiled || (tiles->dim() == 3 && tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
+                         tiles->size(0) == (outs + kInt16Rows - 1) / kInt16Rows && tiles->size(1) * 16 == n &&
+                         tiles->size(2) == 64),
+              "int8_linear's tiles must be int16_pack's of its weight");
+#else
   TORCH_CHECK(!tiled || (tiles->dim() == 3 && tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
                          tiles->size(0) == (outs + 15) / 16 && tiles->size(1) == (n + 63) / 64 && tiles->size(2) == 1024),
               "int8_linear's tiles must be amx_pack's of its weight");
   TORCH_CHECK(!tiled || amx_available(), "int8_linear got AMX tiles on a build or process without AMX");
+#endif
   const float* s = optional_weight(scale, outs, "scale");
   TORCH_CHECK(s != nullptr, "int8_linear needs one scale per output row");
   TORCH_CHECK(rowsum.numel() == outs && rowsum.scalar_type() == at::kInt && rowsum.is_contiguous(),
@@ -705,6 +899,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   // split at whole tiles (each output's sums are exact integers, so this is for the tiles' speed)
   parallel_for(0, (outs + kVnniRows - 1) / kVnniRows, 16, [&](int64_t first, int64_t end) {
     vnni_rows(W, xq, rows, n, outs, first * kVnniRows, std::min(outs, end * kVnniRows), s, sums, b, Y);
+  });
+#elif defined(KVBLEND_INT16)
+  const Int16Rows xq = quantize_rows16(X, rows, n);
+  const int8_t* T = tiled ? tiles->const_data_ptr<int8_t>() : nullptr;
+  parallel_for(0, (outs + kInt16Rows - 1) / kInt16Rows, 16, [&](int64_t first, int64_t end) {
+    int16_rows(W, T, xq, rows, n, outs, first * kInt16Rows, std::min(outs, end * kInt16Rows), s, b, Y);
   });
 #else
   const int64_t whole = outs / kTileRows;  // the last outs % kTileRows rows one at a time below
@@ -1272,6 +1472,10 @@ TORCH_LIBRARY(kvblend_packed, m) {
   m.def("simd_lanes() -> int", &simd_lanes);
   m.def("activation_error() -> float", &activation_error);
   m.def("amx_available() -> bool", &amx_available);
+  m.def("tiles_kind() -> str", &tiles_kind);
+#ifdef KVBLEND_INT16
+  m.def("int16_pack(Tensor q) -> Tensor", &int16_pack);
+#endif
 #ifdef KVBLEND_AMX
   m.def("amx_pack(Tensor q) -> Tensor", &amx_pack);
 #endif
