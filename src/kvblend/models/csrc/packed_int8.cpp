@@ -12,9 +12,10 @@
 // row: 5.2 -> 2.9 ms for SmolLM2's layers). Where the CPU has AMX, every step multiplies by
 // the weight's AMX tiles instead (amx_pack, amx_linear): 8 rows through VNNI were
 // compute-bound (10.3 ms against AMX's 6.4 for SmolLM2's layers), and since VNNI reduces
-// exact int32 sums one row is faster through AMX too (kAmxMinRows). Elsewhere x stays float32
-// and each weight row is widened to float32 16 (AVX-512) or 8 (AVX2) at a time into several
-// accumulators. Output rows are split over threads.
+// exact int32 sums one row is faster through AMX too (kAmxMinRows). With AVX2 but no VNNI
+// each row of x goes in as one 16-bit row against the weights widened to 16 bits (vpmaddwd;
+// KVBLEND_INT16), from int16_pack's tiles where given. Elsewhere x stays float32 and each
+// weight row is widened to float32. Output rows are split over threads.
 //
 // decode_project and decode_finish run a whole decoder layer's decode step around the
 // attention in two calls (models/transformer.py's DecoderLayer.project and .finish as a
