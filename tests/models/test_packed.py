@@ -57,6 +57,23 @@ def test_int8_is_the_matmul_of_the_rounded_weights() -> None:
     assert native_activation_error() <= 1 / 64000  # two 8-bit rows, or float32
 
 
+def test_int8_sums_hold_at_the_largest_products_over_long_rows() -> None:
+    """Every product at its largest, over rows longer than one int32 sum can hold on the
+    AVX2 path (16-bit activations x 127: 2^31 is reached after ~4,100 inputs a lane), with
+    rows of one sign and of alternating signs: the result is the exact sum, so the kernels'
+    integer sums are split and widened before they overflow (a wrapped sum is off by ~2^32
+    steps)."""
+    for n in (4096 + 48, 3 * 4096 + 16):
+        w = torch.full((6, n), 0.5)
+        w[1::2, 1::2] = -0.5  # rows 1, 3, 5 alternate in sign: their sums cancel to 0
+        packed = PackedWeight(w, None, "int8")
+        x = torch.full((3, n), 3.0)
+        x[2] = torch.where(torch.arange(n) % 2 == 1, -3.0, 3.0)  # alternating too: row 2 times rows 1, 3, 5 is all +
+        got = packed(x)
+        want = x.double() @ w.double().T
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3 * n)
+
+
 @pytest.mark.parametrize(("kind", "native"), [("int8", True), ("int8", False), ("fp16", True)])
 def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, native: bool) -> None:
     """A large row beside a small one leaves the small one's result as it is alone (with
