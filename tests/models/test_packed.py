@@ -54,7 +54,7 @@ def test_int8_is_the_matmul_of_the_rounded_weights() -> None:
     w_deq = (w / scale).round() * scale
     x = torch.randn(3, 64) * torch.tensor([[0.01], [1.0], [30.0]])
     _assert_int8_matmul(packed(x), x, w_deq, b)
-    assert native_activation_error() <= 1 / 64000  # two 8-bit rows, or float32
+    assert native_activation_error() <= 1 / 64000  # two 8-bit rows, one 16-bit row, or float32
 
 
 def test_int8_sums_hold_at_the_largest_products_over_long_rows() -> None:
@@ -63,15 +63,36 @@ def test_int8_sums_hold_at_the_largest_products_over_long_rows() -> None:
     rows of one sign and of alternating signs: the result is the exact sum, so the kernels'
     integer sums are split and widened before they overflow (a wrapped sum is off by ~2^32
     steps)."""
-    for n in (4096 + 48, 3 * 4096 + 16):
+    for n in (4096 + 48, 4096 + 50, 3 * 4096 + 16):  # 4146: a tail past the last whole 16, row-major only
         w = torch.full((6, n), 0.5)
         w[1::2, 1::2] = -0.5  # rows 1, 3, 5 alternate in sign: their sums cancel to 0
         packed = PackedWeight(w, None, "int8")
         x = torch.full((3, n), 3.0)
         x[2] = torch.where(torch.arange(n) % 2 == 1, -3.0, 3.0)  # alternating too: row 2 times rows 1, 3, 5 is all +
-        got = packed(x)
         want = x.double() @ w.double().T
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3 * n)
+        torch.testing.assert_close(packed(x).double(), want, rtol=1e-5, atol=1e-3 * n)
+        row_major = torch.ops.kvblend_packed.int8_linear(x, packed.q, packed.scale, packed.rowsum, None)  # no tiles
+        torch.testing.assert_close(row_major.double(), want, rtol=1e-5, atol=1e-3 * n)
+
+
+def test_int8_rows_with_a_nan_or_infinity_give_nan_and_tiny_rows_give_zero() -> None:
+    """A row holding a NaN or an infinity gives NaN outputs, as the float32 matmul does (a
+    quantized row would otherwise turn it into finite numbers), and the rows beside it are
+    unchanged; a row whose max is too small for the quantizer's step (~1e-36) gives its bias,
+    not values of the wrong sign; a zero row gives its bias."""
+    w, b = _weights(out=12, inp=80, seed=3)
+    packed = PackedWeight(w, b, "int8")
+    x = torch.randn(5, 80)
+    x[1, 7] = float("nan")
+    x[2, 70] = float("inf")  # 70: past the last whole vector of 16 too, where the tail is scalar
+    x[3] = torch.randn(80) * 1e-36
+    x[4] = 0.0
+    got = packed(x)
+    assert got[1].isnan().all()
+    assert not got[2].isfinite().any()  # NaN here; the float32 matmul gives +-inf
+    torch.testing.assert_close(got[3:], b.expand(2, -1), rtol=0, atol=1e-30)
+    clean = packed(x[:1])
+    torch.testing.assert_close(got[:1], clean, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("kind", "native"), [("int8", True), ("int8", False), ("fp16", True)])
@@ -148,12 +169,16 @@ def test_tiles_give_the_row_major_weights_result() -> None:
             torch.testing.assert_close(tiled, row_major, rtol=0, atol=0)  # replicas with and without tiles agree
             _assert_int8_matmul(tiled, x, packed.q.float() * packed.scale[:, None], packed.bias)
             torch.testing.assert_close(packed(x), tiled)
+        other = PackedWeight(*_weights(out=out, inp=inp, seed=6), "int8")  # the tiles are what is read:
+        x = torch.randn(3, inp)                                            # another weight's give its result
+        torch.testing.assert_close(op(x, packed.q, packed.scale, packed.rowsum, packed.bias, other.tiles),
+                                   op(x, other.q, packed.scale, packed.rowsum, packed.bias), rtol=0, atol=0)
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_at_any_count() -> None:
     """A row's int8 matmul is the same bit for bit alone and among 3, 4, 8 or 9 rows, through
-    AMX tiles where the CPU has them and VNNI where not (both take exact integer dot products
-    into the same float operations; a served stream's tokens must not depend on how many
+    the weight's tiles where the CPU's kernels have them (AMX, AVX2) and row-major where not
+    (each takes exact integer dot products into the same float operations; a served stream's tokens must not depend on how many
     other streams its step decoded)."""
     for out, inp in ((130, 77), (40, 1536)):
         w, b = _weights(out=out, inp=inp, seed=11)
@@ -465,7 +490,7 @@ def test_a_one_token_forward_reads_the_packed_weights_by_every_entry(tiny) -> No
 
 
 def test_int8_weights_move_into_one_huge_page_mapping(tiny) -> None:
-    """``pack_decode_weights("int8")`` moves every int8 weight (``q``, and its AMX tiles where
+    """``pack_decode_weights("int8")`` moves every int8 weight (``q``, and its tiles where
     it has them) into one mapping advised for huge pages (``in_huge_pages``), starting at a
     2 MiB boundary, with the same values and results as where they were packed."""
     from kvblend.models.packed import HUGE_PAGE, in_huge_pages

@@ -146,7 +146,7 @@ _LAYER_OPS: NativeLayerOps | None = None
 
 def native_activation_error() -> float:
     """The int8 kernels' largest activation error relative to a row's max |x| (their VNNI
-    path rounds activations to ~16 bits; 0: float32 activations, or not built)."""
+    and AVX2 paths round activations to ~16 bits; 0: float32 activations, or not built)."""
     return float(torch.ops.kvblend_packed.activation_error()) if native_int8() is not None else 0.0
 
 

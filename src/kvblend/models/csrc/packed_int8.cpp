@@ -254,7 +254,8 @@ constexpr int64_t kLanes = 0;  // no vector path: plain loops (the compiler may 
 int64_t simd_lanes() { return kLanes; }
 
 // The largest error of an activation int8_linear multiplies, relative to its row's max |x|:
-// half a step of the lo row, 1 / (127 * 254 * 2), on the VNNI path; 0 (float32) otherwise.
+// half a step of the lo row, 1 / (127 * 254 * 2), on the VNNI path; half a step of the 16-bit
+// row, 1 / 65534, on the AVX2 path (KVBLEND_INT16); 0 (float32) otherwise.
 double activation_error() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return 1.0 / (127.0 * 254.0 * 2.0);
@@ -392,6 +393,27 @@ const float* optional_weight(const std::optional<at::Tensor>& w, int64_t n, cons
   return w->const_data_ptr<float>();
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The step a row of n activations is quantized with, `levels` steps to its max |x|. NaN where
+// the row holds a NaN or an infinity (its outputs are then NaN, as the float32 matmul's are,
+// not finite numbers from a saturated conversion); 0 where the row is zero or its max so
+// small that 1 / step overflows (the row is taken as zeros: outputs below ~1e-34 are lost).
+inline float row_step(const float* x, int64_t n, float levels) {
+  Vec most = vzero(), poison = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const Vec v = vload(x + k);
+    most = vmax(most, vmax(v, vsub(vzero(), v)));
+    poison = vadd(poison, vmul(v, vzero()));  // 0, or NaN once an element is NaN or infinite
+  }
+  float top = vhmax(most), bad = vsum(poison);
+  for (; k < n; ++k) top = std::max(top, std::fabs(x[k])), bad += x[k] * 0.f;
+  if (std::isnan(bad)) return NAN;
+  const float step = top / levels;
+  return top > 0.f && std::isfinite(1.f / step) ? step : 0.f;
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVBLEND_VNNI 1
 // Each row of x as two rows of 8-bit integers, hi and lo: x = s (hi + lo / 254), hi and lo
@@ -407,13 +429,15 @@ QuantizedRows quantize_rows(const float* X, int64_t rows, int64_t n) {
   QuantizedRows out{std::vector<uint8_t>(rows * n), std::vector<uint8_t>(rows * n), std::vector<float>(rows)};
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = X + r * n;
-    __m512 most = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    float top = _mm512_reduce_max_ps(most);
-    for (; k < n; ++k) top = std::max(top, std::fabs(x[k]));
-    const float step = top > 0.f ? top / 127.f : 1.f, inv = 1.f / step;
+    const float step = row_step(x, n, 127.f);
     out.scale[r] = step;
+    if (!(step > 0.f)) {  // zeros (or NaN): every input taken as 0, the scale carries a NaN to the outputs
+      std::fill_n(out.hi.data() + r * n, n, uint8_t{128});
+      std::fill_n(out.lo.data() + r * n, n, uint8_t{128});
+      continue;
+    }
+    const float inv = 1.f / step;
+    int64_t k = 0;
     constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m512i offset = _mm512_set1_epi32(128);
     for (k = 0; k + 16 <= n; k += 16) {
@@ -682,11 +706,14 @@ Int16Rows quantize_rows16(const float* X, int64_t rows, int64_t n) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = X + r * n;
-    float top = 0.f;
-    for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(x[k]));
-    const float step = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / step;
+    const float step = row_step(x, n, 32767.f);
     out.scale[r] = step;
     int16_t* q = out.q.data() + r * n;
+    if (!(step > 0.f)) {  // zeros (or NaN): every input taken as 0, the scale carries a NaN to the outputs
+      std::fill_n(q, n, int16_t{0});
+      continue;
+    }
+    const float inv = 1.f / step;
     const __m256 vinv = _mm256_set1_ps(inv);
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
@@ -695,7 +722,7 @@ Int16Rows quantize_rows16(const float* X, int64_t rows, int64_t n) {
       // packs works within 128-bit halves (a0-3 b0-3 a4-7 b4-7): the 64-bit quarters put back in order
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
     }
-    for (; k < n; ++k) q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] * inv), -32767.f, 32767.f));
+    for (; k < n; ++k) q[k] = static_cast<int16_t>(std::clamp(std::lrint(x[k] * inv), -32767L, 32767L));
   }
   return out;
 }
@@ -721,7 +748,7 @@ struct RowMajor {
   }
 };
 struct Tiled {  // w: a tile's first line; only kJ = 4
-  static const int8_t* at(const int8_t* w, int64_t, int j, int64_t k) { return w + 4 * k + 16 * j; }
+  static const int8_t* at(const int8_t* w, int64_t, int j, int64_t k) { return w + 64 * (k / 16) + 16 * j + k % 16; }
   template <int kJ>
   static void prefetch(const int8_t* w, int64_t, int64_t k) { __builtin_prefetch(w + 4 * k + 1024, 0, 3); }  // 16 lines on
 };
@@ -782,9 +809,9 @@ constexpr int kInt16Inputs = 2;  // input rows a tile takes
 // kJ weight rows from j (their first at w) against every input row, into Y (rows past outs skipped).
 template <class L, int kJ>
 void int16_weight_rows(const int8_t* w, const Int16Rows& x, int64_t rows, int64_t n, int64_t outs, int64_t j,
-                       const float* scale, const float* bias, float* Y) {
+                       int64_t j1, const float* scale, const float* bias, float* Y) {
   int64_t dot[kJ * kInt16Inputs];
-  const int jt = static_cast<int>(std::min<int64_t>(kJ, outs - j));
+  const int jt = static_cast<int>(std::min<int64_t>(kJ, j1 - j));  // rows from j1 on are another piece's
   for (int64_t r0 = 0; r0 < rows; r0 += kInt16Inputs) {
     const int rt = static_cast<int>(std::min<int64_t>(kInt16Inputs, rows - r0));
     const int16_t* xq = x.q.data() + r0 * n;
@@ -806,12 +833,12 @@ void int16_rows(const int8_t* W, const int8_t* tiles, const Int16Rows& x, int64_
                 int64_t j0, int64_t j1, const float* scale, const float* bias, float* Y) {
   int64_t j = j0;
   if (tiles) {
-    for (; j < j1; j += kInt16Rows) int16_weight_rows<Tiled, kInt16Rows>(tiles + j * n, x, rows, n, outs, j, scale, bias, Y);
+    for (; j < j1; j += kInt16Rows) int16_weight_rows<Tiled, kInt16Rows>(tiles + j * n, x, rows, n, outs, j, j1, scale, bias, Y);
     return;
   }
   for (; j + kInt16Rows <= j1; j += kInt16Rows)
-    int16_weight_rows<RowMajor, kInt16Rows>(W + j * n, x, rows, n, outs, j, scale, bias, Y);
-  for (; j < j1; ++j) int16_weight_rows<RowMajor, 1>(W + j * n, x, rows, n, outs, j, scale, bias, Y);
+    int16_weight_rows<RowMajor, kInt16Rows>(W + j * n, x, rows, n, outs, j, j1, scale, bias, Y);
+  for (; j < j1; ++j) int16_weight_rows<RowMajor, 1>(W + j * n, x, rows, n, outs, j, j1, scale, bias, Y);
 }
 
 // q (out, in) int8, in a multiple of 16 -> (ceil(out / 4), in / 16, 64): tile b's line c holds
@@ -858,7 +885,8 @@ constexpr int64_t kAmxMinRows = 1;  // every row count: since the VNNI loop redu
 
 // y (R, out) = x (R, in) W^T + bias for W as int8 q (out, in) with one float32 scale per
 // output row (rowsum: each row's sum); with amx_pack's tiles of q (where amx_available),
-// kAmxMinRows rows or more are multiplied by them.
+// kAmxMinRows rows or more are multiplied by them; on the AVX2 path, with int16_pack's tiles
+// (tiles_kind), every row count.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
