@@ -213,12 +213,6 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
-def amx_available() -> bool:
-    """Whether the built kernels multiply by AMX tiles here (built with AMX, and Linux granted
-    this process the tile registers)."""
-    return native_int8() is not None and bool(torch.ops.kvblend_packed.amx_available())
-
-
 def tiles_kind() -> str:
     """The second layout of the int8 weights the built kernels read, beside row-major ``q``:
     ``"amx"`` (AMX tiles, where built with AMX and granted the tiles), ``"int16"`` (four rows'

@@ -253,19 +253,6 @@ constexpr int64_t kLanes = 0;  // no vector path: plain loops (the compiler may 
 // The lanes of the vector path this file was built with (0: none).
 int64_t simd_lanes() { return kLanes; }
 
-// The largest error of an activation int8_linear multiplies, relative to its row's max |x|:
-// half a step of the lo row, 1 / (127 * 254 * 2), on the VNNI path; half a step of the 16-bit
-// row, 1 / 65534, on the AVX2 path (KVBLEND_INT16); 0 (float32) otherwise.
-double activation_error() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return 1.0 / (127.0 * 254.0 * 2.0);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return 1.0 / (32767.0 * 2.0);  // the 16-bit rows of KVBLEND_INT16
-#else
-  return 0.0;
-#endif
-}
-
 // exp(x), kLanes at a time: 2^n p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes'
 // degree-6 polynomial (~1 ulp); x clamped to [-87, 88] (e^-87 ~ 1.6e-38 stands for 0).
 #if defined(__AVX512F__)
@@ -748,7 +735,10 @@ struct RowMajor {
   }
 };
 struct Tiled {  // w: a tile's first line; only kJ = 4
-  static const int8_t* at(const int8_t* w, int64_t, int j, int64_t k) { return w + 64 * (k / 16) + 16 * j + k % 16; }
+  static const int8_t* at(const int8_t* w, int64_t, int j, int64_t k) {  // k >= 0: unsigned, so / and % are a shift and a mask
+    const uint64_t u = static_cast<uint64_t>(k);
+    return w + 64 * (u / 16) + 16 * j + u % 16;
+  }
   template <int kJ>
   static void prefetch(const int8_t* w, int64_t, int64_t k) { __builtin_prefetch(w + 4 * k + 1024, 0, 3); }  // 16 lines on
 };
@@ -857,6 +847,19 @@ at::Tensor int16_pack(const at::Tensor& q) {
   return tiles;
 }
 #endif
+
+// The largest error of an activation int8_linear multiplies, relative to its row's max |x|:
+// half a step of the lo row, 1 / (127 * 254 * 2), on the VNNI path; half a step of the 16-bit
+// row, 1 / 65534, on the AVX2 path; 0 (float32) otherwise.
+double activation_error() {
+#if defined(KVBLEND_VNNI)
+  return 1.0 / (127.0 * 254.0 * 2.0);
+#elif defined(KVBLEND_INT16)
+  return 1.0 / (32767.0 * 2.0);
+#else
+  return 0.0;
+#endif
+}
 
 // The layout int8_linear takes `tiles` in here: "amx" (amx_pack's: built with AMX and granted
 // the tiles), "int16" (int16_pack's) or "" (none: q only).
@@ -1500,7 +1503,6 @@ at::Tensor decode_layers(const at::Tensor& h, const c10::List<std::optional<at::
 TORCH_LIBRARY(kvblend_packed, m) {
   m.def("simd_lanes() -> int", &simd_lanes);
   m.def("activation_error() -> float", &activation_error);
-  m.def("amx_available() -> bool", &amx_available);
   m.def("tiles_kind() -> str", &tiles_kind);
 #ifdef KVBLEND_INT16
   m.def("int16_pack(Tensor q) -> Tensor", &int16_pack);
