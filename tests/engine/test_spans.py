@@ -98,21 +98,3 @@ def test_a_source_that_is_not_the_document_is_refused() -> None:
         Request(documents=[a[3:12], b], sources=[SpanSource(a, 3)], question=QUESTION)
     with pytest.raises(InvalidRequestError, match="document 0 is not the run"):
         Request(documents=["text"], sources=[SpanSource(a, 0)], question=QUESTION)
-
-
-def test_sinks_go_to_a_run_from_its_chunks_first_token_and_not_to_one_from_inside(monkeypatch) -> None:
-    # a run cut from inside a stored chunk begins mid-text: its first tokens' K/V were computed
-    # with their chunk before them, so the blend's sinks are not spent on them
-    import kvblend.blend.strategies as strategies
-
-    seen: list[list[tuple[int, int]]] = []
-    real = strategies.choose
-    monkeypatch.setattr(strategies, "choose", lambda *a, **kw: seen.append(
-        kw.get("sink_spans", a[7] if len(a) > 7 else None)) or real(*a, **kw))
-    eng = stored(Engine(make_loaded()))
-    a, b = _parents(eng)
-    req = Request(documents=[a[0:12], b[2:10]], sources=[SpanSource(a, 0), SpanSource(b, 2)], question=QUESTION,
-                  system=SYSTEM, method="blend", blend=BlendConfig(selection="question", sinks=2, ratio=0.5))
-    eng.prepare(req)
-    starts = eng.layout(req).doc_starts
-    assert seen and all(s == [(starts[0], starts[0] + 12)] for s in seen)

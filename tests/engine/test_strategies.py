@@ -13,10 +13,9 @@ import torch
 from kvblend import rope as rope_lib
 from kvblend.blend.chunks import compute_chunk_kv
 from kvblend.blend.config import PLAIN_STRATEGY, BlendConfig
-from kvblend.blend.fusion import FusionPlan, PlacedChunk, SlicedKV
+from kvblend.blend.fusion import FusionPlan, PlacedChunk
 from kvblend.blend.strategies import (
     QuestionScores, ShiftCorrection, allocate, blend_risk, choose, covering_count, moved_risk, question_scores, shift_samples,
-    text_starts,
 )
 from kvblend.models.attention import attend, causal_mask
 from kvblend.engine import Engine, PrefixCache, Request
@@ -91,33 +90,6 @@ def test_choose_takes_sinks_first_and_keeps_within_document_budgets() -> None:
     assert pos[sinks].tolist() == [10, 20, 28, 29]
     budget = choose(scores, pos, 6, spans, replace(plain, budget=True, budget_floor=1.0))
     assert pos[budget].tolist() == [10, 11, 12, 27, 28, 29]  # 3 + 3 by the floor, top by score in each
-
-
-def test_sinks_go_only_to_documents_that_begin_a_computed_text() -> None:
-    # a run cut from inside a stored chunk begins mid-text: its first tokens were computed
-    # with their document before them, so they are no sinks; a chunk's (or a run from its
-    # first token) and a held document's are
-    spans = [(10, 20), (20, 30)]
-    pos = torch.arange(10, 30)
-    scores = torch.zeros(20)
-    scores[15:20] = torch.tensor([5.0, 6.0, 7.0, 8.0, 9.0])
-    sinks = replace(BlendConfig(**PLAIN_STRATEGY), sinks=1)
-    assert pos[choose(scores, pos, 4, spans, sinks, sink_spans=[(10, 20)])].tolist() == [10, 27, 28, 29]
-    assert pos[choose(scores, pos, 4, spans, sinks, sink_spans=[])].tolist() == [26, 27, 28, 29]
-    assert pos[choose(scores, pos, 4, spans, sinks)].tolist() == [10, 20, 28, 29]  # default: every document
-
-    ids = torch.arange(40)
-    chunk = compute_chunk_kv(_tiny_model(), [1], list(range(3, 15)))
-    plan = FusionPlan(ids, [PlacedChunk(2, chunk), PlacedChunk(14, SlicedKV(chunk, 0, 5)),
-                            PlacedChunk(19, SlicedKV(chunk, 4, 6))])
-    assert text_starts(plan) == [(2, 14), (14, 19)]
-    assert text_starts(plan, [(30, 35)]) == [(2, 14), (14, 19), (30, 35)]
-
-
-def _tiny_model():
-    hf = make_hf_model("llama", seed=3)
-    return build_model(ModelConfig.from_hf(hf.config), {k: v.clone() for k, v in hf.state_dict().items()},
-                       "cpu", torch.float32)
 
 
 def test_covering_count_is_the_fewest_tokens_that_hold_the_share() -> None:

@@ -55,8 +55,7 @@ class BlendConfig:
     Strategies (``kvblend.blend.strategies``): ``selection`` (see ``SELECTIONS``);
     ``budget``: each document gets a share of the kept tokens proportional to the score mass
     it receives, with a floor of ``budget_floor`` of its length-proportional share;
-    ``sinks``: the first k tokens of every document are chosen first (within the budget), but
-    not of a run cut from inside a stored chunk, whose first tokens were not a text's first;
+    ``sinks``: the first k tokens of every document are chosen first (within the budget);
     ``shift``: tokens not recomputed are moved by their document's mean fresh - stale
     residual (K in the pre-RoPE frame), at every layer, estimated on a uniform sample of the
     document — every s-th token, s = max(``shift_stride``, 2 x candidates / kept, so that

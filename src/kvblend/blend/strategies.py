@@ -49,7 +49,7 @@ import torch
 
 from kvblend import rope as rope_lib
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.fusion import FusionOutput, FusionPlan, SlicedKV, _candidate_mask, fuse, fuse_steps
+from kvblend.blend.fusion import FusionOutput, FusionPlan, _candidate_mask, fuse, fuse_steps
 from kvblend.generation.chunked import run_steps
 from kvblend.blend.select import SelectionDetail, SelectionStats, deviation, kept_count, select_tokens, selection_stats
 from kvblend.errors import InvalidRequestError
@@ -63,17 +63,6 @@ Span = tuple[int, int]  # [start, end) of one placed document
 
 def spans_of(plan: FusionPlan) -> list[Span]:
     return [(p.start, p.start + p.chunk.n_tokens) for p in plan.placed]
-
-
-def text_starts(plan: FusionPlan, held_spans: Sequence[Span] = ()) -> list[Span]:
-    """The spans whose first token began the text its K/V were computed in: every placed
-    chunk but a run cut from inside a stored chunk (``SlicedKV`` from a token past its first),
-    and every held document. Only these get ``sinks``: a run from inside a chunk begins
-    mid-text, so its first tokens were computed with their document before them, not as a
-    text's first tokens."""
-    starts = [(p.start, p.start + p.chunk.n_tokens) for p in plan.placed
-              if not (isinstance(p.chunk, SlicedKV) and p.chunk.start > 0)]
-    return sorted(starts + list(held_spans))
 
 
 def allocate(total: int, sizes: Sequence[int], weights: Sequence[float], floor: float) -> list[int]:
@@ -131,13 +120,11 @@ def shift_samples(spans: Sequence[Span], n: int, keep: int, n_cand: int, stride:
 
 
 def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequence[Span], cfg: BlendConfig,
-           mass: torch.Tensor | None = None, forced: torch.Tensor | None = None,
-           sink_spans: Sequence[Span] | None = None) -> torch.Tensor:
+           mass: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Indices (ascending) of the ``keep`` candidates to recompute.
 
     scores, positions: (T,) per candidate. The first ``cfg.sinks`` tokens of each document
-    of ``sink_spans`` (default: of every one; see ``text_starts``) rank above everything,
-    then the positions ``forced`` (N,) marks (the shift's sample);
+    rank above everything, then the positions ``forced`` (N,) marks (the shift's sample);
     with ``cfg.budget`` each document keeps its ``allocate`` share
     by the mass of ``mass`` (T,; default the scores), else one global top-k. Ties keep the
     earlier token."""
@@ -146,10 +133,10 @@ def choose(scores: torch.Tensor, positions: torch.Tensor, keep: int, spans: Sequ
         ranked[forced[positions]] = torch.finfo(torch.float32).max
     doc = torch.full_like(positions, -1)
     for i, (a, b) in enumerate(spans):
-        doc[(positions >= a) & (positions < b)] = i
-    for a, b in spans if sink_spans is None else sink_spans:
+        inside = (positions >= a) & (positions < b)
+        doc[inside] = i
         if cfg.sinks:
-            ranked[(positions >= a) & (positions < min(b, a + cfg.sinks))] = float("inf")
+            ranked[inside & (positions < a + cfg.sinks)] = float("inf")
     if not cfg.budget:
         return select_tokens(ranked, keep)
     groups = [(doc == i).nonzero().squeeze(1) for i in range(len(spans))]
@@ -600,7 +587,6 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     held = _span_mask(held_spans, n, model.device) if held_spans else None
     is_cand = cached | held if held is not None else cached
     spans = sorted(spans_of(plan) + held_spans)
-    starts = text_starts(plan, held_spans)
     n_cand = int(is_cand.sum())
     keep = kept_count(plan.ratios[-1], n_cand)
     samples, correct = None, None
@@ -610,7 +596,7 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
         correct = ShiftCorrection(spans, model.layer_rope_tables(torch.arange(n, device=model.device)),
                                   model.cfg.rope.interleaved, samples, cfg.shift_test, question_from)
     if cfg.selection == "deviation":
-        pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples, sink_spans=starts)  # noqa: E731
+        pick = lambda d, pos, k: choose(d, pos, k, spans, cfg, forced=samples)  # noqa: E731
         out = yield from fuse_steps(model, replace(base, pick=pick, correct=correct))
         if correct is None or not out.checks:
             return out
@@ -629,7 +615,7 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
     ranked, mass = scores[pos], None
     if cfg.vdev:  # the hybrid: rank both signals within each document; budgets keep the attention mass
         ranked, mass = hybrid_scores(ranked, vdev_scores(model, plan, reused.cache)[pos], pos, spans, cfg.vdev), ranked
-    chosen = choose(ranked, pos, keep, spans, cfg, mass, samples, starts)  # (K,) into the candidates
+    chosen = choose(ranked, pos, keep, spans, cfg, mass, samples)  # (K,) into the candidates
     # the question pass's cache already holds every chunk re-rotated, the held documents
     # computed in context and the exact prompt before the first placed chunk (only the
     # question's rows are computed again in full): fill it in place
@@ -663,7 +649,7 @@ def run_strategy_steps(model: Transformer, plan: FusionPlan) -> Generator[int, N
         risk = moved_risk(reused.logits, out.logits) if reused is not None else None
         wider = escalated_keep(plan, cfg, risk, keep, n_cand, scores[pos])
         if wider is not None:  # the answer barely moved from reuse's: twice the tokens, the first ones among them
-            escalated, chosen = risk, torch.cat([chosen, choose(ranked, pos, wider, spans, cfg, mass, samples, starts)]).unique()
+            escalated, chosen = risk, torch.cat([chosen, choose(ranked, pos, wider, spans, cfg, mass, samples)]).unique()
             out, stats = yield from recompute_pass(chosen)
             work.append(out.recomputed)
             risk = moved_risk(reused.logits, out.logits)
